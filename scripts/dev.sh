@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One entry point for set-up, the main job and the tests; safe to run on a fresh machine.
+#   bash scripts/dev.sh setup        create or reuse .venv and install the pinned dependencies
+#   bash scripts/dev.sh run [ARGS]   set up, then run the main job
+#   bash scripts/dev.sh test [ARGS]  set up, then run the test suite (ARGS go to pytest)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${WB_VENV:-.venv}
+PY=$VENV/bin/python
+
+setup() {
+  if [ ! -x "$PY" ]; then
+    python3 -m venv "$VENV"
+  fi
+  # The stamp skips the pip round trip when pyproject.toml has not changed since the last set-up.
+  local stamp=$VENV/.wb-setup-$(sha1sum pyproject.toml | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    "$PY" -m pip install -q --upgrade pip
+    # torch==2.13.0 first and alone: the pin resolves to the CPU build on this machine's disk
+    # instead of a multi-GB CUDA download that a looser requirement would pull.
+    "$PY" -m pip install -q torch==2.13.0
+    "$PY" -m pip install -q -e ".[test,bench]"
+    rm -f "$VENV"/.wb-setup-*
+    touch "$stamp"
+  fi
+}
+
+cmd=${1:-}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  run)   setup; exec "$PY" -m controller "$@" ;;
+  test)  setup; exec "$PY" -m pytest "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {setup|run|test} [ARGS]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,174 @@
+"""Index codec: write checkpoint element indices into tensors of any float dtype, read them back.
+
+Every checkpoint element gets a global index ``g`` (tensors concatenated in `CheckpointSpec`
+order). One probe pass cannot store ``g`` in a 16- or 8-bit value, so pass ``k`` stores the
+residue ``g mod p_k`` as a *digit*, for pairwise coprime moduli ``p_0 > p_1 > ...`` (primes), and
+the Chinese remainder theorem recombines the passes. Residues have the property layout discovery
+needs: along a slice-copy of stride ``s`` the digits of every pass advance by ``s mod p_k``, so each
+pass alone already shows where slice-copies begin and end (its second differences are zero inside
+a copy), and no pass ever needs an int64 index for the whole model.
+
+A digit is stored as a bit pattern of the tensor's own dtype that a plain copy cannot alter:
+finite, normal, non-zero numbers only (no NaN payloads, no subnormals a flush-to-zero path could
+touch, no zero: zero is what loaders write into padding, and it decodes as "no source").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16,
+                    torch.float32)
+
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+"""Integer dtype used to move each element size as raw bits."""
+
+NO_SOURCE = -1
+"""Decoded digit of a bit pattern that is not in the alphabet (untouched, zero or changed)."""
+
+
+@dataclass(frozen=True)
+class Alphabet:
+    """The safe bit patterns of one dtype and the moduli of its passes."""
+
+    dtype: torch.dtype
+    size: int
+    """Number of safe patterns; every modulus is <= size."""
+    moduli: tuple[int, ...]
+    """p_0 > p_1 > ...: distinct primes, so pairwise coprime."""
+    patterns: torch.Tensor | None
+    """Digit -> bit pattern (int64) for dtypes up to 16 bits; None for wide dtypes."""
+    lut: torch.Tensor | None
+    """Unsigned bit pattern -> digit (int64, NO_SOURCE if unsafe) for dtypes up to 16 bits."""
+    first_normal: int
+    """For wide dtypes: bit pattern of digit 0 (the smallest positive normal)."""
+
+    def num_passes(self, num_elements: int) -> int:
+        """Passes needed so that every index and every stride (|s| < num_elements) decodes.
+
+        The product of the moduli must exceed 4 * num_elements: 2x for signed strides, 2x so a
+        change of stride between two copies can never look like zero in every pass.
+        """
+        need, prod = 4 * max(num_elements, 1), 1
+        for k, p in enumerate(self.moduli):
+            prod *= p
+            if prod > need:
+                return k + 1
+        raise ValueError(f"checkpoint of {num_elements:,} elements is too large to index with "
+                         f"{self.dtype} values in {len(self.moduli)} passes")
+
+
+@functools.cache
+def alphabet(dtype: torch.dtype) -> Alphabet:
+    """The alphabet of a supported dtype (cached)."""
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"layout discovery supports {', '.join(map(str, SUPPORTED_DTYPES))}; "
+                         f"got {dtype}. Pass only floating-point weight tensors.")
+    width = dtype.itemsize
+    if width <= 2:
+        bits = torch.arange(1 << (8 * width), dtype=torch.int64)
+        values = bits.to(_BITS_DTYPE[width]).view(dtype).float()
+        safe = torch.isfinite(values) & (values.abs() >= torch.finfo(dtype).tiny)
+        patterns = bits[safe]
+        lut = torch.full((1 << (8 * width),), NO_SOURCE, dtype=torch.int64)
+        lut[patterns] = torch.arange(len(patterns))
+        size = len(patterns)
+        return Alphabet(dtype, size, _primes_below(size, 8), patterns, lut, 0)
+    # float32: the positive normals form one contiguous range of bit patterns, 0x00800000 up.
+    finfo = torch.finfo(dtype)
+    first = _float_bits(finfo.tiny, dtype)
+    size = _float_bits(finfo.max, dtype) - first + 1
+    return Alphabet(dtype, size, _primes_below(size, 3), None, None, first)
+
+
+def encode(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
+    """Tensor of ``num`` elements holding the digits of indices ``start, start+1, ...``."""
+    digits = torch.arange(start, start + num, dtype=torch.int64) % modulus
+    return digits_to_values(digits, alpha)
+
+
+def digits_to_values(digits: torch.Tensor, alpha: Alphabet) -> torch.Tensor:
+    """Map int64 digits to elements of the alphabet's dtype (bit patterns)."""
+    bits_dtype = _BITS_DTYPE[alpha.dtype.itemsize]
+    if alpha.patterns is not None:
+        return alpha.patterns[digits].to(bits_dtype).view(alpha.dtype)
+    return (digits + alpha.first_normal).to(bits_dtype).view(alpha.dtype)
+
+
+def decode(values: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:
+    """Digits (int64) of a 1-d tensor of the alphabet's dtype; NO_SOURCE where unsafe."""
+    bits = values.view(_BITS_DTYPE[alpha.dtype.itemsize])
+    if alpha.lut is not None:
+        index = bits.to(torch.int64)
+        if alpha.dtype.itemsize == 2:
+            index &= 0xFFFF  # int16 is signed; the table is indexed by the unsigned pattern
+        digits = alpha.lut[index]
+    else:
+        digits = bits.to(torch.int64) - alpha.first_normal
+    return torch.where((digits >= 0) & (digits < modulus), digits, NO_SOURCE)
+
+
+def crt(residues: list[torch.Tensor], moduli: tuple[int, ...]) -> torch.Tensor:
+    """Recombine residues mod pairwise coprime moduli into values in [0, prod(moduli)).
+
+    Garner's mixed-radix form keeps every intermediate below max(p)^2, so int64 never overflows
+    for moduli below 2^31.
+    """
+    coeffs: list[torch.Tensor] = []
+    for k, (r, p) in enumerate(zip(residues, moduli)):
+        c = r % p
+        for j, prev in enumerate(coeffs):
+            c = (c - prev) * pow(moduli[j], -1, p) % p
+        coeffs.append(c)
+    value = coeffs[-1].clone()
+    for c, p in zip(reversed(coeffs[:-1]), reversed(moduli[:len(coeffs) - 1])):
+        value = value * p + c
+    return value
+
+
+def _float_bits(x: float, dtype: torch.dtype) -> int:
+    return int(torch.tensor(x, dtype=dtype).view(_BITS_DTYPE[dtype.itemsize]).item())
+
+
+def _primes_below(limit: int, count: int) -> tuple[int, ...]:
+    """The ``count`` largest primes <= limit, largest first."""
+    out: list[int] = []
+    n = limit
+    while len(out) < count and n >= 2:
+        if _is_prime(n):
+            out.append(n)
+        n -= 1
+    return tuple(out)
+
+
+def _is_prime(n: int) -> bool:
+    if n < 4:
+        return n >= 2
+    if n % 2 == 0:
+        return False
+    # Miller-Rabin with these bases is deterministic for n < 3.3e24.
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41):
+        if a % n == 0:
+            continue
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def max_modulus_product(alpha: Alphabet, passes: int) -> int:
+    """Product of the first ``passes`` moduli (the range indices decode into)."""
+    return math.prod(alpha.moduli[:passes])

@@ -1,0 +1,85 @@
+"""Replay a `SourceMap`: the meaning of a map, and the oracle that tests and the probe check.
+
+For each piece, the checkpoint region is a strided view of its tensor and the parameter side a
+strided view of the parameter's logical elements; replaying copies one into the other.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from weightbridge.types import Piece, Region, SourceMap, pieces_by_param
+
+
+def region_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
+    """The region's elements of a checkpoint tensor, shaped ``region.count`` (a view)."""
+    index = tuple(slice(s, s + k * (c - 1) + 1, k)
+                  for s, c, k in zip(region.start, region.count, region.step))
+    return tensor[index]
+
+
+def param_view(flat: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, list[int]]:
+    """The piece's elements of a contiguous 1-d parameter view, shaped ``region.count``.
+
+    Views cannot have negative strides: such dims are viewed from their other end and returned,
+    and the caller flips the checkpoint side along them.
+    """
+    offset, strides, flipped = piece.offset, list(piece.strides), []
+    for d, (n, s) in enumerate(zip(piece.region.count, piece.strides)):
+        if s < 0:
+            offset += s * (n - 1)
+            strides[d] = -s
+            flipped.append(d)
+    view = flat.as_strided(piece.region.count, strides, flat.storage_offset() + offset)
+    return view, flipped
+
+
+def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
+           checkpoint: Mapping[str, torch.Tensor]) -> None:
+    """Fill ``params`` from ``checkpoint`` as the map says; unsourced elements stay untouched."""
+    _check_inputs(smap, params, checkpoint)
+    with torch.no_grad():
+        for name, pieces in pieces_by_param(smap.pieces).items():
+            param = params[name].detach()
+            work = param if param.is_contiguous() else param.contiguous()
+            flat = work.view(-1)
+            for piece in pieces:
+                dst, flipped = param_view(flat, piece)
+                src = region_view(checkpoint[piece.region.tensor], piece.region)
+                dst.copy_(src.flip(flipped) if flipped else src)
+            if work is not param:
+                param.copy_(work)
+
+
+def first_mismatch(piece: Piece, param: torch.Tensor, tensor: torch.Tensor) -> int | None:
+    """Logical flat index of the first parameter element that differs (bitwise) from the
+    checkpoint element the piece says it holds, or None when all match."""
+    flat = param.detach().reshape(-1)
+    dst, flipped = param_view(flat, piece)
+    src = region_view(tensor, piece.region)
+    if flipped:
+        src = src.flip(flipped)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[param.element_size()]
+    if param.dtype != tensor.dtype:
+        return piece.offset
+    diff = torch.nonzero(dst.view(bits) != src.view(bits))
+    if not diff.numel():
+        return None
+    i = diff[0].tolist()
+    return piece.offset + sum(a * s for a, s in zip(i, piece.strides))
+
+
+def _check_inputs(smap: SourceMap, params: Mapping[str, torch.Tensor],
+                  checkpoint: Mapping[str, torch.Tensor]) -> None:
+    for spec in smap.params:
+        if spec.name not in params:
+            raise ValueError(f"parameter {spec.name!r} of the source map is missing from params")
+        p = params[spec.name]
+        if tuple(p.shape) != spec.shape or str(p.dtype).removeprefix("torch.") != spec.dtype:
+            raise ValueError(f"parameter {spec.name!r} is {tuple(p.shape)} {p.dtype}; the map "
+                             f"was extracted for {spec.shape} {spec.dtype}")
+    for name in {piece.region.tensor for piece in smap.pieces}:
+        if name not in checkpoint:
+            raise ValueError(f"checkpoint tensor {name!r} that the map reads is missing")
