@@ -8,9 +8,12 @@ needs: along a slice-copy of stride ``s`` the digits of every pass advance by ``
 pass alone already shows where slice-copies begin and end (its second differences are zero inside
 a copy), and no pass ever needs an int64 index for the whole model.
 
-A digit is stored as a bit pattern of the tensor's own dtype that a plain copy cannot alter:
-finite, normal, non-zero numbers only (no NaN payloads, no subnormals a flush-to-zero path could
-touch, no zero: zero is what loaders write into padding, and it decodes as "no source").
+A digit is stored as a bit pattern of the tensor's own dtype that a plain copy cannot alter: the
+positive normal numbers, which form one contiguous range of bit patterns in every float format
+(no NaN payloads, no subnormals a flush-to-zero path could touch, no zero: zero is what loaders
+write into padding, and it decodes as "no source"). Digit d is the pattern ``first_normal + d``,
+so decoding is one integer subtraction on the raw bits and, inside a slice-copy, the raw bits
+themselves advance by a constant: the probe finds copy boundaries without decoding every element.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ import torch
 SUPPORTED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float16,
                     torch.float32)
 
-_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-"""Integer dtype used to move each element size as raw bits."""
+BITS_DTYPE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+"""Signed integer dtype that carries each element size as raw bits."""
 
 NO_SOURCE = -1
 """Decoded digit of a bit pattern that is not in the alphabet (untouched, zero or changed)."""
@@ -36,16 +39,16 @@ class Alphabet:
     """The safe bit patterns of one dtype and the moduli of its passes."""
 
     dtype: torch.dtype
+    first_normal: int
+    """Bit pattern of digit 0: the smallest positive normal number."""
     size: int
-    """Number of safe patterns; every modulus is <= size."""
+    """Number of safe patterns (positive normals); every modulus is below it."""
     moduli: tuple[int, ...]
     """p_0 > p_1 > ...: distinct primes, so pairwise coprime."""
-    patterns: torch.Tensor | None
-    """Digit -> bit pattern (int64) for dtypes up to 16 bits; None for wide dtypes."""
-    lut: torch.Tensor | None
-    """Unsigned bit pattern -> digit (int64, NO_SOURCE if unsafe) for dtypes up to 16 bits."""
-    first_normal: int
-    """For wide dtypes: bit pattern of digit 0 (the smallest positive normal)."""
+
+    @property
+    def bits_dtype(self) -> torch.dtype:
+        return BITS_DTYPE[self.dtype.itemsize]
 
     def num_passes(self, num_elements: int) -> int:
         """Passes needed so that every index and every stride (|s| < num_elements) decodes.
@@ -68,21 +71,11 @@ def alphabet(dtype: torch.dtype) -> Alphabet:
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"layout discovery supports {', '.join(map(str, SUPPORTED_DTYPES))}; "
                          f"got {dtype}. Pass only floating-point weight tensors.")
-    width = dtype.itemsize
-    if width <= 2:
-        bits = torch.arange(1 << (8 * width), dtype=torch.int64)
-        values = bits.to(_BITS_DTYPE[width]).view(dtype).float()
-        safe = torch.isfinite(values) & (values.abs() >= torch.finfo(dtype).tiny)
-        patterns = bits[safe]
-        lut = torch.full((1 << (8 * width),), NO_SOURCE, dtype=torch.int64)
-        lut[patterns] = torch.arange(len(patterns))
-        size = len(patterns)
-        return Alphabet(dtype, size, _primes_below(size, 8), patterns, lut, 0)
-    # float32: the positive normals form one contiguous range of bit patterns, 0x00800000 up.
     finfo = torch.finfo(dtype)
     first = _float_bits(finfo.tiny, dtype)
     size = _float_bits(finfo.max, dtype) - first + 1
-    return Alphabet(dtype, size, _primes_below(size, 3), None, None, first)
+    # Enough moduli for any checkpoint: 8-bit alphabets (~120 symbols) need the most passes.
+    return Alphabet(dtype, first, size, _primes_below(size - 1, 10))
 
 
 def encode(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
@@ -92,23 +85,22 @@ def encode(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
 
 
 def digits_to_values(digits: torch.Tensor, alpha: Alphabet) -> torch.Tensor:
-    """Map int64 digits to elements of the alphabet's dtype (bit patterns)."""
-    bits_dtype = _BITS_DTYPE[alpha.dtype.itemsize]
-    if alpha.patterns is not None:
-        return alpha.patterns[digits].to(bits_dtype).view(alpha.dtype)
-    return (digits + alpha.first_normal).to(bits_dtype).view(alpha.dtype)
+    """Map int64 digits (< alphabet size) to elements of the alphabet's dtype."""
+    return (digits + alpha.first_normal).to(alpha.bits_dtype).view(alpha.dtype)
+
+
+def raw_digits(values: torch.Tensor, alpha: Alphabet) -> torch.Tensor:
+    """Digits in the narrow signed bits dtype; valid digits are 0 <= d < modulus.
+
+    The subtraction wraps for negative patterns, but lands at or above the alphabet size, so
+    the range check still rejects them.
+    """
+    return values.view(alpha.bits_dtype) - alpha.first_normal
 
 
 def decode(values: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:
     """Digits (int64) of a 1-d tensor of the alphabet's dtype; NO_SOURCE where unsafe."""
-    bits = values.view(_BITS_DTYPE[alpha.dtype.itemsize])
-    if alpha.lut is not None:
-        index = bits.to(torch.int64)
-        if alpha.dtype.itemsize == 2:
-            index &= 0xFFFF  # int16 is signed; the table is indexed by the unsigned pattern
-        digits = alpha.lut[index]
-    else:
-        digits = bits.to(torch.int64) - alpha.first_normal
+    digits = raw_digits(values, alpha).to(torch.int64)
     return torch.where((digits >= 0) & (digits < modulus), digits, NO_SOURCE)
 
 
@@ -131,7 +123,7 @@ def crt(residues: list[torch.Tensor], moduli: tuple[int, ...]) -> torch.Tensor:
 
 
 def _float_bits(x: float, dtype: torch.dtype) -> int:
-    return int(torch.tensor(x, dtype=dtype).view(_BITS_DTYPE[dtype.itemsize]).item())
+    return int(torch.tensor(x, dtype=dtype).view(BITS_DTYPE[dtype.itemsize]).item())
 
 
 def _primes_below(limit: int, count: int) -> tuple[int, ...]:

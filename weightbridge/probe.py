@@ -43,8 +43,11 @@ Params = Mapping[str, torch.Tensor]
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 _VERIFY_SEED = 0x5EED
+_MAX_RING_PERIOD = 1 << 20
 _RING_SPAN = 65_521
 """Random verification tensors are views into one random ring at offsets below this."""
+_RANDOM_PERIOD = (1 << 20) + 7
+"""Period of the random ring: odd, so rows of power-of-two tensors never line up with it."""
 
 
 def extract_source_map(params: Params | Callable[[], Params], load_weights: LoadWeights,
@@ -124,15 +127,20 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
         dtype = dtypes[t.name]
         alpha = alphabet(dtype)
         p = alpha.moduli[min(k, num_passes[dtype] - 1)]
-        if alpha.patterns is None:
+        if p > _MAX_RING_PERIOD:  # float32: too long a period for a ring, build per tensor
             yield t.name, _encoded(base, t.numel, alpha, p).view(t.shape)
             continue
         if dtype not in rings:
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            rings[dtype] = (_encoded(0, p + largest, alpha, p), p)
+            rings[dtype] = (_tiled(_encoded(0, p, alpha, p), p + largest), p)
         ring, _ = rings[dtype]
         start = base % p
         yield t.name, ring[start:start + t.numel].view(t.shape)
+
+
+def _tiled(period: torch.Tensor, length: int) -> torch.Tensor:
+    """``length`` elements repeating ``period`` (one memcpy-speed pass)."""
+    return period.repeat(-(-length // period.numel()))[:length]
 
 
 def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
@@ -156,9 +164,9 @@ def _random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype]
         if dtype not in rings:
             alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            digits = torch.randint(0, min(alpha.size, 1 << 30), (largest + _RING_SPAN,),
-                                   generator=gen, dtype=torch.int64)
-            rings[dtype] = digits_to_values(digits, alpha)
+            digits = torch.randint(0, alpha.size, (_RANDOM_PERIOD,), generator=gen)
+            ring = _tiled(digits_to_values(digits, alpha), largest + _RING_SPAN)
+            rings[dtype] = ring
         start = (i * 40_503 + 17) % _RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
     return out

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from weightbridge.codec import NO_SOURCE, Alphabet, crt, decode
+from weightbridge.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
 from weightbridge.types import Piece, Region, TensorSpec
 
-CHUNK = 1 << 22
-"""Elements decoded at once: bounds the probe's temporaries to a few tens of MB."""
+CHUNK = 1 << 20
+"""Elements scanned at once: bounds the probe's temporaries to a few MB."""
 
 MAX_BOX_RANK = 6
 """Levels of box grouping (a rotary interleave of heads needs 4)."""
@@ -65,40 +65,57 @@ class Runs:
 
 
 def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int) -> PassRuns:
-    """Runs of one pass over a parameter's elements (1-d, logical order), chunk by chunk."""
+    """Runs of one pass over a parameter's elements (1-d, logical order), chunk by chunk.
+
+    Fast path on raw bits: digits are the raw patterns minus a constant, so a new stretch can
+    only begin where the raw first difference changes or validity changes. Only at those few
+    candidates are residues computed exactly (a wrap past the modulus changes the raw
+    difference but not the residue step, and is dropped there).
+    """
     n = values.numel()
     starts, rels, prev_digits, cur_digits = [], [], [], []
-    first = decode(values[:1], alpha, modulus)
     for lo in range(1, n, CHUNK):
         hi = min(n, lo + CHUNK)
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
-        x = decode(values[base:hi], alpha, modulus)
-        rel = _relations(x, modulus)  # rel[j] relates x[j] to x[j+1]; element base+j+1
-        new = torch.ones_like(rel, dtype=torch.bool)
-        new[1:] = rel[1:] != rel[:-1]
+        raw = raw_digits(values[base:hi], alpha)
+        valid = (raw >= 0) & (raw < modulus)
+        step = raw[1:] - raw[:-1]  # relation j: element base+j to base+j+1 (wrapping is fine)
+        cand = torch.ones(step.numel(), dtype=torch.bool)
+        cand[1:] = (step[1:] != step[:-1]) | (valid[2:] != valid[1:-1]) | \
+            (valid[1:-1] != valid[:-2])
         if lo >= 2:
-            new = new[1:]  # drop relation lo-1: it belongs to the previous chunk
-            rel_c, off = rel[1:], base + 2
-        else:
-            rel_c, off = rel, base + 1
-        at = torch.nonzero(new).squeeze(1)
-        pos = at + off  # element index where a stretch of equal relations begins
-        starts.append(pos)
-        rels.append(rel_c[at])
-        prev_digits.append(x[pos - 1 - base])
-        cur_digits.append(x[pos - base])
+            cand[0] = False  # relation lo-1 was judged with the previous chunk
+        j = torch.nonzero(cand).squeeze(1)
+        x = _exact(raw, valid, j, modulus)  # digits at elements j-1, j, j+1 (local)
+        rel_here = _relation(x[1], x[2], modulus)
+        rel_before = _relation(x[0], x[1], modulus)
+        new = (rel_here != rel_before) | (j == 0)
+        starts.append(j[new] + base + 1)  # element index of the relation's later element
+        rels.append(rel_here[new])
+        prev_digits.append(x[1][new])
+        cur_digits.append(x[2][new])
     if n <= 1:
+        first = decode(values[:1], alpha, modulus)
         return PassRuns(torch.zeros(1, dtype=torch.int64), first,
                         torch.zeros(1, dtype=torch.int64), n)
     return claim_runs(torch.cat(starts), torch.cat(rels), torch.cat(prev_digits),
                       torch.cat(cur_digits), n)
 
 
-def _relations(x: torch.Tensor, modulus: int) -> torch.Tensor:
-    """Residue difference of each neighbour pair, or a code when either is unsourced."""
-    a, b = x[:-1], x[1:]
+def _exact(raw: torch.Tensor, valid: torch.Tensor, j: torch.Tensor, modulus: int
+           ) -> list[torch.Tensor]:
+    """Exact int64 digits (NO_SOURCE when invalid) at elements j-1, j and j+1."""
+    out = []
+    for at in (j - 1, j, j + 1):
+        at = at.clamp(min=0)
+        out.append(torch.where(valid[at], raw[at].to(torch.int64), NO_SOURCE))
+    return out
+
+
+def _relation(a: torch.Tensor, b: torch.Tensor, modulus: int) -> torch.Tensor:
+    """Residue step from a to b, or a code when either is unsourced."""
     ok_a, ok_b = a != NO_SOURCE, b != NO_SOURCE
     rel = torch.remainder(b - a, modulus)
     rel = torch.where(ok_a & ok_b, rel, _BOTH_INVALID)
@@ -391,7 +408,9 @@ def _contiguous_to_pieces(param: str, pos: int, offset: int, n: int, ps: int,
         pos, lo = pos + (head_end - lo) * ps, head_end
     rows = (hi - lo) // inner
     if rows:
-        dims = [(rows, inner, inner * ps)] + ([(inner, 1, ps)] if inner > 1 else [])
+        natural = [math.prod(shape[d + 1:]) for d in range(1, len(shape))]
+        dims = [(rows, inner, inner * ps)] + [(size, ns, ns * ps)
+                                              for size, ns in zip(shape[1:], natural)]
         piece = _as_piece(param, pos, lo, [(m, c, p) for m, c, p in dims if m > 1], spec)
         assert piece is not None
         out.append(piece)

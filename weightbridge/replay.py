@@ -47,8 +47,8 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
             flat = work.view(-1)
             for piece in pieces:
                 dst, flipped = param_view(flat, piece)
-                src = region_view(checkpoint[piece.region.tensor], piece.region)
-                dst.copy_(src.flip(flipped) if flipped else src)
+                src = _bits(region_view(checkpoint[piece.region.tensor], piece.region))
+                _bits(dst).copy_(src.flip(flipped) if flipped else src)
             if work is not param:
                 param.copy_(work)
 
@@ -56,19 +56,23 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
 def first_mismatch(piece: Piece, param: torch.Tensor, tensor: torch.Tensor) -> int | None:
     """Logical flat index of the first parameter element that differs (bitwise) from the
     checkpoint element the piece says it holds, or None when all match."""
-    flat = param.detach().reshape(-1)
-    dst, flipped = param_view(flat, piece)
-    src = region_view(tensor, piece.region)
-    if flipped:
-        src = src.flip(flipped)
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[param.element_size()]
     if param.dtype != tensor.dtype:
         return piece.offset
-    diff = torch.nonzero(dst.view(bits) != src.view(bits))
+    dst, flipped = param_view(param.detach().reshape(-1), piece)
+    src = _bits(region_view(tensor, piece.region))
+    if flipped:
+        src = src.flip(flipped)
+    diff = torch.nonzero(_bits(dst) != src)
     if not diff.numel():
         return None
     i = diff[0].tolist()
     return piece.offset + sum(a * s for a, s in zip(i, piece.strides))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as raw integers: bit-exact copies and compares, and flip, which
+    torch does not implement for every float dtype."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _check_inputs(smap: SourceMap, params: Mapping[str, torch.Tensor],

@@ -1,0 +1,70 @@
+"""The index codec: digits survive copies, passes recombine exactly, patterns stay safe."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightbridge import codec
+
+DTYPES = codec.SUPPORTED_DTYPES
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_digit_is_a_finite_positive_normal_number(dtype):
+    alpha = codec.alphabet(dtype)
+    p = alpha.moduli[0]
+    values = codec.encode(0, min(p, 1 << 16), alpha, p).float()
+    assert torch.isfinite(values).all()
+    assert (values >= torch.finfo(dtype).tiny).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_encode_decode_round_trips_through_a_copy(dtype):
+    alpha = codec.alphabet(dtype)
+    for p in alpha.moduli[:3]:
+        values = codec.encode(987_654, 50_001, alpha, p)
+        copied = torch.empty_like(values).copy_(values)
+        assert torch.equal(codec.decode(copied, alpha, p), torch.arange(987_654, 1_037_655) % p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_zero_nan_inf_and_negatives_decode_as_no_source(dtype):
+    alpha = codec.alphabet(dtype)
+    specials = torch.tensor([0.0, -0.0, float("nan"), -1.0]).to(dtype)
+    if dtype != torch.float8_e4m3fn:  # e4m3fn has no infinity
+        specials = torch.cat([specials, torch.tensor([float("inf")]).to(dtype)])
+    assert (codec.decode(specials, alpha, alpha.moduli[0]) == codec.NO_SOURCE).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_moduli_are_distinct_primes_below_the_alphabet_size(dtype):
+    alpha = codec.alphabet(dtype)
+    assert len(set(alpha.moduli)) == len(alpha.moduli)
+    assert all(codec._is_prime(p) and p < alpha.size for p in alpha.moduli)
+
+
+@pytest.mark.parametrize("dtype,num,passes", [
+    (torch.bfloat16, 10**6, 2), (torch.bfloat16, 2 * 10**8, 2), (torch.bfloat16, 10**12, 3),
+    (torch.float32, 10**8, 1), (torch.float8_e4m3fn, 10**6, 4)], ids=str)
+def test_number_of_passes_covers_four_times_the_checkpoint(dtype, num, passes):
+    alpha = codec.alphabet(dtype)
+    assert alpha.num_passes(num) == passes
+    assert math.prod(alpha.moduli[:passes]) > 4 * num
+
+
+def test_unsupported_dtype_is_a_clear_error():
+    with pytest.raises(ValueError, match="supports.*int64"):
+        codec.alphabet(torch.int64)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(DTYPES), st.lists(st.integers(0, 10**9), min_size=1, max_size=20))
+def test_crt_recovers_values_below_the_moduli_product(dtype, values):
+    alpha = codec.alphabet(dtype)
+    k = alpha.num_passes(10**9 // 4)
+    moduli = alpha.moduli[:k]
+    x = torch.tensor(values) % math.prod(moduli)
+    assert torch.equal(codec.crt([x % p for p in moduli], moduli), x)
