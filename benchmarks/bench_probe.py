@@ -16,107 +16,11 @@ import argparse
 import pickle
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
-from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    hidden: int = 1024
-    layers: int = 6
-    heads: int = 16
-    kv_heads: int = 4
-    head_dim: int = 64
-    experts: int = 16
-    moe_intermediate: int = 512
-    vocab: int = 16384
-
-
-def checkpoint_spec(c: MoEConfig) -> CheckpointSpec:
-    """HF names and shapes of a Qwen3-MoE checkpoint."""
-    t = [("model.embed_tokens.weight", (c.vocab, c.hidden))]
-    for i in range(c.layers):
-        p = f"model.layers.{i}."
-        t += [(p + "input_layernorm.weight", (c.hidden,)),
-              (p + "post_attention_layernorm.weight", (c.hidden,)),
-              (p + "self_attn.q_proj.weight", (c.heads * c.head_dim, c.hidden)),
-              (p + "self_attn.k_proj.weight", (c.kv_heads * c.head_dim, c.hidden)),
-              (p + "self_attn.v_proj.weight", (c.kv_heads * c.head_dim, c.hidden)),
-              (p + "self_attn.o_proj.weight", (c.hidden, c.heads * c.head_dim)),
-              (p + "self_attn.q_norm.weight", (c.head_dim,)),
-              (p + "self_attn.k_norm.weight", (c.head_dim,)),
-              (p + "mlp.gate.weight", (c.experts, c.hidden))]
-        for e in range(c.experts):
-            q = f"{p}mlp.experts.{e}."
-            t += [(q + "gate_proj.weight", (c.moe_intermediate, c.hidden)),
-                  (q + "up_proj.weight", (c.moe_intermediate, c.hidden)),
-                  (q + "down_proj.weight", (c.hidden, c.moe_intermediate))]
-    t += [("model.norm.weight", (c.hidden,)), ("lm_head.weight", (c.vocab, c.hidden))]
-    return CheckpointSpec(tuple(TensorSpec(n, s, "bfloat16") for n, s in t))
-
-
-class RolloutWorker:
-    """One rank of a TP x EP rollout engine, parameters in the inference layout."""
-
-    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int):
-        self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
-        self.local_experts = c.experts // ep
-        vocab_padded = -(-c.vocab // (64 * tp)) * 64 * tp
-        q, kv, inter = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp, \
-            c.moe_intermediate // tp
-        shapes = {"model.embed_tokens.weight": (vocab_padded // tp, c.hidden),
-                  "lm_head.weight": (vocab_padded // tp, c.hidden),
-                  "model.norm.weight": (c.hidden,)}
-        for i in range(c.layers):
-            p = f"model.layers.{i}."
-            shapes |= {p + "input_layernorm.weight": (c.hidden,),
-                       p + "post_attention_layernorm.weight": (c.hidden,),
-                       p + "self_attn.qkv_proj.weight": (q + 2 * kv, c.hidden),
-                       p + "self_attn.o_proj.weight": (c.hidden, q),
-                       p + "self_attn.q_norm.weight": (c.head_dim,),
-                       p + "self_attn.k_norm.weight": (c.head_dim,),
-                       p + "mlp.gate.weight": (c.experts, c.hidden),
-                       p + "mlp.experts.w13_weight": (self.local_experts, 2 * inter, c.hidden),
-                       p + "mlp.experts.w2_weight": (self.local_experts, c.hidden, inter)}
-        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
-
-    def load_weights(self, weights) -> None:
-        c, tp, r = self.c, self.tp, self.tp_rank
-        for name, w in weights:
-            if ".experts." in name:
-                layer, rest = name.split(".mlp.experts.")
-                expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
-                local = expert - self.ep_rank * self.local_experts
-                if not 0 <= local < self.local_experts:
-                    continue
-                inter = c.moe_intermediate // tp
-                if proj == "down_proj":
-                    dst = self.params[f"{layer}.mlp.experts.w2_weight"][local]
-                    dst.copy_(w.narrow(1, r * inter, inter))
-                else:
-                    half = 0 if proj == "gate_proj" else 1
-                    dst = self.params[f"{layer}.mlp.experts.w13_weight"][local]
-                    dst[half * inter:(half + 1) * inter].copy_(w.narrow(0, r * inter, inter))
-            elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
-                q, kv = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp
-                kind = name.split(".")[-2][0]
-                offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[kind]
-                dst = self.params[name.rsplit(".", 2)[0] + ".qkv_proj.weight"]
-                dst[offset:offset + size].copy_(w.narrow(0, r * size, size))
-            elif name.endswith("o_proj.weight"):
-                size = c.heads * c.head_dim // tp
-                self.params[name].copy_(w.narrow(1, r * size, size))
-            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-                dst = self.params[name]
-                rows = dst.shape[0]
-                lo, hi = r * rows, min((r + 1) * rows, c.vocab)
-                dst[:hi - lo].copy_(w[lo:hi])
-                dst[hi - lo:].zero_()
-            else:
-                self.params[name].copy_(w)
+from meshes.qwen3_moe import MoEConfig, RolloutShard, checkpoint_spec
+from weightbridge import extract_source_map
 
 
 class PeakRss:
@@ -153,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     config = MoEConfig(layers=args.layers)
     spec = checkpoint_spec(config)
-    worker = RolloutWorker(config, tp=2, tp_rank=1, ep=2, ep_rank=1)
+    worker = RolloutShard(config, tp=2, tp_rank=1, ep=2, ep_rank=1)
     param_bytes = sum(p.numel() * p.element_size() for p in worker.params.values())
     print(f"model: {spec.numel / 1e6:.1f}M elements in {len(spec)} tensors; worker TP2 x EP2 "
           f"rank (tp 1, ep 1): {len(worker.params)} params, {param_bytes / 2**20:.1f} MiB")

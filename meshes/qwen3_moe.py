@@ -1,0 +1,205 @@
+"""A Qwen3-MoE-shaped model family and its shards, in trainer and rollout layouts.
+
+Pure torch (no Monarch): the meshes' actors, the benchmarks and the controller's demo build on
+it. `checkpoint_spec` gives the HF checkpoint names and shapes; `RolloutShard` holds one rank's
+parameters in the inference layout (fused qkv, fused gate_up as 3-d stacked experts, TP inside,
+experts by expert-parallel rank, vocabulary padded to a multiple of 64) with a vLLM-style
+``load_weights``; `TrainerShard` holds one rank in a Megatron-like layout (separate q/k/v sharded
+by heads, row-parallel o_proj, experts by expert-parallel rank, unpadded vocabulary shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from weightbridge import CheckpointSpec, TensorSpec
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Dimensions of a Qwen3-MoE-shaped model (HF checkpoint names)."""
+
+    hidden: int = 1024
+    layers: int = 6
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    experts: int = 16
+    moe_intermediate: int = 512
+    vocab: int = 16384
+
+
+SIZES = {
+    "tiny": MoEConfig(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, experts=8,
+                      moe_intermediate=128, vocab=1000),
+    "small": MoEConfig(),
+}
+"""Named sizes: "tiny" (~1.3M elements, for tests), "small" (~200M, for benchmarks)."""
+
+
+def checkpoint_spec(c: MoEConfig) -> CheckpointSpec:
+    """HF names and shapes of a Qwen3-MoE checkpoint."""
+    t = [("model.embed_tokens.weight", (c.vocab, c.hidden))]
+    for i in range(c.layers):
+        p = f"model.layers.{i}."
+        t += [(p + "input_layernorm.weight", (c.hidden,)),
+              (p + "post_attention_layernorm.weight", (c.hidden,)),
+              (p + "self_attn.q_proj.weight", (c.heads * c.head_dim, c.hidden)),
+              (p + "self_attn.k_proj.weight", (c.kv_heads * c.head_dim, c.hidden)),
+              (p + "self_attn.v_proj.weight", (c.kv_heads * c.head_dim, c.hidden)),
+              (p + "self_attn.o_proj.weight", (c.hidden, c.heads * c.head_dim)),
+              (p + "self_attn.q_norm.weight", (c.head_dim,)),
+              (p + "self_attn.k_norm.weight", (c.head_dim,)),
+              (p + "mlp.gate.weight", (c.experts, c.hidden))]
+        for e in range(c.experts):
+            q = f"{p}mlp.experts.{e}."
+            t += [(q + "gate_proj.weight", (c.moe_intermediate, c.hidden)),
+                  (q + "up_proj.weight", (c.moe_intermediate, c.hidden)),
+                  (q + "down_proj.weight", (c.hidden, c.moe_intermediate))]
+    t += [("model.norm.weight", (c.hidden,)), ("lm_head.weight", (c.vocab, c.hidden))]
+    return CheckpointSpec(tuple(TensorSpec(n, s, "bfloat16") for n, s in t))
+
+
+class RolloutShard:
+    """One rank of a TP x EP rollout engine, parameters in the inference layout."""
+
+    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int):
+        self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
+        self.local_experts = c.experts // ep
+        vocab_padded = -(-c.vocab // (64 * tp)) * 64 * tp
+        q, kv, inter = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp, \
+            c.moe_intermediate // tp
+        shapes = {"model.embed_tokens.weight": (vocab_padded // tp, c.hidden),
+                  "lm_head.weight": (vocab_padded // tp, c.hidden),
+                  "model.norm.weight": (c.hidden,)}
+        for i in range(c.layers):
+            p = f"model.layers.{i}."
+            shapes |= {p + "input_layernorm.weight": (c.hidden,),
+                       p + "post_attention_layernorm.weight": (c.hidden,),
+                       p + "self_attn.qkv_proj.weight": (q + 2 * kv, c.hidden),
+                       p + "self_attn.o_proj.weight": (c.hidden, q),
+                       p + "self_attn.q_norm.weight": (c.head_dim,),
+                       p + "self_attn.k_norm.weight": (c.head_dim,),
+                       p + "mlp.gate.weight": (c.experts, c.hidden),
+                       p + "mlp.experts.w13_weight": (self.local_experts, 2 * inter, c.hidden),
+                       p + "mlp.experts.w2_weight": (self.local_experts, c.hidden, inter)}
+        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        c, tp, r = self.c, self.tp, self.tp_rank
+        for name, w in weights:
+            if ".experts." in name:
+                layer, rest = name.split(".mlp.experts.")
+                expert, proj = int(rest.split(".")[0]), rest.split(".")[1]
+                local = expert - self.ep_rank * self.local_experts
+                if not 0 <= local < self.local_experts:
+                    continue
+                inter = c.moe_intermediate // tp
+                if proj == "down_proj":
+                    dst = self.params[f"{layer}.mlp.experts.w2_weight"][local]
+                    dst.copy_(w.narrow(1, r * inter, inter))
+                else:
+                    half = 0 if proj == "gate_proj" else 1
+                    dst = self.params[f"{layer}.mlp.experts.w13_weight"][local]
+                    dst[half * inter:(half + 1) * inter].copy_(w.narrow(0, r * inter, inter))
+            elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                q, kv = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp
+                kind = name.split(".")[-2][0]
+                offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[kind]
+                dst = self.params[name.rsplit(".", 2)[0] + ".qkv_proj.weight"]
+                dst[offset:offset + size].copy_(w.narrow(0, r * size, size))
+            elif name.endswith("o_proj.weight"):
+                size = c.heads * c.head_dim // tp
+                self.params[name].copy_(w.narrow(1, r * size, size))
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                dst = self.params[name]
+                rows = dst.shape[0]
+                lo, hi = r * rows, min((r + 1) * rows, c.vocab)
+                dst[:hi - lo].copy_(w[lo:hi])
+                dst[hi - lo:].zero_()
+            else:
+                self.params[name].copy_(w)
+
+
+class TrainerShard:
+    """One rank of a Megatron-like trainer: attention TP by heads, experts by EP rank."""
+
+    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int):
+        self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
+        self.local_experts = c.experts // ep
+        q, kv = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp
+        shapes = {"embedding.word_embeddings.weight": (c.vocab // tp, c.hidden),
+                  "output_layer.weight": (c.vocab // tp, c.hidden),
+                  "decoder.final_layernorm.weight": (c.hidden,)}
+        for i in range(c.layers):
+            p = f"decoder.layers.{i}."
+            shapes |= {p + "input_layernorm.weight": (c.hidden,),
+                       p + "pre_mlp_layernorm.weight": (c.hidden,),
+                       p + "self_attention.q.weight": (q, c.hidden),
+                       p + "self_attention.k.weight": (kv, c.hidden),
+                       p + "self_attention.v.weight": (kv, c.hidden),
+                       p + "self_attention.proj.weight": (c.hidden, q),
+                       p + "self_attention.q_layernorm.weight": (c.head_dim,),
+                       p + "self_attention.k_layernorm.weight": (c.head_dim,),
+                       p + "mlp.router.weight": (c.experts, c.hidden)}
+            for e in range(self.local_experts):
+                shapes |= {f"{p}mlp.experts.local_experts.{e}.linear_fc1.weight":
+                           (2 * c.moe_intermediate, c.hidden),
+                           f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight":
+                           (c.hidden, c.moe_intermediate)}
+        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        c, r = self.c, self.tp_rank
+        for name, w in weights:
+            parts = name.split(".")
+            if name.startswith("model.layers."):
+                layer, rest = parts[2], ".".join(parts[3:])
+                p = f"decoder.layers.{layer}."
+                if ".experts." in rest:
+                    expert = int(parts[5]) - self.ep_rank * self.local_experts
+                    if not 0 <= expert < self.local_experts:
+                        continue
+                    q = f"{p}mlp.experts.local_experts.{expert}."
+                    proj = parts[6]
+                    if proj == "down_proj":
+                        self.params[q + "linear_fc2.weight"].copy_(w)
+                    else:
+                        half = 0 if proj == "gate_proj" else 1
+                        fc1 = self.params[q + "linear_fc1.weight"]
+                        fc1[half * c.moe_intermediate:(half + 1) * c.moe_intermediate].copy_(w)
+                    continue
+                dst = p + _TRAINER_NAMES[rest]
+                if rest.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+                    rows = self.params[dst].shape[0]
+                    self.params[dst].copy_(w.narrow(0, r * rows, rows))
+                elif rest.endswith("o_proj.weight"):
+                    cols = self.params[dst].shape[1]
+                    self.params[dst].copy_(w.narrow(1, r * cols, cols))
+                else:
+                    self.params[dst].copy_(w)
+            elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+                dst = self.params[_TRAINER_NAMES[name]]
+                dst.copy_(w.narrow(0, r * dst.shape[0], dst.shape[0]))
+            else:
+                self.params[_TRAINER_NAMES[name]].copy_(w)
+
+
+_TRAINER_NAMES = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "lm_head.weight": "output_layer.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.q_proj.weight": "self_attention.q.weight",
+    "self_attn.k_proj.weight": "self_attention.k.weight",
+    "self_attn.v_proj.weight": "self_attention.v.weight",
+    "self_attn.o_proj.weight": "self_attention.proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
+    "mlp.gate.weight": "mlp.router.weight",
+}
+"""HF checkpoint name (suffix within a layer) -> Megatron-like parameter name."""
