@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 
 from weightbridge.codec import Alphabet, alphabet, digits_to_values
+from weightbridge.diagnose import source_tensor
 from weightbridge.errors import LayoutError
 from weightbridge.recover import (
     CHUNK,
@@ -92,20 +93,27 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
         param_specs, pieces, unsourced, holes = [], [], [], {}
         for name, p in live.items():
             alpha = alphabet(p.dtype)
-            runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]], tindex.numel)
-            _check_decoded(name, p, runs, tindex)
+            runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]],
+                                torch.tensor(tindex.bases))
+            bad = _check_decoded(name, p, runs, tindex)
+            if bad:
+                _refuse(get, load_weights, spec, *bad)
             param_specs.append(ParamSpec(name, tuple(p.shape), _dtype_name(p.dtype)))
-            pieces += _pieces(name, runs, tindex)
+            pieces += _pieces(name, tuple(p.shape), runs, tindex)
             hole = runs.index < 0
             if hole.any():
                 unsourced.append((name, int(runs.length[hole].sum())))
                 holes[name] = (runs.start[hole], runs.length[hole])
-        _check_dtypes(pieces, live, spec)
+        bad = _check_dtypes(pieces, live, spec)
+        if bad:
+            _refuse(get, load_weights, spec, *bad)
         used = {p.region.tensor for p in pieces}
         smap = SourceMap(tuple(param_specs), tuple(pieces), tuple(unsourced),
                          tuple(t.name for t in spec.tensors if t.name not in used))
         if verify:
-            _verify(smap, get, load_weights, spec, ckpt_dtypes, holes)
+            bad = _verify(smap, get, load_weights, spec, ckpt_dtypes, holes)
+            if bad:
+                _refuse(get, load_weights, spec, *bad)
     return smap
 
 
@@ -177,8 +185,8 @@ def _random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype]
 # --------------------------------------------------------------------------------------------
 
 
-def _pieces(name: str, runs: Runs, tindex: TensorIndex) -> list[Piece]:
-    boxes = group_boxes(runs)
+def _pieces(name: str, shape: tuple[int, ...], runs: Runs, tindex: TensorIndex) -> list[Piece]:
+    boxes = group_boxes(runs, shape)
     out: list[Piece] = []
     rows = zip(boxes.pos.tolist(), boxes.index.tolist(), boxes.shape.tolist(),
                boxes.cstride.tolist(), boxes.pstride.tolist())
@@ -187,32 +195,52 @@ def _pieces(name: str, runs: Runs, tindex: TensorIndex) -> list[Piece]:
     return out
 
 
-def _check_decoded(name: str, p: torch.Tensor, runs: Runs, tindex: TensorIndex) -> None:
+Bad = tuple[str, int, str]
+"""A refused element: (parameter, logical flat element, what is wrong and what to do)."""
+
+_VALUES_CHANGED = ("Likely cause: the loader changes values (scales, casts, quantizes, adds) or "
+                   "writes values of its own. load_weights must only copy checkpoint values: "
+                   "move value-changing steps out of the probed loader.")
+
+
+def _check_decoded(name: str, p: torch.Tensor, runs: Runs, tindex: TensorIndex) -> Bad | None:
     """Every decoded run must stay inside the checkpoint; else the loader changed values."""
     ok = runs.index >= 0
     last = runs.index + runs.stride * (runs.length - 1)
     bad = ok & ((runs.index >= tindex.numel) | (last < 0) | (last >= tindex.numel))
-    if bad.any():
-        at = int(runs.start[bad][0])
-        raise LayoutError(
-            f"parameter {name!r} ({_dtype_name(p.dtype)}, shape {tuple(p.shape)}): element "
-            f"{at} (index {_coords(at, p.shape)}) holds a value that is no checkpoint element's "
-            f"index after load_weights. Likely cause: the loader changes values (scales, casts "
-            f"from another dtype, quantizes) or writes values of its own. load_weights must only "
-            f"copy checkpoint values; move value-changing steps out of the probed loader, and "
-            f"make the checkpoint tensor's dtype match the parameter's.")
+    if not bad.any():
+        return None
+    at = int(runs.start[bad][0])
+    return name, at, (f"parameter {name!r} ({_dtype_name(p.dtype)}, shape {tuple(p.shape)}): "
+                      f"element {at} (index {_coords(at, p.shape)}) holds a value that is no "
+                      f"checkpoint element's index after load_weights. {_VALUES_CHANGED}")
 
 
-def _check_dtypes(pieces: list[Piece], live: Params, spec: CheckpointSpec) -> None:
+def _check_dtypes(pieces: list[Piece], live: Params, spec: CheckpointSpec) -> Bad | None:
     for piece in pieces:
-        src = spec[piece.region.tensor].dtype
-        dst = _dtype_name(live[piece.param].dtype)
-        if src != dst:
-            raise LayoutError(
-                f"checkpoint tensor {piece.region.tensor!r} is {src} but lands in parameter "
-                f"{piece.param!r}, which is {dst}: the loader casts values, which a weight "
-                f"transfer cannot reproduce from the trainer's bytes. Give the checkpoint and the "
-                f"parameter the same dtype (or cast outside load_weights).")
+        if spec[piece.region.tensor].dtype != _dtype_name(live[piece.param].dtype):
+            return piece.param, piece.offset, _cast_message(
+                piece.region.tensor, spec, piece.param, live[piece.param], piece.offset)
+    return None
+
+
+def _refuse(get: Callable[[], Params], load_weights: LoadWeights, spec: CheckpointSpec,
+            param: str, element: int, message: str) -> None:
+    """Raise the LayoutError for a bad element, naming a cast when that is what happened."""
+    source = source_tensor(get, load_weights, spec, param, element)
+    p = dict(get())[param]
+    if source is not None and spec[source].dtype != _dtype_name(p.dtype):
+        message = _cast_message(source, spec, param, p, element)
+    raise LayoutError(message)
+
+
+def _cast_message(tensor: str, spec: CheckpointSpec, param: str, p: torch.Tensor,
+                  element: int) -> str:
+    return (f"checkpoint tensor {tensor!r} is {spec[tensor].dtype} but lands in parameter "
+            f"{param!r}, which is {_dtype_name(p.dtype)} (element {element}, index "
+            f"{_coords(element, p.shape)}): the loader casts values, which a weight transfer "
+            f"cannot reproduce from the trainer's bytes. Give the checkpoint tensor and the "
+            f"parameter the same dtype, or cast outside load_weights.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,7 +250,7 @@ def _check_dtypes(pieces: list[Piece], live: Params, spec: CheckpointSpec) -> No
 
 def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights,
             spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
-            holes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            holes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Bad | None:
     """Load a pseudo-random checkpoint through load_weights; the map must reproduce it."""
     checkpoint = _random_checkpoint(spec, dtypes)
     _fill_zero(get())
@@ -234,23 +262,22 @@ def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeight
         bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
         if bad is not None:
             p = live[piece.param]
-            raise LayoutError(
+            return piece.param, bad, (
                 f"parameter {piece.param!r} ({_dtype_name(p.dtype)}): element {bad} (index "
-                f"{_coords(bad, p.shape)}) should hold element of {piece.region.tensor!r} that "
-                f"the probe found there, but load_weights of a random checkpoint put another "
-                f"value there. Likely cause: the loader changes values (scales, casts, quantizes, "
-                f"adds) or fills elements with constants. load_weights must only copy values.")
+                f"{_coords(bad, p.shape)}) should hold an element of {piece.region.tensor!r}, "
+                f"where the probe found it, but load_weights of a random checkpoint put another "
+                f"value there. {_VALUES_CHANGED}")
     for name, (start, length) in holes.items():
         flat = _flat(live[name]).view(_bits_dtype(live[name].dtype))
         for s, n in zip(start.tolist(), length.tolist()):
             nonzero = torch.nonzero(flat[s:s + n] & _magnitude_mask(live[name].dtype))
             if nonzero.numel():
                 at = s + int(nonzero[0])
-                raise LayoutError(
+                return name, at, (
                     f"parameter {name!r}: element {at} (index {_coords(at, live[name].shape)}) "
                     f"takes no checkpoint value in the probe, but load_weights wrote a non-zero "
-                    f"value there from a random checkpoint. Likely cause: the loader computes "
-                    f"values (scales, casts, quantizes). load_weights must only copy values.")
+                    f"value there from a random checkpoint. {_VALUES_CHANGED}")
+    return None
 
 
 # --------------------------------------------------------------------------------------------

@@ -125,42 +125,85 @@ def _relation(a: torch.Tensor, b: torch.Tensor, modulus: int) -> torch.Tensor:
 
 def claim_runs(s: torch.Tensor, rel: torch.Tensor, x_prev: torch.Tensor, x_cur: torch.Tensor,
                n: int) -> PassRuns:
-    """Greedy run claiming over stretches (relation starts ``s``, s[0] == 1).
-
-    Stretch k covers elements s[k]-1 .. s[k]+len[k]-1. A stretch of >= 2 relations is a run
-    (codes -2/-3 never repeat, so it is all sourced or all unsourced); it claims its elements,
-    leaving the first to the previous run when they touch. Unclaimed elements stand alone.
-    """
+    """Runs of one pass from its stretches (relation starts ``s``, s[0] == 1); see `claim`."""
     length = torch.diff(s, append=torch.tensor([n], dtype=s.dtype))
-    real = length >= 2
+    start, _, k = claim(s, length, (rel >= 0) | (rel == _BOTH_INVALID), n)
+    k = k.clamp(min=0)
+    # Digit at each run start: the start is the earlier (s-1) or later (s) element of stretch
+    # k's first relation; single elements are looked up from the stretch that touches them.
+    single = torch.nonzero(start < 0).squeeze(1)
+    start = start.abs() - (start < 0).long()  # undo the single-element marking of `claim`
+    digit = torch.where(start == s[k] - 1, x_prev[k], x_cur[k])
+    stride = torch.where(rel[k] >= 0, rel[k], 0)
+    if single.numel():
+        u = start[single]
+        after = torch.searchsorted(s, u + 1).clamp(max=s.numel() - 1)
+        before = (torch.searchsorted(s, u, right=True) - 1).clamp(min=0)
+        digit[single] = torch.where(s[after] == u + 1, x_prev[after], x_cur[before])
+        stride[single] = 0
+    return PassRuns(start, digit, stride, n)
+
+
+def claim(s: torch.Tensor, length: torch.Tensor, ok: torch.Tensor, n: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cut n items into runs of equal steps, given the stretches of equal relations.
+
+    Stretch k (relations s[k] .. s[k]+length[k]-1, relation j linking items j-1 and j) covers
+    items s[k]-1 .. s[k]+length[k]-1; ``ok[k]`` says its items may share a run. A stretch of
+    >= 2 relations claims its items, leaving the first to the previous run when they touch.
+    The unclaimed items between such runs (period-2 patterns: a 2-column shard, interleaved
+    rows) pair up, and what is left stands alone.
+
+    Returns (start, end, k) per run in item order: ``k`` is the stretch whose relation is the
+    run's step; single items have start encoded as ``-(start + 1)`` and k = -1.
+    """
+    real = (length >= 2) & ok
     prev_real = torch.zeros_like(real)
     prev_real[1:] = real[:-1]
-    take_prev = real & ~prev_real  # the run starts at s-1, else at s
+    take_prev = real & ~prev_real
     run_start = torch.where(take_prev, s - 1, s)[real]
-    run_end = (s + length)[real]  # exclusive
-    run_digit = torch.where(take_prev, x_prev, x_cur)[real]
-    run_stride = rel[real].clamp(min=0)
-    # Lone elements: the elements of jump stretches that no run claimed.
-    jump = ~real
-    cand = torch.cat([s[jump] - 1, s[jump]])
-    cand_digit = torch.cat([x_prev[jump], x_cur[jump]])
-    if run_start.numel():
-        j = (torch.searchsorted(run_start, cand, right=True) - 1).clamp(min=0)
-        inside = (cand >= run_start[j]) & (cand < run_end[j])
-        cand, cand_digit = cand[~inside], cand_digit[~inside]
-    lone, first = torch.unique(cand, sorted=True, return_inverse=True)
-    lone_digit = torch.empty_like(lone)
-    lone_digit[first] = cand_digit  # duplicates carry the same digit
-    starts = torch.cat([run_start, lone])
-    order = torch.argsort(starts)
-    return PassRuns(starts[order], torch.cat([run_digit, lone_digit])[order],
-                    torch.cat([run_stride, torch.zeros_like(lone)])[order], n)
+    run_end = (s + length)[real]
+    run_k = torch.nonzero(real).squeeze(1)
+    # Gaps between real runs, as [lo, hi) item ranges.
+    lo = torch.cat([torch.zeros(1, dtype=s.dtype), run_end])
+    hi = torch.cat([run_start, torch.tensor([n], dtype=s.dtype)])
+    keep = hi > lo
+    lo, hi = lo[keep], hi[keep]
+    sizes = hi - lo
+    u = torch.repeat_interleave(lo, sizes) + _offsets_within(sizes)  # every unclaimed item
+    offset = u - torch.repeat_interleave(lo, sizes)
+    gap_end = torch.repeat_interleave(hi, sizes)
+    # Pair u with u+1 when u sits at an even offset in its gap and u+1 is in the same gap.
+    cand = (offset % 2 == 0) & (u + 1 < gap_end)
+    k_pair = torch.searchsorted(s, u + 1).clamp(max=max(s.numel() - 1, 0))
+    pair = cand & (s[k_pair] == u + 1) & ok[k_pair] if s.numel() else cand & False
+    partner = torch.zeros_like(pair)
+    partner[1:] = pair[:-1]
+    single = ~pair & ~partner
+    start = torch.cat([run_start, u[pair], -(u[single] + 1)])
+    end = torch.cat([run_end, u[pair] + 2, u[single] + 1])
+    k = torch.cat([run_k, k_pair[pair], torch.full_like(u[single], -1)])
+    order = torch.argsort(torch.where(start < 0, -start - 1, start))
+    return start[order], end[order], k[order]
 
 
-def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], num_indices: int) -> Runs:
+def _offsets_within(sizes: torch.Tensor) -> torch.Tensor:
+    """[0..sizes[0]), [0..sizes[1]), ... concatenated."""
+    total = int(sizes.sum())
+    if not total:
+        return torch.zeros(0, dtype=sizes.dtype)
+    firsts = torch.cumsum(sizes, 0) - sizes
+    return torch.arange(total, dtype=sizes.dtype) - torch.repeat_interleave(firsts, sizes)
+
+
+def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor) -> Runs:
     """Combine the passes' runs into runs of global indices (CRT at every run start).
 
-    Runs that decode outside [0, num_indices) keep their index; the caller reports them.
+    ``bases`` are the tensors' first global indices and the total (`TensorIndex.bases`).
+    Runs are cut where they cross from one checkpoint tensor into the next (a coincidence of
+    the concatenated index space, except in flat shards, which become one piece per tensor
+    anyway), then neighbours that continue each other inside one tensor are joined. Runs that
+    decode outside the checkpoint keep their index; the caller reports them.
     """
     n = passes[0].numel
     starts = torch.unique(torch.cat([p.start for p in passes]), sorted=True)
@@ -178,17 +221,52 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], num_indices: i
     stride = torch.where(stride > total // 2, stride - total, stride)
     stride = torch.where(length > 1, stride, 0)
     index = torch.where(ok, index, NO_SOURCE)
-    return _join_continued(Runs(starts, length, index, stride))
+    runs = _split_at_tensors(Runs(starts, length, index, stride), bases)
+    return _join_continued(runs, bases)
 
 
-def _join_continued(r: Runs) -> Runs:
-    """Join neighbouring runs that continue each other (chunk edges, lone jump elements)."""
+def _split_at_tensors(r: Runs, bases: torch.Tensor) -> Runs:
+    """Cut every run whose indices cross a tensor boundary at that boundary."""
+    last = r.index + r.stride * (r.length - 1)
+    inside = (r.index >= 0) & (r.index < bases[-1]) & (last >= 0) & (last < bases[-1])
+    first_t = torch.searchsorted(bases, r.index, right=True)
+    last_t = torch.searchsorted(bases, last, right=True)
+    cross = torch.nonzero(inside & (first_t != last_t)).squeeze(1).tolist()
+    if not cross:
+        return r
+    starts, lengths, indices, strides = [], [], [], []
+    for i in cross:
+        pos, n, g, st = (int(r.start[i]), int(r.length[i]), int(r.index[i]), int(r.stride[i]))
+        cut = [0]
+        for b in bases.tolist():  # boundaries strictly inside the run's index range
+            j = -(-(b - g) // st) if st > 0 else -(-(g - b + 1) // -st)
+            if 0 < j < n and j not in cut:
+                cut.append(j)
+        cut = sorted(cut) + [n]
+        for a, e in zip(cut, cut[1:]):
+            starts.append(pos + a), lengths.append(e - a), indices.append(g + st * a)
+            strides.append(st if e - a > 1 else 0)
+    keep = torch.ones_like(r.start, dtype=torch.bool)
+    keep[cross] = False
+    new = Runs(*(torch.tensor(v, dtype=torch.int64) for v in (starts, lengths, indices, strides)))
+    start = torch.cat([r.start[keep], new.start])
+    order = torch.argsort(start)
+    return Runs(start[order], torch.cat([r.length[keep], new.length])[order],
+                torch.cat([r.index[keep], new.index])[order],
+                torch.cat([r.stride[keep], new.stride])[order])
+
+
+def _join_continued(r: Runs, bases: torch.Tensor) -> Runs:
+    """Join neighbouring runs that continue each other inside one tensor (chunk edges, lone
+    jump elements), and pair up neighbouring lone elements."""
     if r.start.numel() < 2:
         return r
     ok = r.index != NO_SOURCE
     end_index = r.index + r.stride * (r.length - 1)  # index of the last element
     multi = r.length >= 2
-    pair_ok = ok[1:] & ok[:-1]
+    tensor_first = torch.searchsorted(bases, r.index, right=True)
+    tensor_last = torch.searchsorted(bases, end_index, right=True)
+    pair_ok = ok[1:] & ok[:-1] & (tensor_first[1:] == tensor_last[:-1])
     # run i continues run i-1 with the same stride
     same = pair_ok & multi[1:] & multi[:-1] & (r.stride[1:] == r.stride[:-1]) & \
         (r.index[1:] == end_index[:-1] + r.stride[:-1])
@@ -199,8 +277,18 @@ def _join_continued(r: Runs) -> Runs:
     is_tail = torch.zeros_like(ok)
     is_tail[1:] = tail
     head &= ~is_tail[:-1]
+    # two lone elements pair up (alternately along a streak of lone elements)
+    is_head = torch.zeros_like(ok)
+    is_head[:-1] = head
+    lone = pair_ok & ~multi[1:] & ~multi[:-1] & ~is_tail[1:] & ~is_tail[:-1] & \
+        ~is_head[1:] & ~is_head[:-1]
+    at = torch.arange(len(lone))
+    prev_lone = torch.zeros_like(lone)
+    prev_lone[1:] = lone[:-1]
+    streak_start = torch.cummax(torch.where(lone & ~prev_lone, at, 0), 0).values
+    pair = lone & ((at - streak_start) % 2 == 0)
     join = torch.zeros_like(ok)  # join[i]: run i belongs to the same run as i-1
-    join[1:] = same | tail | head
+    join[1:] = same | tail | head | pair
     # both unsourced neighbours also join: one unsourced range
     join[1:] |= ~ok[1:] & ~ok[:-1]
     group = torch.cumsum(~join, 0) - 1
@@ -212,6 +300,9 @@ def _join_continued(r: Runs) -> Runs:
         0, group, torch.where(multi, r.stride, 0))
     num_multi = torch.zeros(num, dtype=r.stride.dtype).index_add_(0, group, multi.long())
     stride = torch.where(length > 1, stride_sum // num_multi.clamp(min=1), 0)
+    # a pair of lone elements takes its step from its two indices
+    paired = torch.nonzero(pair).squeeze(1) + 1
+    stride[group[paired]] = r.index[paired] - r.index[paired - 1]
     return Runs(r.start[first], length, r.index[first], stride)
 
 
@@ -232,52 +323,66 @@ class Boxes:
     pstride: torch.Tensor  # [B, D] parameter element step
 
 
-def group_boxes(runs: Runs) -> Boxes:
-    """Group sourced runs into boxes, adding an outer dim per level while it helps."""
+def group_boxes(runs: Runs, shape: tuple[int, ...]) -> Boxes:
+    """Group a parameter's sourced runs into boxes, adding an outer dim per level.
+
+    Each level groups neighbours in parameter order, then neighbours in the order of each
+    parameter row length (items at the same place of consecutive rows: the streams of a
+    transposed fused weight, interleaved gate/up rows).
+    """
     ok = runs.index != NO_SOURCE
     b = Boxes(runs.start[ok], runs.index[ok], runs.length[ok].unsqueeze(1),
               runs.stride[ok].unsqueeze(1), torch.ones_like(runs.start[ok]).unsqueeze(1))
+    rows = [math.prod(shape[d:]) for d in range(len(shape) - 1, 0, -1)]
     for _ in range(MAX_BOX_RANK - 1):
-        grouped = _group_level(b)
-        if grouped.pos.numel() == b.pos.numel():
+        before = b.pos.numel()
+        for period in rows + [None]:
+            b = _group_level(b, period)
+        if b.pos.numel() == before:
             break
-        b = grouped
     return b
 
 
-def _group_level(b: Boxes) -> Boxes:
+def _group_level(b: Boxes, period: int | None = None) -> Boxes:
+    """One level of grouping, over neighbours in parameter order or, with ``period``, in the
+    order (position mod period, position). Returns ``b`` itself when nothing groups."""
     num = b.pos.numel()
     if num < 2:
         return b
+    if period is not None:
+        order = torch.sort(b.pos % period, stable=True).indices
+        b = Boxes(b.pos[order], b.index[order], b.shape[order], b.cstride[order],
+                  b.pstride[order])
     keys = torch.cat([b.shape, b.cstride, b.pstride], 1)
     same = (keys[1:] == keys[:-1]).all(1)
     dpos, didx = b.pos[1:] - b.pos[:-1], b.index[1:] - b.index[:-1]
     # Relation r (between box r and r+1) equals its predecessor: same stretch.
     cont = torch.zeros(num - 1, dtype=torch.bool)
     cont[1:] = same[1:] & same[:-1] & (dpos[1:] == dpos[:-1]) & (didx[1:] == didx[:-1])
-    s = torch.nonzero(~cont).squeeze(1) + 1  # relation starts, as element indices
+    s = torch.nonzero(~cont).squeeze(1) + 1  # stretch starts, as the later item's index
     length = torch.diff(s, append=torch.tensor([num]))
-    real = (length >= 2) & same[s - 1]
-    prev_real = torch.zeros_like(real)
-    prev_real[1:] = real[:-1]
-    start = torch.where(real & ~prev_real, s - 1, s)[real]
-    end = (s + length)[real]
-    rel_at = (s - 1)[real]
-    claimed = torch.zeros(num + 1, dtype=torch.int64)
-    claimed.index_add_(0, start, torch.ones_like(start))
-    claimed.index_add_(0, end, -torch.ones_like(end))
-    lone = torch.nonzero(torch.cumsum(claimed, 0)[:num] == 0).squeeze(1)
-    # New boxes: grouped runs get an outer dim; lone boxes get an outer dim of size 1.
-    outer_n = torch.cat([end - start, torch.ones_like(lone)])
-    outer_c = torch.cat([didx[rel_at], torch.zeros_like(lone)])
-    outer_p = torch.cat([dpos[rel_at], torch.zeros_like(lone)])
-    first = torch.cat([start, lone])
-    order = torch.argsort(first)
+    start, end, k = claim(s, length, same[s - 1], num)
+    grouped = k >= 0
+    first = torch.where(grouped, start, -start - 1)
+    rel_at = (s[k.clamp(min=0)] - 1)
+    # New boxes: grouped runs get an outer dim; single boxes get an outer dim of size 1.
+    outer_n = torch.where(grouped, end - first, 1)
+    outer_c = torch.where(grouped, didx[rel_at], 0)
+    outer_p = torch.where(grouped, dpos[rel_at], 0)
+    if first.numel() == num:
+        return b if period is None else _sorted_by_pos(b)
+    order = torch.argsort(b.pos[first])
     first = first[order]
     return Boxes(b.pos[first], b.index[first],
                  torch.cat([outer_n[order].unsqueeze(1), b.shape[first]], 1),
                  torch.cat([outer_c[order].unsqueeze(1), b.cstride[first]], 1),
                  torch.cat([outer_p[order].unsqueeze(1), b.pstride[first]], 1))
+
+
+def _sorted_by_pos(b: Boxes) -> Boxes:
+    order = torch.argsort(b.pos)
+    return Boxes(b.pos[order], b.index[order], b.shape[order], b.cstride[order],
+                 b.pstride[order])
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,22 +425,54 @@ def box_to_pieces(param: str, pos: int, index: int, dims: list[tuple[int, int, i
     t = tindex.locate(index)
     if tindex.locate(last) != t:
         return _split_outer(param, pos, index, norm, tindex)
-    piece = _as_piece(param, pos, index - tindex.bases[t], norm, tindex.tensors[t])
+    spec, offset = tindex.tensors[t], index - tindex.bases[t]
+    norm = _unwrap(norm, offset, spec.shape)
+    piece = _as_piece(param, pos, offset, norm, spec)
     if piece is not None:
         return [piece]
     if len(norm) == 1 and norm[0][1] == 1:
-        return _contiguous_to_pieces(param, pos, index - tindex.bases[t], norm[0][0],
-                                     norm[0][2], tindex.tensors[t])
+        return _contiguous_to_pieces(param, pos, offset, norm[0][0], norm[0][2], spec)
     # Two box dims fall on one tensor dim (a rotary interleave, block-cyclic rows): split
     # along the smallest dim whose removal leaves one progression per tensor dim.
-    spec, offset = tindex.tensors[t], index - tindex.bases[t]
     for k in sorted(range(len(norm)), key=lambda k: norm[k][0]):
         n, cs, ps = norm[k]
         rest = norm[:k] + norm[k + 1:]
         pieces = [_as_piece(param, pos + i * ps, offset + i * cs, rest, spec) for i in range(n)]
         if all(p is not None for p in pieces):
             return pieces
-    return _split_outer(param, pos, index, norm, tindex)
+    # Last resort: one sub-box per outer index (each is smaller, so this terminates).
+    (n, cs, ps), inner = norm[0], norm[1:]
+    return [piece for i in range(n)
+            for piece in box_to_pieces(param, pos + i * ps, index + i * cs, inner, tindex)]
+
+
+def _unwrap(dims: list[tuple[int, int, int]], offset: int, shape: tuple[int, ...]
+            ) -> list[tuple[int, int, int]]:
+    """Split box dims that wrap around a tensor dim at regular intervals into two dims.
+
+    A run along the last dim that continues into the next row (a whole-row copy, every other
+    column of every row) is one box dim in flat indices but two in tensor coordinates.
+    """
+    natural = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    coord = _unravel(offset, shape)
+    out = list(dims)
+    changed = True
+    while changed:
+        changed = False
+        for i, (n, cs, ps) in enumerate(out):
+            d = next((d for d, ns in enumerate(natural) if cs >= ns and cs % ns == 0), None)
+            if d is None:
+                continue
+            k = cs // natural[d]
+            if coord[d] + k * (n - 1) < shape[d] or shape[d] % k or coord[d] >= k:
+                continue  # fits already, or does not wrap regularly
+            m = shape[d] // k  # elements per wrap
+            if n % m or m == n:
+                continue
+            out[i:i + 1] = [(n // m, cs * m, ps * m), (m, cs, ps)]
+            changed = True
+            break
+    return sorted(out, key=lambda dim: -dim[1])
 
 
 def _split_outer(param: str, pos: int, index: int, dims: list[tuple[int, int, int]],

@@ -58,7 +58,7 @@ def first_mismatch(piece: Piece, param: torch.Tensor, tensor: torch.Tensor) -> i
     checkpoint element the piece says it holds, or None when all match."""
     if param.dtype != tensor.dtype:
         return piece.offset
-    dst, flipped = param_view(param.detach().reshape(-1), piece)
+    dst, flipped = param_view(param.detach().contiguous().view(-1), piece)
     src = _bits(region_view(tensor, piece.region))
     if flipped:
         src = src.flip(flipped)

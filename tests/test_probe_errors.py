@@ -1,0 +1,187 @@
+"""Loaders the probe must refuse, errors it must pass through, and what is not an error.
+
+Value-changing loaders (scaling, casting between dtypes, rounding / quantizing) get a
+`LayoutError` that names the parameter (and, where one element is bad, its index). Exceptions
+from the loader itself propagate unchanged, whichever probe pass raises them. Checkpoint names a
+loader never reads are reported on ``SourceMap.unused``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from weightbridge import CheckpointSpec, LayoutError, TensorSpec, extract_source_map
+
+
+def _spec(w_dtype: str = "bfloat16", extra: tuple[TensorSpec, ...] = ()) -> CheckpointSpec:
+    """An (8, 6) weight of ``w_dtype`` and a bf16 norm, plus ``extra`` tensors."""
+    return CheckpointSpec((TensorSpec("layers.0.mlp.w", (8, 6), w_dtype),
+                           TensorSpec("layers.0.norm", (6,), "bfloat16")) + extra)
+
+
+# checkpoint name -> param name; params are named apart so a message naming the param is not
+# satisfied by the checkpoint tensor's name
+RENAME = {"layers.0.mlp.w": "blk0.w13", "layers.0.norm": "blk0.norm"}
+
+
+def _copy_loader(params: dict[str, torch.Tensor], fix=lambda name, w: w):
+    """vLLM-style loader: copy each checkpoint tensor into the param it is renamed to."""
+
+    @torch.no_grad()
+    def load_weights(weights) -> None:
+        for name, w in weights:
+            if name in RENAME:
+                params[RENAME[name]].copy_(fix(name, w))
+    return load_weights
+
+
+SPEC = _spec()
+
+
+def _params(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    return {"blk0.w13": torch.zeros(8, 6, dtype=dtype),
+            "blk0.norm": torch.zeros(6, dtype=torch.bfloat16)}
+
+
+# --------------------------------------------------------------------------------------------
+# Value-changing loaders
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("factor", [2.0, -1.0, 0.5])
+def test_scaling_loader_is_refused_naming_the_param(factor):
+    params = _params()
+    fix = lambda name, w: w * factor if name.endswith("mlp.w") else w  # noqa: E731
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params, fix), SPEC)
+
+
+def test_loader_changing_one_element_is_refused_at_that_index():
+    params = _params()
+
+    def fix(name, w):
+        if name.endswith("mlp.w"):
+            w = w.clone()
+            w[3, 5] = w[3, 5] * 2 + 1
+        return w
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'.*\(3, 5\)"):
+        extract_source_map(params, _copy_loader(params, fix), SPEC)
+
+
+def test_casting_bf16_checkpoint_into_fp32_param_is_refused():
+    params = _params(dtype=torch.float32)  # copy_ casts bf16 -> fp32 silently
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params), SPEC)
+
+
+def test_casting_fp32_checkpoint_into_bf16_param_is_refused():
+    spec = _spec("float32")
+    params = _params()
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params), spec)
+
+
+def test_casting_between_same_width_dtypes_is_refused():
+    """fp16 -> bf16 has the same width: only the dtype check can tell."""
+    spec = _spec("float16")
+    params = _params()
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params), spec)
+
+
+@pytest.mark.parametrize("ckpt_dtype, param_dtype", [
+    ("bfloat16", torch.float32), ("float16", torch.bfloat16), ("float32", torch.bfloat16),
+])
+def test_dtype_mismatch_error_says_so_naming_tensor_param_and_both_dtypes(ckpt_dtype, param_dtype):
+    """A dtype mismatch is its own clear error, not the generic 'values changed' one."""
+    spec = _spec(ckpt_dtype)
+    params = _params(dtype=param_dtype)
+    with pytest.raises(LayoutError) as err:
+        extract_source_map(params, _copy_loader(params), spec)
+    message = str(err.value)
+    param_dtype_name = str(param_dtype).removeprefix("torch.")
+    for needle in ("'blk0.w13'", "'layers.0.mlp.w'"):
+        assert needle in message, message
+    for dtype in (ckpt_dtype, param_dtype_name):
+        assert re.search(rf"(?<![a-z]){dtype}\b", message), f"{dtype!r} not named: {message}"
+
+
+@pytest.mark.parametrize("quantize", [
+    pytest.param(lambda w: w.to(torch.float8_e4m3fn).to(w.dtype), id="fp8-roundtrip"),
+    pytest.param(lambda w: w.round(), id="round"),
+    pytest.param(lambda w: w.float().to(torch.float16).to(w.dtype), id="fp16-roundtrip"),
+])
+def test_quantizing_loader_is_refused_naming_the_param(quantize):
+    params = _params()
+    fix = lambda name, w: quantize(w) if name.endswith("mlp.w") else w  # noqa: E731
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params, fix), SPEC)
+
+
+def test_dequantizing_fp8_checkpoint_into_bf16_param_is_refused():
+    spec = _spec("float8_e4m3fn")
+    params = _params()
+    with pytest.raises(LayoutError, match=r"'blk0\.w13'"):
+        extract_source_map(params, _copy_loader(params), spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Exceptions from the loader, and what is not an error
+# --------------------------------------------------------------------------------------------
+
+
+class LoaderFailure(RuntimeError):
+    pass
+
+
+def test_loader_exception_propagates_from_every_pass():
+    """Probe passes and the verification load alike: the loader's own exception comes out."""
+    params, calls = _params(), []
+    copy = _copy_loader(params)
+
+    def counting(weights):
+        calls.append(1)
+        copy(weights)
+    extract_source_map(params, counting, SPEC)
+    num_calls = len(calls)
+    assert num_calls >= 2  # at least one probe pass and the verification load
+    for fail_on_call in range(1, num_calls + 1):
+        calls.clear()
+
+        def load_weights(weights):
+            calls.append(1)
+            if len(calls) == fail_on_call:
+                raise LoaderFailure(f"rank 3 lost its communicator on call {fail_on_call}")
+            copy(weights)
+        with pytest.raises(LoaderFailure, match=f"on call {fail_on_call}"):
+            extract_source_map(params, load_weights, SPEC)
+
+
+def test_loader_key_error_for_an_unknown_name_propagates():
+    params = {"blk0.w13": torch.zeros(8, 6, dtype=torch.bfloat16)}
+
+    def load_weights(weights):
+        for name, w in weights:
+            params[RENAME[name]].copy_(w)  # KeyError: no param for blk0.norm
+    with pytest.raises(KeyError, match="blk0.norm"):
+        extract_source_map(params, load_weights, SPEC)
+
+
+def test_checkpoint_names_the_loader_never_reads_are_reported_not_raised():
+    spec = _spec(extra=(TensorSpec("layers.0.rotary_emb.inv_freq", (3,), "float32"),
+                        TensorSpec("mtp.w", (4, 4), "bfloat16")))
+    params = _params()
+    smap = extract_source_map(params, _copy_loader(params), spec)
+    assert set(smap.unused) == {"layers.0.rotary_emb.inv_freq", "mtp.w"}
+    assert {p.region.tensor for p in smap.pieces} == {"layers.0.mlp.w", "layers.0.norm"}
+
+
+def test_loader_that_reads_nothing_leaves_everything_unsourced():
+    params = _params()
+    smap = extract_source_map(params, lambda weights: None, SPEC)
+    assert smap.pieces == ()
+    assert dict(smap.unsourced) == {"blk0.w13": 48, "blk0.norm": 6}
+    assert set(smap.unused) == {"layers.0.mlp.w", "layers.0.norm"}
