@@ -91,10 +91,12 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
                 if k < num_passes[p.dtype]:
                     scans[name].append(scan_pass(_flat(p), alpha, alpha.moduli[k]))
         param_specs, pieces, unsourced, holes = [], [], [], {}
+        bases = torch.tensor(tindex.bases)
         for name, p in live.items():
             alpha = alphabet(p.dtype)
-            runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]],
-                                torch.tensor(tindex.bases))
+            dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
+            row = dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
+            runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]], bases, row)
             bad = _check_decoded(name, p, runs, tindex)
             if bad:
                 _refuse(get, load_weights, spec, *bad)

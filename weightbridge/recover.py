@@ -196,14 +196,18 @@ def _offsets_within(sizes: torch.Tensor) -> torch.Tensor:
     return torch.arange(total, dtype=sizes.dtype) - torch.repeat_interleave(firsts, sizes)
 
 
-def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor) -> Runs:
+def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor,
+                 row: int) -> Runs:
     """Combine the passes' runs into runs of global indices (CRT at every run start).
 
     ``bases`` are the tensors' first global indices and the total (`TensorIndex.bases`).
     Runs are cut where they cross from one checkpoint tensor into the next (a coincidence of
     the concatenated index space, except in flat shards, which become one piece per tensor
     anyway), then neighbours that continue each other inside one tensor are joined. Runs that
-    decode outside the checkpoint keep their index; the caller reports them.
+    decode outside the checkpoint keep their index; the caller reports them. Runs are also cut
+    at parameter rows of ``row`` elements: a run that happens to continue from one row into the
+    next (the last row of one head and the first of the next) would hide the rows' own
+    pattern, and box grouping joins whole rows again anyway.
     """
     n = passes[0].numel
     starts = torch.unique(torch.cat([p.start for p in passes]), sorted=True)
@@ -222,7 +226,22 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.T
     stride = torch.where(length > 1, stride, 0)
     index = torch.where(ok, index, NO_SOURCE)
     runs = _split_at_tensors(Runs(starts, length, index, stride), bases)
-    return _join_continued(runs, bases)
+    return _join_continued(_cut_at_rows(runs, row), bases, row)
+
+
+def _cut_at_rows(r: Runs, row: int) -> Runs:
+    """Cut runs at multiples of ``row`` elements (parameter row boundaries)."""
+    first_row = r.start // row
+    num = (r.start + r.length - 1) // row - first_row + 1
+    if bool((num == 1).all()):
+        return r
+    run = torch.repeat_interleave(torch.arange(len(num)), num)
+    k = _offsets_within(num)
+    lo = torch.maximum(r.start[run], (first_row[run] + k) * row)
+    hi = torch.minimum(r.start[run] + r.length[run], (first_row[run] + k + 1) * row)
+    step = r.stride[run]
+    index = torch.where(r.index[run] >= 0, r.index[run] + step * (lo - r.start[run]), NO_SOURCE)
+    return Runs(lo, hi - lo, index, torch.where(hi - lo > 1, step, 0))
 
 
 def _split_at_tensors(r: Runs, bases: torch.Tensor) -> Runs:
@@ -256,9 +275,9 @@ def _split_at_tensors(r: Runs, bases: torch.Tensor) -> Runs:
                 torch.cat([r.stride[keep], new.stride])[order])
 
 
-def _join_continued(r: Runs, bases: torch.Tensor) -> Runs:
-    """Join neighbouring runs that continue each other inside one tensor (chunk edges, lone
-    jump elements), and pair up neighbouring lone elements."""
+def _join_continued(r: Runs, bases: torch.Tensor, row: int) -> Runs:
+    """Join neighbouring runs that continue each other inside one tensor and one parameter
+    row (chunk edges, lone jump elements), and pair up neighbouring lone elements."""
     if r.start.numel() < 2:
         return r
     ok = r.index != NO_SOURCE
@@ -266,7 +285,8 @@ def _join_continued(r: Runs, bases: torch.Tensor) -> Runs:
     multi = r.length >= 2
     tensor_first = torch.searchsorted(bases, r.index, right=True)
     tensor_last = torch.searchsorted(bases, end_index, right=True)
-    pair_ok = ok[1:] & ok[:-1] & (tensor_first[1:] == tensor_last[:-1])
+    same_row = r.start[1:] // row == (r.start[:-1] + r.length[:-1] - 1) // row
+    pair_ok = ok[1:] & ok[:-1] & (tensor_first[1:] == tensor_last[:-1]) & same_row
     # run i continues run i-1 with the same stride
     same = pair_ok & multi[1:] & multi[:-1] & (r.stride[1:] == r.stride[:-1]) & \
         (r.index[1:] == end_index[:-1] + r.stride[:-1])
@@ -333,6 +353,7 @@ def group_boxes(runs: Runs, shape: tuple[int, ...]) -> Boxes:
     ok = runs.index != NO_SOURCE
     b = Boxes(runs.start[ok], runs.index[ok], runs.length[ok].unsqueeze(1),
               runs.stride[ok].unsqueeze(1), torch.ones_like(runs.start[ok]).unsqueeze(1))
+    shape = tuple(d for d in shape if d > 1)  # unit dims carry no structure
     rows = [math.prod(shape[d:]) for d in range(len(shape) - 1, 0, -1)]
     for _ in range(MAX_BOX_RANK - 1):
         before = b.pos.numel()
