@@ -10,28 +10,67 @@ Typical usage::
     smap.load(params, checkpoint)   # what load_weights does, replayed from the map
 """
 
+from weightbridge.boxcopy import CopyKernels, TorchCopyKernels, default_kernels
+from weightbridge.correspond import correspond
+from weightbridge.cpu_kernels import CpuCopyKernels
 from weightbridge.errors import LayoutError
+from weightbridge.local import run_plan_locally
+from weightbridge.plan import TransferPlan, plan_transfer
 from weightbridge.probe import extract_source_map
+from weightbridge.simulate import simulate
 from weightbridge.types import (
     BoxCopy,
+    BufferWrite,
     CheckpointSpec,
+    Chunk,
+    Cluster,
+    Correspondence,
+    Estimate,
+    Overlap,
     ParamSpec,
     Piece,
     Placement,
     Region,
+    Round,
     SourceMap,
+    Stage,
     TensorSpec,
+    Transfer,
+    WorkerId,
+    WorkerPlan,
+    WorkerRound,
 )
 
 __all__ = [
     "BoxCopy",
+    "BufferWrite",
     "CheckpointSpec",
+    "Chunk",
+    "Cluster",
+    "Correspondence",
+    "CopyKernels",
+    "CpuCopyKernels",
+    "Estimate",
     "LayoutError",
+    "Overlap",
     "ParamSpec",
     "Piece",
     "Placement",
     "Region",
+    "Round",
     "SourceMap",
+    "Stage",
     "TensorSpec",
+    "TorchCopyKernels",
+    "Transfer",
+    "TransferPlan",
+    "WorkerId",
+    "WorkerPlan",
+    "WorkerRound",
+    "correspond",
+    "default_kernels",
     "extract_source_map",
+    "plan_transfer",
+    "run_plan_locally",
+    "simulate",
 ]

@@ -1,0 +1,104 @@
+"""correspond: a partition of the needed elements, each part naming its holders and needers."""
+
+import numpy as np
+import pytest
+
+from planning_layouts import SHAPES, Builder, fsdp_trainer, fused_rollout, tp_trainer
+from weightbridge import LayoutError, ParamSpec, Piece, Region, SourceMap, correspond
+
+
+def _elements(region: Region) -> set[tuple[int, ...]]:
+    axes = [range(s, s + k * c, k) for s, c, k in zip(region.start, region.count, region.step)]
+    return {tuple(i) for i in np.array(np.meshgrid(*axes, indexing="ij")).reshape(
+        len(axes), -1).T} if axes else {()}
+
+
+def _covered(maps) -> dict[str, dict[tuple, set[int]]]:
+    out: dict[str, dict[tuple, set[int]]] = {}
+    for w, m in enumerate(maps):
+        for p in m.pieces:
+            for e in _elements(p.region):
+                out.setdefault(p.region.tensor, {}).setdefault(e, set()).add(w)
+    return out
+
+
+@pytest.mark.parametrize("trainers,rollouts", [
+    ([tp_trainer(r, 2) for r in range(2)] * 2, [fused_rollout(r, 3, ep=1) for r in range(3)]),
+    ([fsdp_trainer(r, 5) for r in range(5)], [fused_rollout(r, 4, ep=4) for r in range(4)]),
+    ([tp_trainer(r, 4) for r in range(4)], [fused_rollout(r, 2, ep=2) for r in range(2)] * 2),
+])
+def test_overlaps_partition_needed_elements_with_exact_holders_and_needers(trainers, rollouts):
+    corr = correspond(trainers, rollouts)
+    held, needed = _covered(trainers), _covered(rollouts)
+    seen = set()
+    for o in corr.overlaps:
+        for e in _elements(o.region):
+            key = (o.region.tensor, e)
+            assert key not in seen  # no element in two overlaps
+            seen.add(key)
+            assert set(o.holders) == held[o.region.tensor][e]
+            assert set(o.needers) == needed[o.region.tensor][e]
+        assert o.dtype == SHAPES[o.region.tensor][1]
+    assert seen == {(t, e) for t, es in needed.items() for e in es}
+    assert corr.nbytes == sum(o.nbytes for o in corr.overlaps)
+
+
+def _single(region, dtype="float32", shape=None):
+    shape = shape or region.count
+    return SourceMap((ParamSpec("p", shape, dtype),),
+                     (Piece(region, "p", 0, tuple(_strides(region.count))),))
+
+
+def _strides(count):
+    out, acc = [], 1
+    for c in reversed(count):
+        out.append(acc)
+        acc *= c
+    return reversed(out)
+
+
+def test_strided_regions_are_refined_exactly():
+    # Trainers hold even / odd rows (a rotary-style interleave); the rollout needs rows 1..6.
+    even = _single(Region("w", (0, 0), (4, 3), (2, 1)))
+    odd = _single(Region("w", (1, 0), (4, 3), (2, 1)))
+    want = _single(Region("w", (1, 0), (6, 3), (1, 1)))
+    corr = correspond([even, odd], [want])
+    rows = {}
+    for o in corr.overlaps:
+        for e in _elements(o.region):
+            rows[e] = o.holders
+    assert {e[0] for e in rows} == set(range(1, 7))
+    assert all(rows[e] == ((0,) if e[0] % 2 == 0 else (1,)) for e in rows)
+
+
+def test_partially_overlapping_trainer_regions_send_each_element_once():
+    a = _single(Region("w", (0,), (6,), (1,)))
+    b = _single(Region("w", (4,), (6,), (1,)))
+    corr = correspond([a, b], [_single(Region("w", (0,), (10,), (1,)))])
+    assert sum(o.region.numel for o in corr.overlaps) == 10
+    assert {o.holders for o in corr.overlaps} == {(0,), (0, 1), (1,)}
+
+
+def test_missing_elements_name_tensor_and_count():
+    trainer = _single(Region("w", (0, 0), (2, 4), (1, 1)))
+    rollout = _single(Region("w", (0, 0), (3, 4), (1, 1)))
+    with pytest.raises(LayoutError, match=r"4 checkpoint elements.*'w' \(4 elements\)"):
+        correspond([trainer], [rollout])
+
+
+def test_dtype_mismatch_between_sides_is_a_layout_error():
+    r = Region("w", (0,), (4,), (1,))
+    with pytest.raises(LayoutError, match="dtype"):
+        correspond([_single(r, "float32")], [_single(r, "bfloat16")])
+
+
+def test_empty_sides_are_rejected():
+    with pytest.raises(ValueError, match="at least one trainer"):
+        correspond([], [_single(Region("w", (0,), (4,), (1,)))])
+
+
+def test_piece_into_unlisted_param_is_a_layout_error():
+    b = Builder()
+    b.piece(Region("w", (0,), (4,), (1,)), "ghost", 0, (1,))
+    with pytest.raises(LayoutError, match="ghost"):
+        correspond([b.build()], [_single(Region("w", (0,), (4,), (1,)))])

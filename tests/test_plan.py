@@ -1,0 +1,241 @@
+"""plan_transfer: exactly-once trainer egress, one copy per node, bounded rounds, determinism."""
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planning_layouts import Builder, checkpoint, fsdp_trainer, fused_rollout, loaded, params_of
+from planning_layouts import same_bytes, tp_trainer
+from weightbridge import (LayoutError, ParamSpec, Piece, Placement, Region, SourceMap, Stage,
+                          WorkerId, plan_transfer, run_plan_locally)
+
+
+def _tiles(intervals, numel) -> bool:
+    """Do (start, count) intervals cover [0, numel) exactly once?"""
+    pos = 0
+    for start, count in sorted(intervals):
+        if start != pos:
+            return False
+        pos += count
+    return pos == numel
+
+
+def check_invariants(plan, round_bytes):
+    corr = plan.correspondence
+    overlaps = corr.overlaps
+    rounds = plan.rounds
+    node_of = [p.node for p in plan.rollouts]
+    sent_by_trainers = defaultdict(list)
+    into_node = defaultdict(list)           # (node, overlap) -> intervals over RDMA
+    into_worker = defaultdict(list)         # (rollout, overlap) -> intervals, all stages
+    for rnd in rounds:
+        recv = defaultdict(int)
+        send = defaultdict(int)
+        for t in rnd.transfers:
+            assert t.dst.side == "rollout"
+            recv[t.dst] += t.nbytes
+            if t.src.side == "trainer":
+                send[t.src] += t.nbytes
+                assert t.stage is Stage.RECEIVE
+            else:
+                assert t.stage is not Stage.RECEIVE
+                same_node = node_of[t.src.index] == node_of[t.dst.index]
+                assert same_node == (t.stage is Stage.INTERNAL)
+            for c in t.chunks:
+                assert t.dst.index in overlaps[c.overlap].needers
+                if t.stage is Stage.RECEIVE:
+                    assert t.src.index in overlaps[c.overlap].holders
+                    sent_by_trainers[c.overlap].append((c.start, c.count))
+                if t.stage is not Stage.INTERNAL:
+                    into_node[node_of[t.dst.index], c.overlap].append((c.start, c.count))
+                into_worker[t.dst.index, c.overlap].append((c.start, c.count))
+        # (3) every round fits round_bytes on both buffers
+        assert max(recv.values(), default=0) <= round_bytes
+        assert max(send.values(), default=0) <= round_bytes
+    for i, o in enumerate(overlaps):
+        # (1) trainers send every needed element exactly once
+        assert _tiles(sent_by_trainers[i], o.region.numel), o
+        # (2) each needing node gets it exactly once over RDMA; each needer exactly once
+        for node in {node_of[w] for w in o.needers}:
+            assert _tiles(into_node[node, i], o.region.numel), (node, o)
+        for w in o.needers:
+            assert _tiles(into_worker[w, i], o.region.numel), (w, o)
+    # (2) nothing a node does not need crosses into it
+    assert all(node in {node_of[w] for w in overlaps[i].needers} for node, i in into_node)
+    # byte accounting agrees with the node's unique need
+    sent, received = plan.stage_bytes()
+    T = len(plan.trainers)
+    assert sent[:T, 0].sum() == corr.nbytes
+    for node in set(node_of):
+        need = sum(o.nbytes for o in overlaps if any(node_of[w] == node for w in o.needers))
+        rdma = sum(received[T + w, :2].sum() for w in range(len(node_of)) if node_of[w] == node)
+        assert rdma == need
+    for w in plan.workers:
+        assert plan.for_worker(w).buffer_bytes <= round_bytes
+
+
+def _rollouts(num_engines, tp, ep=1, gpus_per_node=2):
+    return [(fused_rollout(r, tp, ep=ep), Placement(f"r{(e * tp + r) // gpus_per_node}", engine=e))
+            for e in range(num_engines) for r in range(tp)]
+
+
+def test_replicated_engines_on_two_nodes_meet_all_invariants():
+    trainers = [(tp_trainer(r % 2, 2), Placement(f"t{r // 2}")) for r in range(4)]
+    plan = plan_transfer(trainers, _rollouts(2, 2), round_bytes=96)
+    check_invariants(plan, 96)
+    assert plan.num_rounds > 1
+    sent, _ = plan.stage_bytes()
+    assert sent[4:, 1].sum() > 0 and sent[4:, 2].sum() > 0  # EXTERNAL and INTERNAL both used
+
+
+def _replicated(num_trainers, num_rollouts, shape=(512, 32)):
+    reg = Region("w", (0, 0), shape, (1, 1))
+    smap = SourceMap((ParamSpec("w", shape, "float32"),), (Piece(reg, "w", 0, (shape[1], 1)),))
+    return ([(smap, Placement(f"t{i}")) for i in range(num_trainers)],
+            [(smap, Placement(f"r{i}", engine=i)) for i in range(num_rollouts)])
+
+
+@pytest.mark.parametrize("num_trainers,num_rollouts", [(2, 1), (3, 2), (4, 4), (5, 3)])
+def test_replicated_trainers_split_egress_within_5_percent(num_trainers, num_rollouts):
+    trainers, rollouts = _replicated(num_trainers, num_rollouts)
+    plan = plan_transfer(trainers, rollouts, round_bytes=16 << 10)
+    check_invariants(plan, 16 << 10)
+    egress = [plan.sent_bytes(WorkerId("trainer", i)) for i in range(num_trainers)]
+    assert sum(egress) == 512 * 32 * 4
+    assert max(egress) <= 1.05 * min(egress), egress
+
+
+def test_replicated_rollout_nodes_balance_forwarders_and_receivers():
+    trainers, rollouts = _replicated(1, 4)
+    plan = plan_transfer(trainers, rollouts, round_bytes=16 << 10)
+    fwd = [plan.sent_bytes(WorkerId("rollout", i), Stage.EXTERNAL) for i in range(4)]
+    assert max(fwd) <= 1.05 * min(fwd), fwd
+    landed = [plan.received_bytes(WorkerId("rollout", i), Stage.RECEIVE) for i in range(4)]
+    assert max(landed) <= 1.05 * min(landed), landed
+
+
+def test_round_bytes_smaller_than_the_largest_tensor_still_works():
+    trainers, rollouts = _replicated(2, 2)
+    plan = plan_transfer(trainers, rollouts, round_bytes=1024)  # tensor is 64 KiB
+    check_invariants(plan, 1024)
+    assert plan.num_rounds >= 64
+
+
+def test_plans_are_deterministic():
+    trainers = [(fsdp_trainer(r, 3), Placement(f"t{r}")) for r in range(3)]
+    a = plan_transfer(trainers, _rollouts(2, 2, ep=2), round_bytes=80)
+    b = plan_transfer(trainers, _rollouts(2, 2, ep=2), round_bytes=80)
+    assert a.rounds == b.rounds
+    for name in ("stage", "src", "dst", "src_offset", "dst_offset", "seg_round"):
+        assert np.array_equal(getattr(a.tables, name), getattr(b.tables, name))
+    assert a.summary() == b.summary()
+
+
+def test_summary_names_rounds_and_stages():
+    trainers = [(tp_trainer(0, 1), Placement("t0"))]
+    text = plan_transfer(trainers, _rollouts(2, 1), round_bytes=4096).summary()
+    assert "rounds" in text and "receive" in text and "external" in text and "internal" in text
+
+
+def test_worker_plan_lists_pack_writes_and_assembly():
+    trainers = [(tp_trainer(r, 2), Placement("t0")) for r in range(2)]
+    plan = plan_transfer(trainers, _rollouts(2, 2), round_bytes=256)
+    t0 = plan.for_worker(WorkerId("trainer", 0))
+    assert any(r.pack for r in t0.rounds) and not any(r.assemble for r in t0.rounds)
+    assert all(w.stage is Stage.RECEIVE for r in t0.rounds for w in r.writes)
+    r0 = plan.for_worker(WorkerId("rollout", 0))
+    assert any(r.assemble for r in r0.rounds) and not any(r.pack for r in r0.rounds)
+    assert len(t0.rounds) == len(r0.rounds) == plan.num_rounds
+    assert r0.params == plan.rollout_maps[0].params
+
+
+# --------------------------------------------------------------------------------------------
+# Hypothesis: random trainer and rollout layouts
+# --------------------------------------------------------------------------------------------
+
+
+@st.composite
+def layouts(draw):
+    kind = draw(st.sampled_from(["tp", "fsdp"]))
+    if kind == "tp":
+        tp = draw(st.sampled_from([1, 2, 3, 4, 6]))
+        dp = draw(st.integers(1, 3))
+        experts_split = draw(st.booleans())
+        trainers = []
+        for d in range(dp):
+            for r in range(tp):
+                experts = (range(4) if not experts_split else
+                           range(2 * (r % 2), 2 * (r % 2) + 2) if tp > 1 else range(4))
+                trainers.append(tp_trainer(r, tp, experts=experts))
+    else:
+        world = draw(st.integers(1, 6))
+        trainers = [fsdp_trainer(r, world) for r in range(world)] * draw(st.integers(1, 2))
+    tnodes = draw(st.integers(1, 3))
+    trainers = [(m, Placement(f"t{i % tnodes}")) for i, m in enumerate(trainers)]
+    engines = draw(st.integers(1, 3))
+    rtp = draw(st.sampled_from([1, 2, 3, 4]))
+    ep = draw(st.sampled_from([1, 2, 4]))
+    gpus = draw(st.sampled_from([1, 2, 4]))
+    rollouts = _rollouts(engines, rtp, ep=ep, gpus_per_node=gpus)
+    round_bytes = draw(st.integers(48, 2048))
+    return trainers, rollouts, round_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts())
+def test_random_layouts_meet_invariants_and_are_bit_exact(layout):
+    trainers, rollouts, round_bytes = layout
+    plan = plan_transfer(trainers, rollouts, round_bytes=round_bytes)
+    check_invariants(plan, round_bytes)
+    ckpt = checkpoint(seed=round_bytes)
+    rparams = [params_of(m, fill=3.0) for m, _ in rollouts]
+    run_plan_locally(plan, [loaded(m, ckpt) for m, _ in trainers], rparams)
+    for (m, _), got in zip(rollouts, rparams):
+        want = loaded(m, ckpt, fill=3.0)
+        assert all(same_bytes(got[k], want[k]) for k in want)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+def test_empty_meshes_are_rejected():
+    trainers, rollouts = _replicated(1, 1)
+    with pytest.raises(ValueError, match="trainers is empty"):
+        plan_transfer([], rollouts, round_bytes=1024)
+    with pytest.raises(ValueError, match="rollouts is empty"):
+        plan_transfer(trainers, [], round_bytes=1024)
+
+
+def test_node_on_both_sides_is_rejected():
+    trainers, rollouts = _replicated(1, 1)
+    rollouts = [(rollouts[0][0], Placement("t0", engine=0))]
+    with pytest.raises(ValueError, match="both trainer and rollout"):
+        plan_transfer(trainers, rollouts, round_bytes=1024)
+
+
+def test_malformed_entries_are_rejected():
+    trainers, rollouts = _replicated(1, 1)
+    with pytest.raises(ValueError, match=r"trainers\[0\]"):
+        plan_transfer([trainers[0][0]], rollouts, round_bytes=1024)
+    with pytest.raises(ValueError, match="round_bytes"):
+        plan_transfer(trainers, rollouts, round_bytes=0)
+
+
+def test_round_bytes_below_one_row_is_rejected_with_the_minimum():
+    trainers, rollouts = _replicated(1, 1)  # rows of 32 float32 = 128 bytes
+    with pytest.raises(ValueError, match="round_bytes >= 128"):
+        plan_transfer(trainers, rollouts, round_bytes=100)
+
+
+def test_rollout_element_held_by_no_trainer_is_a_layout_error():
+    b = Builder()
+    b.piece(Region("attn.w", (0, 0), (6, 8), (1, 1)), b.param("attn", (6, 8), "bfloat16"), 0,
+            (8, 1))
+    trainers = [(b.build(), Placement("t0"))]
+    with pytest.raises(LayoutError, match=r"'attn.w' \(48 elements\)"):
+        plan_transfer(trainers, _rollouts(1, 1), round_bytes=1024)

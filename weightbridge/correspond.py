@@ -1,0 +1,229 @@
+"""Intersect trainer and rollout source maps in checkpoint coordinates.
+
+The checkpoint is the common coordinate system: every source-map region names checkpoint
+elements, so the elements a rollout needs and the trainers that hold them fall out of region
+arithmetic, with no knowledge of either side's parallelism.
+
+Typical usage::
+
+    corr = correspond(trainer_maps, rollout_maps)   # raises LayoutError before anything moves
+    corr.overlaps[0].holders, corr.overlaps[0].needers
+
+Scale: maps of replicas share regions, so work is per *distinct* region and per checkpoint
+tensor, never per element or per worker pair. A tensor whose needed part is one region held as
+one region (an expert under EP on both sides) takes a dict lookup; others are refined on a
+per-dim grid with numpy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from weightbridge.errors import LayoutError
+from weightbridge.types import Correspondence, Overlap, Region, SourceMap
+
+# tensor -> {distinct region: worker indices}
+_Regions = dict[str, dict[Region, list[int]]]
+
+
+def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceMap]
+               ) -> Correspondence:
+    """Partition every element some rollout needs into overlaps, each naming its holders.
+
+    Args:
+        trainer_maps: One source map per trainer worker.
+        rollout_maps: One source map per rollout worker.
+
+    Returns:
+        A `Correspondence`; overlaps index workers by position in the two sequences.
+
+    Raises:
+        ValueError: either side is empty.
+        LayoutError: a rollout needs elements no trainer holds (the message names the tensors
+            and element counts), or the two sides disagree on a checkpoint tensor's dtype.
+    """
+    if not trainer_maps or not rollout_maps:
+        raise ValueError(f"correspond needs at least one trainer and one rollout source map, got "
+                         f"{len(trainer_maps)} and {len(rollout_maps)}")
+    held, trainer_dtypes = _distinct_regions(trainer_maps, "trainer")
+    needed, rollout_dtypes = _distinct_regions(rollout_maps, "rollout")
+    _check_dtypes(trainer_dtypes, rollout_dtypes)
+    overlaps: list[Overlap] = []
+    missing: dict[str, int] = {}
+    for tensor, wanted in needed.items():
+        cells, num_missing = _refine(held.get(tensor, {}), wanted)
+        if num_missing:
+            missing[tensor] = num_missing
+        dtype = rollout_dtypes[tensor]
+        overlaps.extend(Overlap(region, dtype, holders, needers)
+                        for region, holders, needers in cells)
+    if missing:
+        raise LayoutError(_missing_message(missing))
+    return Correspondence(tuple(overlaps), len(trainer_maps), len(rollout_maps))
+
+
+def _distinct_regions(maps: Sequence[SourceMap], side: str) -> tuple[_Regions, dict[str, str]]:
+    """Group every piece's region by tensor, with the workers that have it; and tensor dtypes.
+
+    Replicas usually pass the same map object, so each distinct object is walked once.
+    """
+    by_object: dict[int, tuple[SourceMap, list[int]]] = {}
+    for worker, smap in enumerate(maps):
+        by_object.setdefault(id(smap), (smap, []))[1].append(worker)
+    regions: _Regions = {}
+    dtypes: dict[str, str] = {}
+    for smap, workers in by_object.values():
+        param_dtype = {p.name: p.dtype for p in smap.params}
+        seen_param = None
+        for piece in smap.pieces:
+            region = piece.region
+            if piece.param is not seen_param:
+                seen_param, dtype = piece.param, param_dtype.get(piece.param)
+                if dtype is None:
+                    raise LayoutError(f"{side} worker {workers[0]} has a piece into parameter "
+                                      f"{piece.param!r}, which its SourceMap.params does not "
+                                      f"list; rebuild the map with extract_source_map")
+            known = dtypes.setdefault(region.tensor, dtype)
+            if known != dtype:
+                raise LayoutError(f"{side} workers load checkpoint tensor {region.tensor!r} into "
+                                  f"both {known} and {dtype} parameters; WeightBridge moves "
+                                  f"bytes, so each tensor needs one dtype on each side")
+            regions.setdefault(region.tensor, {}).setdefault(region, []).extend(workers)
+    return regions, dtypes
+
+
+def _check_dtypes(trainer: dict[str, str], rollout: dict[str, str]) -> None:
+    bad = [(t, trainer[t], d) for t, d in rollout.items() if t in trainer and trainer[t] != d]
+    if bad:
+        lines = ", ".join(f"{t!r} (trainer {a}, rollout {b})" for t, a, b in bad[:5])
+        raise LayoutError(f"trainer and rollout parameters disagree on the dtype of {len(bad)} "
+                          f"checkpoint tensors: {lines}. WeightBridge moves bytes and does not "
+                          f"convert; load both sides in the same dtype")
+
+
+def _missing_message(missing: dict[str, int]) -> str:
+    worst = sorted(missing.items(), key=lambda kv: -kv[1])
+    listed = ", ".join(f"{t!r} ({n:,} elements)" for t, n in worst[:8])
+    more = f" and {len(worst) - 8} more" if len(worst) > 8 else ""
+    return (f"rollout workers need {sum(missing.values()):,} checkpoint elements that no trainer "
+            f"holds, in {len(missing)} tensors: {listed}{more}. Check that every trainer's source "
+            f"map was gathered (all pipeline stages, all expert ranks) and that both sides use "
+            f"the same checkpoint names")
+
+
+def _refine(held: dict[Region, list[int]], wanted: dict[Region, list[int]]
+            ) -> tuple[list[tuple[Region, tuple[int, ...], tuple[int, ...]]], int]:
+    """Cells of one tensor: (region, holders, needers) covering every wanted element once.
+
+    Returns the cells and the number of wanted elements no trainer holds.
+    """
+    if len(held) == 1 and len(wanted) == 1:  # the common case: one region each side
+        (h_region, h_workers), = held.items()
+        (w_region, w_workers), = wanted.items()
+        if h_region == w_region or h_region.intersect(w_region) == w_region:
+            return [(w_region, _ids(h_workers), _ids(w_workers))], 0
+    return _refine_grid(list(held.items()), list(wanted.items()))
+
+
+def _ids(workers: list[int]) -> tuple[int, ...]:
+    return tuple(sorted(set(workers)))
+
+
+def _refine_grid(held: list[tuple[Region, list[int]]], wanted: list[tuple[Region, list[int]]]
+                 ) -> tuple[list[tuple[Region, tuple[int, ...], tuple[int, ...]]], int]:
+    """General case: cut the tensor on a per-dim grid so every region is a union of cells.
+
+    Along each dim, coordinates that every region either contains or not form an atom; a cell is
+    a product of atoms, so membership in a region is the AND of per-dim memberships.
+    """
+    regions = [r for r, _ in held] + [r for r, _ in wanted]
+    num_held = len(held)
+    tensor = regions[0].tensor
+    ndim = len(regions[0].start)
+    per_dim = [_dim_atoms([(r.start[d], r.count[d], r.step[d]) for r in regions], num_held)
+               for d in range(ndim)]
+    cells: list[tuple[Region, tuple[int, ...], tuple[int, ...]]] = []
+    num_missing = 0
+    if ndim == 0:
+        member = np.ones((1, len(regions)), dtype=bool)
+        progs: list[tuple[tuple[int, int, int], ...]] = [()]
+    else:
+        member = per_dim[0][1]
+        for _, m in per_dim[1:]:
+            member = (member[:, None, :] & m[None, :, :]).reshape(-1, len(regions))
+        progs = list(itertools.product(*(atoms for atoms, _ in per_dim)))
+    needed = member[:, num_held:].any(axis=1)
+    signatures, inverse = np.unique(member[needed], axis=0, return_inverse=True)
+    owners = []
+    for sig in signatures:
+        holders = _ids([w for i in np.flatnonzero(sig[:num_held]) for w in held[i][1]])
+        needers = _ids([w for i in np.flatnonzero(sig[num_held:]) for w in wanted[i][1]])
+        owners.append((holders, needers))
+    for cell, sig in zip(np.flatnonzero(needed), inverse.reshape(-1)):
+        prog = progs[cell]
+        region = Region(tensor, tuple(p[0] for p in prog), tuple(p[1] for p in prog),
+                        tuple(p[2] for p in prog))
+        holders, needers = owners[sig]
+        if holders:
+            cells.append((region, holders, needers))
+        else:
+            num_missing += region.numel
+    return cells, num_missing
+
+
+def _dim_atoms(progs: list[tuple[int, int, int]], num_held: int
+               ) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+    """Atoms of one dim, as progressions (start, count, step), and their region memberships."""
+    if all(step == 1 or count == 1 for _, count, step in progs):
+        cuts = sorted({s for s, _, _ in progs} | {s + c for s, c, _ in progs})
+        lo = np.array(cuts[:-1])
+        hi = np.array(cuts[1:])
+        starts = np.array([s for s, _, _ in progs])
+        stops = np.array([s + c for s, c, _ in progs])
+        member = (starts[None, :] <= lo[:, None]) & (hi[:, None] <= stops[None, :])
+        keep = member[:, num_held:].any(axis=1)
+        atoms = [(int(a), int(b - a), 1) for a, b in zip(lo[keep], hi[keep])]
+        return atoms, member[keep]
+    # Strided regions (e.g. a rotary de-interleave): label every coordinate by membership.
+    extent = max(s + k * (c - 1) + 1 for s, c, k in progs)
+    coord_member = np.zeros((extent, len(progs)), dtype=bool)
+    for i, (s, c, k) in enumerate(progs):
+        coord_member[s:s + k * (c - 1) + 1:k, i] = True
+    useful = coord_member[:, num_held:].any(axis=1)
+    signatures, inverse = np.unique(coord_member[useful], axis=0, return_inverse=True)
+    coords = np.flatnonzero(useful)
+    atoms, member = [], []
+    for label, sig in enumerate(signatures):
+        for prog in _progressions(coords[inverse.reshape(-1) == label].tolist()):
+            atoms.append(prog)
+            member.append(sig)
+    return atoms, np.array(member, dtype=bool).reshape(len(atoms), len(progs))
+
+
+def _progressions(coords: list[int]) -> list[tuple[int, int, int]]:
+    """Split sorted coordinates into maximal arithmetic progressions, greedily from the left."""
+    out, i = [], 0
+    while i < len(coords):
+        if i + 1 == len(coords):
+            out.append((coords[i], 1, 1))
+            break
+        step, j = coords[i + 1] - coords[i], i + 1
+        while j + 1 < len(coords) and coords[j + 1] - coords[j] == step:
+            j += 1
+        out.append((coords[i], j - i + 1, step))
+        i = j + 1
+    return out
+
+
+def needed_bytes(corr: Correspondence) -> list[int]:
+    """Bytes each rollout worker needs (once per element, whatever its pieces do with it)."""
+    need = [0] * corr.num_rollouts
+    for o in corr.overlaps:
+        n = o.nbytes
+        for w in o.needers:
+            need[w] += n
+    return need
+

@@ -1,0 +1,116 @@
+"""Estimate end-to-end weight transfer time (EWTT) of a plan, of Eq. (1), and of two baselines.
+
+Link model: each GPU owns ``1 / gpus_per_node`` of its node's RDMA bandwidth, separately in each
+direction, and ``intra_node_bandwidth`` of NVLink per direction. A stage of a round lasts as long
+as its busiest link: max over workers of (bytes out, bytes in) / bandwidth.
+
+Pipeline model (two buffers per worker): a round's two network stages form one phase that lasts
+as long as its busiest NIC over both (forwarding of round r overlaps receiving of round r + 1 on
+the other buffer, so in steady state each NIC streams its own bytes); the network runs rounds in
+order. NVLink runs INTERNAL(r) after the network phase of round r. Round r also waits until
+INTERNAL(r - 2) has finished, because it reuses that round's buffers. EWTT is the end of the last
+INTERNAL. Not modelled: pack/assemble kernels, RDMA latency, control messages, and the chunk
+latency before a relay can start forwarding.
+
+Baselines, on the same layouts and links, with no round overheads (so they are optimistic):
+- broadcast: every trainer's unique elements go to one head GPU (trainer 0), then the full model
+  is broadcast to every rollout worker (each node receives M once; NVLink fans it out);
+- P2P: every rollout worker pulls each element it needs from one holder (the first), so a
+  trainer sends its data once per rollout worker that needs it.
+
+Typical usage::
+
+    est = simulate(plan, Cluster(gpus_per_node=8, inter_node_bandwidth=400e9,
+                                 intra_node_bandwidth=450e9))
+    print(est.ewtt, est.ideal, est.ratio)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from weightbridge.plan import TransferPlan
+from weightbridge.plan_route import INTERNAL
+from weightbridge.types import Cluster, Estimate
+
+
+def simulate(plan: TransferPlan, cluster: Cluster) -> Estimate:
+    """Simulated EWTT of ``plan`` on ``cluster``, with the ideal and the two baselines."""
+    return Estimate(ewtt=float(_pipelined(plan, cluster)), ideal=float(ideal_ewtt(plan, cluster)),
+                    broadcast=float(_broadcast(plan, cluster)), p2p=float(_p2p(plan, cluster)),
+                    num_rounds=plan.num_rounds)
+
+
+def ideal_ewtt(plan: TransferPlan, cluster: Cluster) -> float:
+    """Eq. (1): max(M / B_T, max over rollout nodes v of M_v / B_v)."""
+    corr = plan.correspondence
+    model = corr.nbytes
+    trainer_nodes = len({p.node for p in plan.trainers})
+    node_need: dict[str, int] = {}
+    for o in corr.overlaps:
+        for node in {plan.rollouts[w].node for w in o.needers}:
+            node_need[node] = node_need.get(node, 0) + o.nbytes
+    bw = cluster.inter_node_bandwidth
+    return max(model / (trainer_nodes * bw), max(node_need.values(), default=0) / bw)
+
+
+def _pipelined(plan: TransferPlan, cluster: Cluster) -> float:
+    t = plan.tables
+    num_rounds, num_workers = t.num_rounds, len(plan.trainers) + len(plan.rollouts)
+    if num_rounds == 0:
+        return 0.0
+    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    rnd = t.round
+    nbytes = t.nbytes.astype(np.float64)
+
+    def busiest(mask: np.ndarray, bw: float) -> np.ndarray:
+        """[R] seconds of the busiest link end (egress or ingress) among ``mask`` writes."""
+        worst = np.zeros(num_rounds)
+        for ends in (t.src[mask], t.dst[mask]):
+            load = np.bincount(rnd[mask] * num_workers + ends, weights=nbytes[mask],
+                               minlength=num_rounds * num_workers)
+            worst = np.maximum(worst, load.reshape(num_rounds, num_workers).max(1) / bw)
+        return worst
+
+    network = busiest(t.stage != INTERNAL, nic)
+    internal = busiest(t.stage == INTERNAL, cluster.intra_node_bandwidth)
+    net_free = nvl_free = 0.0
+    internal_end = [0.0] * num_rounds
+    for r in range(num_rounds):
+        buffer_free = internal_end[r - 2] if r >= 2 else 0.0
+        network_end = max(net_free, buffer_free) + network[r]
+        net_free = network_end
+        internal_end[r] = max(network_end, nvl_free) + internal[r]
+        nvl_free = internal_end[r]
+    return internal_end[-1]
+
+
+def _broadcast(plan: TransferPlan, cluster: Cluster) -> float:
+    corr = plan.correspondence
+    model = corr.nbytes
+    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    head = plan.trainers[0].node
+    # Gather: bytes the head does not hold arrive over NVLink (same node) or its NIC.
+    local = remote = 0
+    for o in corr.overlaps:
+        if 0 in o.holders:
+            continue
+        if any(plan.trainers[h].node == head for h in o.holders):
+            local += o.nbytes
+        else:
+            remote += o.nbytes
+    gather = max(local / cluster.intra_node_bandwidth, remote / nic)
+    # Broadcast: the head GPU's NIC sends M; every rollout node takes in M (pipelined).
+    spread = model / min(nic, cluster.inter_node_bandwidth, cluster.intra_node_bandwidth)
+    return gather + spread
+
+
+def _p2p(plan: TransferPlan, cluster: Cluster) -> float:
+    corr = plan.correspondence
+    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    sent = np.zeros(len(plan.trainers))
+    received = np.zeros(len(plan.rollouts))
+    for o in corr.overlaps:
+        sent[o.holders[0]] += o.nbytes * len(o.needers)
+        received[list(o.needers)] += o.nbytes
+    return max(sent.max() / nic, received.max() / nic)
