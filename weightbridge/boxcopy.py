@@ -40,7 +40,7 @@ SUPPORTED_ITEMSIZES = (1, 2, 4)
 MAX_RANK = 4
 """Most box dims after merging contiguous dims that the fast paths accept (see docs/kernels.md)."""
 
-_INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+INT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 class CopyKernels(Protocol):
@@ -116,14 +116,16 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
         raise ValueError(f"{bad} has {len(bad.shape)} sizes but {len(bad.strides)} strides; "
                          "give one stride per box dim")
     rank = max((len(c.shape) for c in copies), default=0)
-    pad = lambda t, fill: (fill,) * (rank - len(t)) + tuple(t)  # noqa: E731
-    tensor = torch.tensor([c.tensor for c in copies], dtype=torch.int64)
-    offset = torch.tensor([c.offset for c in copies], dtype=torch.int64)
-    shape = torch.tensor([pad(c.shape, 1) for c in copies], dtype=torch.int64)
-    shape = shape.reshape(len(copies), rank)
-    strides = torch.tensor([pad(c.strides, 0) for c in copies], dtype=torch.int64)
-    strides = strides.reshape(len(copies), rank)
-    buffer_offset = torch.tensor([c.buffer_offset for c in copies], dtype=torch.int64)
+    ones, zeros = (1,) * rank, (0,) * rank
+    try:
+        cols = torch.tensor([(c.tensor, c.offset, c.buffer_offset, *ones[len(c.shape):], *c.shape,
+                              *zeros[len(c.strides):], *c.strides) for c in copies],
+                            dtype=torch.int64).reshape(len(copies), 3 + 2 * rank)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"every BoxCopy field must be an int (or a tuple of ints) that fits in "
+                         f"int64: {e}") from None
+    tensor, offset, buffer_offset = cols[:, 0], cols[:, 1], cols[:, 2]
+    shape, strides = cols[:, 3:3 + rank], cols[:, 3 + rank:]
 
     def first(bad: torch.Tensor) -> BoxCopy | None:
         return copies[int(bad.nonzero()[0, 0])] if bool(bad.any()) else None
@@ -196,12 +198,12 @@ def check_rank(copies: Sequence[BoxCopy], rows: torch.Tensor, shape: torch.Tenso
     """Raise ValueError if a merged box (``shape`` of ``copies[rows[i]]``) exceeds MAX_RANK."""
     rank = (shape > 1).sum(dim=1)
     if bool((rank > MAX_RANK).any()):
-        c = copies[int(rows[int((rank > MAX_RANK).nonzero()[0, 0])])]
+        i = int((rank > MAX_RANK).nonzero()[0, 0])
         raise ValueError(
-            f"{c} has {int(rank.max())} dims that cannot be merged (dims merge when one is "
-            f"contiguous with the next); the copy kernels support at most {MAX_RANK}. Split "
-            "the box into several boxes along its outer dims, or raise MAX_RANK as "
-            "docs/kernels.md describes")
+            f"{copies[int(rows[i])]} has {int(rank[i])} dims that cannot be merged (dims merge "
+            f"when one is contiguous with the next); the copy kernels support at most "
+            f"{MAX_RANK}. Split the box into several boxes along its outer dims, or raise "
+            "MAX_RANK as docs/kernels.md describes")
 
 
 def _check_tensors(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
@@ -214,8 +216,8 @@ def _check_tensors(tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> N
                 "that view")
     devices = {t.device for t in tensors}
     if len(devices) > 1:
-        raise ValueError(f"the copies address tensors on several devices {sorted(map(str, devices))}; "
-                         "build one table per device")
+        raise ValueError(f"the copies address tensors on several devices "
+                         f"{sorted(map(str, devices))}; build one table per device")
 
 
 def tensor_span(tensor: torch.Tensor) -> int:
@@ -231,8 +233,8 @@ def flat_span(tensor: torch.Tensor, itemsize: int | None = None) -> torch.Tensor
     Viewing as integers makes every copy move bits: no float handling touches NaN payloads.
     """
     span = tensor.as_strided((tensor_span(tensor),), (1,), tensor.storage_offset())
-    span = span.view(_INT_DTYPES[tensor.element_size()])
-    return span if itemsize is None else span.view(_INT_DTYPES[itemsize])
+    span = span.view(INT_DTYPES[tensor.element_size()])
+    return span if itemsize is None else span.view(INT_DTYPES[itemsize])
 
 
 def check_buffer(buffer: torch.Tensor, nbytes: int, device: torch.device | None) -> None:
@@ -320,7 +322,8 @@ class TorchCopyKernels:
         check_packable(table.buffer_overlap)
         for c in table.copies:
             view, flipped = self._int_view(table, c)
-            box = (view.flip(flipped) if flipped else view).contiguous()
+            box = torch.empty(c.shape, dtype=view.dtype, device=view.device)
+            box.copy_(view.flip(flipped) if flipped else view)
             buffer[c.buffer_offset:c.buffer_offset + box.numel() * box.element_size()].copy_(
                 box.view(-1).view(torch.uint8))
 
@@ -337,4 +340,4 @@ class TorchCopyKernels:
     @staticmethod
     def _int_view(table: ReferenceTable, copy: BoxCopy) -> tuple[torch.Tensor, list[int]]:
         t = table.tensors[copy.tensor]
-        return box_view(t.view(_INT_DTYPES[t.element_size()]), copy)
+        return box_view(t.view(INT_DTYPES[t.element_size()]), copy)

@@ -1,0 +1,44 @@
+"""Pack: gather a round's boxes from many tensors into one contiguous byte buffer, one launch.
+
+Each program moves one tile of one box (see kernels/descriptors.py for the tables); the tensors
+are reached through the addresses in the descriptor table, so one launch serves every tensor.
+
+Typical usage::
+
+    desc = build_descriptors(copies, tensors)   # once per plan
+    pack(desc, send_buffer)                      # per round
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._launch import check_launch
+from kernels._tile import _box_tile, _move
+from kernels.descriptors import NUM_FIELDS, Descriptors
+
+
+@triton.jit(do_not_specialize=["buffer_address"])
+def _pack_kernel(copies,  # *int64 [C, NUM_FIELDS] box descriptors
+                 tiles,  # *int64 [T, 3] (copy row, first row, first column) per program
+                 buffer_address,  # int64 address of the buffer's first byte
+                 NUM_FIELDS: tl.constexpr,  # columns of `copies`
+                 BLOCK_ROWS: tl.constexpr,  # box rows per program
+                 BLOCK_COLS: tl.constexpr):  # innermost-dim elements per program
+    addr, buf, esize, tensor_offsets, buffer_indices, mask = _box_tile(
+        copies, tiles, NUM_FIELDS, BLOCK_ROWS, BLOCK_COLS)
+    _move(addr, tensor_offsets, buffer_address + buf, buffer_indices, mask, esize)
+
+
+def pack(desc: Descriptors, buffer: torch.Tensor, *, num_warps: int = 4) -> None:
+    """Gather every box of ``desc`` into ``buffer`` (1-d contiguous uint8, >= desc.nbytes)."""
+    check_launch(desc, buffer)
+    if desc.buffer_overlap:
+        raise ValueError("two copies of this table write overlapping buffer bytes, so packing it "
+                         "would depend on the order of the copies; give each box its own "
+                         "buffer range (assemble allows shared ranges, pack does not)")
+    if desc.num_tiles == 0:
+        return
+    _pack_kernel[(desc.num_tiles,)](desc.copies, desc.tiles, buffer.data_ptr(),
+                                    NUM_FIELDS=NUM_FIELDS, BLOCK_ROWS=desc.block_rows,
+                                    BLOCK_COLS=desc.block_cols, num_warps=num_warps)
