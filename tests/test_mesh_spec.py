@@ -1,0 +1,44 @@
+"""Mesh specs: parsing, derived degrees, and clear errors before anything spawns."""
+
+import pytest
+
+from meshes.qwen3_moe import SIZES
+from meshes.spec import RolloutSpec, TrainerSpec
+
+MODEL = SIZES["tiny"]
+
+
+def test_trainer_spec_parses_and_lays_out_tp_fastest():
+    spec = TrainerSpec.parse("nodes=2,gpus=2,tp=2,ep=2")
+    spec.validate(MODEL)
+    assert (spec.num_workers, spec.dp) == (4, 1)
+    assert [spec.coords(w) for w in (0, 1, 2)] == [
+        {"dp": 0, "pp": 0, "ep": 0, "tp": 0}, {"dp": 0, "pp": 0, "ep": 0, "tp": 1},
+        {"dp": 0, "pp": 0, "ep": 1, "tp": 0}]
+
+
+def test_rollout_spec_parses_engines():
+    spec = RolloutSpec.parse("engines=2, nodes=1, gpus=2, tp=2")
+    spec.validate(MODEL)
+    assert spec.num_workers == 4 and spec.coords(3) == {"engine": 1, "ep": 0, "tp": 1}
+
+
+@pytest.mark.parametrize("cls,text,match", [
+    (TrainerSpec, "nodes=1,gpus=3,tp=3", "tp=3 does not divide the model's heads"),
+    (TrainerSpec, "nodes=1,gpus=4,tp=2,ep=4", "tp\\*pp\\*ep = 8 must divide the 4 workers"),
+    (TrainerSpec, "gpus=3,pp=3", "pp=3 must divide the model's 2 layers"),
+    (TrainerSpec, "gpus=2,fsdp=1,tp=2", "drop tp/pp/ep"),
+    (RolloutSpec, "engines=2,gpus=2,tp=1", "tp\\*ep = 1 must equal the 2 workers"),
+    (RolloutSpec, "gpus=2,ep=2,tp=1,engines=0", "engines must be >= 1"),
+])
+def test_bad_specs_say_what_is_wrong(cls, text, match):
+    with pytest.raises(ValueError, match=match):
+        cls.parse(text).validate(MODEL)
+
+
+@pytest.mark.parametrize("text,match", [("gpus", "expected key=value"),
+                                        ("nodes=two", "not an integer"),
+                                        ("replicas=2", "expected key=value")])
+def test_unparseable_specs_say_what_is_expected(text, match):
+    with pytest.raises(ValueError, match=match):
+        TrainerSpec.parse(text)
