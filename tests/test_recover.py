@@ -105,3 +105,16 @@ def test_any_element_map_is_reproduced_exactly(data):
     else:
         idx = torch.arange(1200).view(40, 30)[data.draw(st.integers(0, 3))::2].t().reshape(-1)
     check({"w": idx})
+
+
+def test_empty_parameters_and_tensors_have_no_pieces():
+    spec = CheckpointSpec.from_tensors({"a": torch.zeros(4, dtype=torch.bfloat16),
+                                        "e": torch.zeros(0, 3, dtype=torch.bfloat16)})
+    params = {"a": torch.zeros(4, dtype=torch.bfloat16),
+              "e": torch.zeros(0, 3, dtype=torch.bfloat16)}
+
+    def load(weights):
+        for name, w in weights:
+            params[name].copy_(w)
+    smap = extract_source_map(params, load, spec)
+    assert [p.param for p in smap.pieces] == ["a"] and len(smap.params) == 2

@@ -159,8 +159,3 @@ def _is_prime(n: int) -> bool:
         else:
             return False
     return True
-
-
-def max_modulus_product(alpha: Alphabet, passes: int) -> int:
-    """Product of the first ``passes`` moduli (the range indices decode into)."""
-    return math.prod(alpha.moduli[:passes])

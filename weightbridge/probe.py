@@ -88,11 +88,14 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
             shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
             for name, p in live.items():
                 alpha = alphabet(p.dtype)
-                if k < num_passes[p.dtype]:
+                if k < num_passes[p.dtype] and p.numel():
                     scans[name].append(scan_pass(_flat(p), alpha, alpha.moduli[k]))
         param_specs, pieces, unsourced, holes = [], [], [], {}
         bases = torch.tensor(tindex.bases)
         for name, p in live.items():
+            param_specs.append(ParamSpec(name, tuple(p.shape), _dtype_name(p.dtype)))
+            if not p.numel():
+                continue
             alpha = alphabet(p.dtype)
             dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
             row = dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
@@ -100,7 +103,6 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
             bad = _check_decoded(name, p, runs, tindex)
             if bad:
                 _refuse(get, load_weights, spec, *bad)
-            param_specs.append(ParamSpec(name, tuple(p.shape), _dtype_name(p.dtype)))
             pieces += _pieces(name, tuple(p.shape), runs, tindex)
             hole = runs.index < 0
             if hole.any():
