@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, recover
+from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, runs
 
 
 def gather_loader(params, sources, spec):
@@ -74,7 +74,7 @@ def test_one_checkpoint_element_in_many_places():
 
 
 def test_runs_cut_by_chunk_edges_join_again(monkeypatch):
-    monkeypatch.setattr(recover, "CHUNK", 7)
+    monkeypatch.setattr(runs, "CHUNK", 7)
     smap = check({"w": torch.arange(1200), "t": torch.arange(1200).view(40, 30).t().reshape(-1)})
     assert len(smap.pieces) == 2
 

@@ -2,7 +2,7 @@
 
 The loader is a black box. Each probe pass offers it the full checkpoint with every element set
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
-indices begin (`recover`). A last pass loads a pseudo-random checkpoint and checks that the map
+indices begin (`runs`, `boxes`). A last pass loads a pseudo-random checkpoint and checks that the map
 reproduces every parameter bit-exactly, so a loader that changes values is refused here, before
 any transfer, instead of corrupting weights later.
 
@@ -28,16 +28,8 @@ import torch
 from weightbridge.codec import Alphabet, alphabet, digits_to_values
 from weightbridge.diagnose import source_tensor
 from weightbridge.errors import LayoutError
-from weightbridge.recover import (
-    CHUNK,
-    PassRuns,
-    Runs,
-    TensorIndex,
-    box_to_pieces,
-    group_boxes,
-    merge_passes,
-    scan_pass,
-)
+from weightbridge.boxes import TensorIndex, box_to_pieces, group_boxes
+from weightbridge.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, SourceMap
 
 Params = Mapping[str, torch.Tensor]
