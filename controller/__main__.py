@@ -1,33 +1,96 @@
-"""The main job. For now, in one process: discover, plan, transfer and verify on a toy MoE.
+"""The main job: one Monarch controller moves weights from a trainer mesh to a rollout mesh.
 
-    bash scripts/dev.sh run                 # default: tiny model
-    bash scripts/dev.sh run --model small   # ~200M elements
+    bash scripts/dev.sh run                                    # default mesh run (below)
+    python -m controller --trainer "nodes=1,gpus=4,tp=2,ep=2" \
+        --rollout "engines=2,nodes=1,gpus=2,tp=2" --updates 3 --model tiny
+    python -m controller --local                               # in-process demo, no meshes
 
-It builds the four ranks of a Megatron-like trainer (TP2 x EP2) and the four ranks of two
-rollout engines (TP2 each, fused qkv / stacked experts / padded vocabulary), probes every rank's
-own load_weights, intersects the maps, plans the three-stage transfer, runs it in-process
-(`run_plan_locally`, the same pack / write / assemble steps the mesh executor runs) and checks
-every rollout parameter bit for bit against its own loader. The Monarch controller, with real
-process meshes and RDMA writes, replaces this demo in a later issue.
+The mesh run spawns both meshes on this host, probes every rank's own load_weights, plans the
+three-stage transfer on the controller, registers the rollouts' round buffers for RDMA once, then
+per update runs a stand-in train step, moves every round (pack, RDMA writes, forwards, assemble)
+and checks every rollout parameter by checksum against its own load_weights of that version.
+See docs/controller.md.
+
+``--local`` runs the same discover/plan/transfer/verify pipeline in one process: the four ranks
+of a Megatron-like trainer (TP2 x EP2) and the four ranks of two TP2 rollout engines, moved by
+`run_plan_locally`.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, Placement, correspond, extract_source_map,
-                          plan_transfer, run_plan_locally)
+from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond,
+                          extract_source_map, plan_transfer, run_plan_locally)
+
+DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
+DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="WeightBridge in-process demo")
+    parser = argparse.ArgumentParser(description="WeightBridge controller")
+    parser.add_argument("--trainer", default=DEFAULT_TRAINER, help="trainer mesh spec")
+    parser.add_argument("--rollout", default=DEFAULT_ROLLOUT, help="rollout mesh spec")
+    parser.add_argument("--updates", type=int, default=3, help="model versions to transfer")
     parser.add_argument("--model", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--round-kib", type=int, default=256, help="bytes per round buffer")
+    parser.add_argument("--local", action="store_true",
+                        help="in-process demo (fixed layouts, no meshes)")
     args = parser.parse_args()
+    if args.local:
+        local_demo(args)
+    else:
+        raise SystemExit(mesh_run(args))
+
+
+def mesh_run(args) -> int:
+    from controller.driver import MeshTransfer  # imports monarch: only for the mesh run
+    from meshes.spec import RolloutSpec, TrainerSpec
+
+    try:
+        trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
+        trainer.validate(SIZES[args.model])
+        rollout.validate(SIZES[args.model])
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    spec = checkpoint_spec(SIZES[args.model])
+    print(f"model {args.model}: {len(spec)} tensors, {spec.numel:,} elements; trainer "
+          f"[{args.trainer}] {trainer.num_workers} procs, rollout [{args.rollout}] "
+          f"{rollout.num_workers} procs", flush=True)
+    failed = False
+    t_stop = None
+    mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10)
+    try:
+        with mt:
+            print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
+            t0 = time.perf_counter()
+            try:
+                plan = mt.connect()
+            except LayoutError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
+                  f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
+            print(plan.summary(), flush=True)
+            for version in range(1, args.updates + 1):
+                report = mt.update(version)
+                print(report.line(), flush=True)
+                failed |= bool(report.mismatched)
+            t_stop = time.perf_counter()
+    finally:
+        if t_stop is not None:
+            print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
+    return 1 if failed else 0
+
+
+def local_demo(args) -> None:
+    """Discover, plan, transfer (in one process) and verify, on fixed layouts."""
     config = SIZES[args.model]
     spec = checkpoint_spec(config)
     print(f"checkpoint: {len(spec)} tensors, {spec.numel:,} elements ({args.model} Qwen3-MoE)")
@@ -68,6 +131,7 @@ def main() -> None:
              if not mismatched else f"MISMATCH in {mismatched[:5]}"))
     if mismatched:
         raise SystemExit(1)
+
 
 if __name__ == "__main__":
     main()

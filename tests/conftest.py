@@ -1,10 +1,18 @@
 """Shared test set-up.
 
 Monarch child processes import actor classes by module name, and they only see PYTHONPATH, so
-the test process's sys.path is exported before any mesh is spawned.
+the test process's sys.path is exported before any mesh is spawned. A failed or stopped mesh
+reports an "unhandled fault" to the root client, whose default hook exits the process (pytest
+would die with KeyboardInterrupt); the hook here records it instead, and mesh tests fail on
+their own assertions and errors.
 """
 
 import os
 import sys
 
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+
+import monarch.actor  # noqa: E402  (after PYTHONPATH: children inherit the environment)
+
+MESH_FAULTS: list[str] = []
+monarch.actor.unhandled_fault_hook = lambda failure: MESH_FAULTS.append(str(failure))

@@ -1,0 +1,265 @@
+"""The single controller: owns both meshes, plans centrally, sequences every round.
+
+    controller                       trainer mesh (TrainerActor)      rollout mesh (RolloutActor)
+    ----------                       ---------------------------      ---------------------------
+    spawn procs + actors  ------->   shard from (model, spec, rank)   shard from (model, spec, rank)
+    gather source maps    <-------   probe own load_weights           probe own load_weights
+    correspond + plan_transfer (pure, here)
+    scatter WorkerPlans   ------->   tables + 2 arenas                tables + 2 arenas, register
+                          <---------------------------------------   incoming ranges -> handles
+    hand out handles      ------->   set_peers                        set_peers
+    per update:  train_step(v) -->   load checkpoint v
+      per round r:  send(r)   -->    pack, RDMA write RECEIVE  ====>  arena r%2
+                    forward(r, EXTERNAL), forward(r, INTERNAL) ---->  rollout -> rollout writes
+                    assemble(r) (overlaps send(r+1)) --------------->  arena r%2 -> params
+      checksums(v)            <------------------------------------  live vs own load_weights(v)
+
+Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes.
+
+Typical usage::
+
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny") as mt:
+        plan = mt.connect()
+        report = mt.update(1)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from monarch.actor import this_host
+
+from meshes.actors import RolloutActor, TrainerActor
+from meshes.qwen3_moe import SIZES
+from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import Placement, Stage, TransferPlan, WorkerId, plan_transfer
+from weightbridge.executor import incoming_ranges
+from weightbridge.monarch_transport import backend, configure_transport, drop_all
+
+FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReport:
+    """What one update did and how long it took (seconds, wall clock on the controller)."""
+
+    version: int
+    train_step_s: float
+    """Trainers loading the new version (the stand-in optimizer step)."""
+    transfer_s: float
+    """First send to last assemble: the end-to-end weight transfer time."""
+    verify_s: float
+    rdma_bytes: int
+    """Bytes written over RDMA in all stages."""
+    num_params: int
+    """Rollout parameters compared (over all rollout workers)."""
+    mismatched: tuple[str, ...]
+    """``rollout<i>:<param>`` of every parameter whose checksum differs from its loader's."""
+
+    def line(self) -> str:
+        verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
+                   f"load_weights(v{self.version})" if not self.mismatched else
+                   f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters: "
+                   f"{list(self.mismatched[:4])}")
+        rate = self.rdma_bytes / self.transfer_s / 1e6 if self.transfer_s else 0.0
+        return (f"update {self.version}: train_step {self.train_step_s:.3f}s  transfer "
+                f"{self.transfer_s:.3f}s ({self.rdma_bytes / 1e6:.2f} MB over RDMA, "
+                f"{rate:.0f} MB/s)  verify {self.verify_s:.3f}s  | {verdict}")
+
+
+class MeshTransfer:
+    """Both meshes and the plan between them. A context manager: leaving it stops the meshes.
+
+    Args:
+        trainer, rollout: Mesh specs (validated against the model before anything spawns).
+        model: A name in `meshes.qwen3_moe.SIZES`.
+
+    Keyword Args:
+        round_bytes: Round buffer capacity per worker.
+        procs: (trainer procs, rollout procs) to spawn the actors on instead of spawning procs
+            (each a one-dim mesh of the spec's worker count); they are then not stopped here.
+        trainer_actor, rollout_actor: Actor classes (tests substitute faulty ones).
+    """
+
+    def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, model: str, *,
+                 round_bytes: int = 256 << 10, procs=None, trainer_actor=TrainerActor,
+                 rollout_actor=RolloutActor):
+        if model not in SIZES:
+            raise ValueError(f"unknown model {model!r}; choose one of {sorted(SIZES)}")
+        trainer.validate(SIZES[model])
+        rollout.validate(SIZES[model])
+        self.trainer_spec, self.rollout_spec, self.model = trainer, rollout, model
+        self.round_bytes = round_bytes
+        self._given_procs = procs
+        self._actor_classes = (trainer_actor, rollout_actor)
+        self._owned: list = []
+        self._actors: list = []
+        self.plan: TransferPlan | None = None
+        self.spawn_s = 0.0
+        self.num_handles = 0
+        self._handles: dict = {}
+
+    @property
+    def backend(self) -> str:
+        """RDMA backend ("tcp" is Monarch's fallback where there is no RDMA NIC)."""
+        return backend()
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def __enter__(self) -> "MeshTransfer":
+        try:
+            self._spawn()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self) -> None:
+        t0 = time.perf_counter()
+        if self._given_procs is None:
+            configure_transport()  # before spawning: children read the config at start-up
+            host = this_host()
+            tp = host.spawn_procs(per_host={"worker": self.trainer_spec.num_workers},
+                                  name="trainer")
+            self._owned.append(tp)
+            rp = host.spawn_procs(per_host={"worker": self.rollout_spec.num_workers},
+                                  name="rollout")
+            self._owned.append(rp)
+        else:
+            tp, rp = self._given_procs
+        trainer_cls, rollout_cls = self._actor_classes
+        self.trainers = tp.spawn("trainer", trainer_cls, self.model, _text(self.trainer_spec))
+        self._actors.append(self.trainers)
+        self.rollouts = rp.spawn("rollout", rollout_cls, self.model, _text(self.rollout_spec))
+        self._actors.append(self.rollouts)
+        self.trainers.initialized.get()
+        self.rollouts.initialized.get()  # actors built their shards (children imported torch)
+        self.spawn_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the actors, and the procs if this object spawned them. Safe to call twice."""
+        errors = []
+        if not self._owned and self._handles:
+            # Procs outlive this object: deregister the arenas so the rollout procs free them.
+            try:
+                drop_all(self._handles)
+            except Exception as e:  # keep stopping the actors; re-raised below
+                errors.append(e)
+        self._handles = {}
+        meshes = self._owned if self._owned else self._actors
+        for mesh in meshes:
+            try:
+                mesh.stop().get(timeout=60)
+            except Exception as e:  # keep stopping the others; re-raised below
+                errors.append(e)
+        self._owned, self._actors = [], []
+        if errors:
+            raise RuntimeError(f"stopping the meshes failed: {errors}; look for leftover "
+                               f"bootstrap_main processes with ps") from errors[0]
+
+    # -- connect --------------------------------------------------------------------------------
+
+    def connect(self) -> TransferPlan:
+        """Probe, plan, scatter plans, register buffers, hand out handles. Moves no weights.
+
+        Raises:
+            LayoutError: the rollouts need elements no trainer holds (raised by the planner,
+                before any actor allocates a buffer).
+        """
+        tmaps_f = self.trainers.source_map.call()
+        rmaps_f = self.rollouts.source_map.call()
+        tmaps, rmaps = _by_rank(tmaps_f.get()), _by_rank(rmaps_f.get())
+        per_engine = self.rollout_spec.workers_per_engine
+        self.plan = plan_transfer(
+            [(m, Placement("trainer")) for m in tmaps],
+            [(m, Placement(f"rollout-e{i // per_engine}", engine=i // per_engine))
+             for i, m in enumerate(rmaps)],
+            round_bytes=self.round_bytes)
+        plans = {w: self.plan.for_worker(w) for w in self.plan.workers}
+        ranges = incoming_ranges(plans.values())
+        futures = [self.trainers.slice(worker=w.index).connect.call_one(plans[w])
+                   for w in self.plan.workers if w.side == "trainer"]
+        rollouts = [w for w in self.plan.workers if w.side == "rollout"]
+        handle_f = [self.rollouts.slice(worker=w.index).connect.call_one(
+            plans[w], sorted(ranges.get(w, ()))) for w in rollouts]
+        for f in futures:
+            f.get()
+        handles = {(w, key): h for w, f in zip(rollouts, handle_f) for key, h in f.get().items()}
+        self.num_handles, self._handles = len(handles), handles
+        for mesh, side in ((self.trainers, "trainer"), (self.rollouts, "rollout")):
+            futures = []
+            for w, p in plans.items():
+                if w.side == side:
+                    mine = {(wr.peer, (r.index % 2, wr.peer_offset, wr.nbytes)) for r in p.rounds
+                            for wr in r.writes}
+                    futures.append(mesh.slice(worker=w.index).set_peers.call_one(
+                        {k: handles[k] for k in mine}))
+            for f in futures:
+                f.get()
+        self._active = _active_steps(plans.values(), self.plan.num_rounds)
+        return self.plan
+
+    # -- one update -----------------------------------------------------------------------------
+
+    def update(self, version: int) -> UpdateReport:
+        """Train step, transfer every round, verify every rollout parameter by checksum."""
+        if self.plan is None:
+            raise RuntimeError("call connect() before update()")
+        t0 = time.perf_counter()
+        self.trainers.train_step.call(version).get()
+        t1 = time.perf_counter()
+        self._transfer()
+        t2 = time.perf_counter()
+        results = _by_rank(self.rollouts.checksums.call(version).get())
+        t3 = time.perf_counter()
+        bad, count = [], 0
+        for i, (got, want) in enumerate(results):
+            count += len(want)
+            bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+        sent, _ = self.plan.stage_bytes()
+        return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
+                            verify_s=t3 - t2, rdma_bytes=int(sent.sum()), num_params=count,
+                            mismatched=tuple(bad))
+
+    def _transfer(self) -> None:
+        # Round r+1's RECEIVE writes go to arena (r+1)%2 while the rollouts assemble round r out
+        # of arena r%2; arena (r+1)%2 was last read by assemble(r-1), which finished before
+        # send(r+1) was issued. Actors take one message at a time, and RDMA writes land without
+        # the receiving actor's thread, so a send never waits on an assemble.
+        assembling = None
+        for r in range(self.plan.num_rounds):
+            sending = self.trainers.send.call(r) if (r, Stage.RECEIVE) in self._active else None
+            for f in (assembling, sending):
+                if f is not None:
+                    f.get()
+            for stage in FORWARD_STAGES:
+                if (r, stage) in self._active:
+                    self.rollouts.forward.call(r, stage).get()
+            assembling = self.rollouts.assemble.call(r) if (r, "assemble") in self._active \
+                else None
+        if assembling is not None:
+            assembling.get()
+
+
+def _by_rank(values) -> list:
+    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+
+def _active_steps(plans, num_rounds: int) -> set:
+    """(round, stage) pairs with at least one write, and (round, "assemble") with any copy."""
+    active = set()
+    for p in plans:
+        for r in p.rounds:
+            active |= {(r.index, w.stage) for w in r.writes}
+            if r.assemble:
+                active.add((r.index, "assemble"))
+    return active
+
+
+def _text(spec) -> str:
+    return ",".join(f"{f}={getattr(spec, f)}" for f in spec.__slots__)

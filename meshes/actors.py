@@ -1,0 +1,185 @@
+"""Trainer and rollout actors: thin Monarch wrappers over a shard and a `WorkerExecutor`.
+
+Each actor builds its own shard from (model name, mesh spec text, its rank in the mesh), probes
+its own ``load_weights`` for the controller, and at connect builds its copy tables and two round
+arenas once. Rollouts register the arena ranges peers write into as RDMA buffers and return the
+handles; the controller hands every writer the handles it needs. Per update the controller calls
+``send`` (trainers: pack + RECEIVE writes), ``forward`` (rollouts: EXTERNAL, then INTERNAL
+writes straight out of the receive arena) and ``assemble`` round by round.
+
+Endpoints are plain ``def``: the actors are sync (each endpoint runs on the actor's own thread,
+one message at a time), so waiting on RDMA futures with ``.get()`` is fine in them.
+
+Typical usage (see controller/driver.py)::
+
+    trainers = procs.spawn("trainer", TrainerActor, "tiny", "nodes=1,gpus=4,tp=2,ep=2")
+    maps = trainers.source_map.call().get()
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from monarch.actor import Actor, current_rank, endpoint
+
+from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, TrainerShard, checkpoint_spec
+from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import Stage, WorkerId, WorkerPlan, default_kernels, extract_source_map
+from weightbridge.executor import Range, WorkerExecutor
+from weightbridge.monarch_transport import register_ranges, wait_all, write
+
+WRITE_TIMEOUT_S = 60
+"""A write to a dead receiver hangs until this timeout on the TCP fallback."""
+
+
+def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint of ``version`` (deterministic: one generator seed per tensor and version).
+
+    ``names`` restricts it to the tensors a worker reads, so no worker materializes all of it.
+    """
+    spec = checkpoint_spec(config)
+    wanted = None if names is None else set(names)
+    for i, t in enumerate(spec.tensors):
+        if wanted is None or t.name in wanted:
+            gen = torch.Generator().manual_seed(version * 1_000_003 + i)
+            yield t.name, torch.randn(t.shape, generator=gen).to(torch.bfloat16)
+
+
+def checksums(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Per-parameter 64-bit blake2b digest of the raw bytes."""
+    return {n: hashlib.blake2b(p.detach().contiguous().view(torch.uint8).numpy().tobytes(),
+                               digest_size=8).hexdigest() for n, p in params.items()}
+
+
+class _Worker(Actor):
+    """What trainer and rollout actors share: a shard, its source map and an executor."""
+
+    side = ""
+
+    def __init__(self, model: str, spec: str):
+        if model not in SIZES:
+            raise ValueError(f"unknown model {model!r}; choose one of {sorted(SIZES)}")
+        self.config = SIZES[model]
+        self.index = current_rank().rank
+        self.shard = self._make_shard(self.config, spec, self.index)
+        self.smap = None
+        self.executor: WorkerExecutor | None = None
+        self.peers: dict[tuple[WorkerId, Range], object] = {}
+
+    def _make_shard(self, config: MoEConfig, spec: str, index: int):
+        raise NotImplementedError
+
+    def _source_map(self):
+        self.smap = extract_source_map(self.shard.params, self.shard.load_weights,
+                                       checkpoint_spec(self.config))
+        return self.smap
+
+    def _connect(self, plan: WorkerPlan) -> None:
+        if plan.worker != WorkerId(self.side, self.index):
+            raise ValueError(f"{self.side} actor {self.index} was handed the plan of "
+                             f"{plan.worker}; the controller must slice plans by mesh rank")
+        self.executor = WorkerExecutor(plan, self.shard.params, default_kernels("cpu"))
+        self.load_version(0)  # what the engine starts from; also clears the probe's values
+
+    def load_version(self, version: int) -> None:
+        with torch.no_grad():
+            self.shard.load_weights(checkpoint(self.config, version, self.smap.tensors()))
+
+    def _issue(self, r: int, stage: Stage) -> None:
+        futures = [write(self.peers[(peer, key)], src, timeout_s=WRITE_TIMEOUT_S)
+                   for peer, key, src in self.executor.writes(r, stage)]
+        wait_all(futures)
+
+
+class TrainerActor(_Worker):
+    """One trainer rank: Megatron-like shard (TP x EP, DP replicas); writes RECEIVE-stage bytes."""
+
+    side = "trainer"
+
+    def _make_shard(self, config: MoEConfig, spec: str, index: int):
+        s = TrainerSpec.parse(spec)
+        s.validate(config)
+        if s.pp > 1 or s.fsdp:
+            raise ValueError(f"trainer spec {spec!r}: the mesh actors support TP x EP x DP "
+                             f"only so far; use pp=1 and fsdp=0")
+        c = s.coords(index)
+        return TrainerShard(config, s.tp, c["tp"], s.ep, c["ep"])
+
+    @endpoint
+    def source_map(self):
+        """Probe this rank's own load_weights (overwrites the parameters)."""
+        return self._source_map()
+
+    @endpoint
+    def connect(self, plan: WorkerPlan) -> None:
+        """Build copy tables and arenas once; load version 0. Trainers expose no RDMA ranges."""
+        self._connect(plan)
+
+    @endpoint
+    def set_peers(self, handles: dict) -> None:
+        """Handles of the receivers' ranges, keyed by (peer WorkerId, range)."""
+        self.peers = handles
+
+    @endpoint
+    def train_step(self, version: int) -> None:
+        """A stand-in optimizer step: every weight becomes that of checkpoint ``version``."""
+        self.load_version(version)
+
+    @endpoint
+    def send(self, r: int) -> None:
+        """Round r: pack into arena r % 2 and write the RECEIVE stage; returns once it landed."""
+        self.executor.pack(r)
+        self._issue(r, Stage.RECEIVE)
+
+
+class RolloutActor(_Worker):
+    """One rollout rank: inference shard (fused qkv, stacked experts, padded vocab)."""
+
+    side = "rollout"
+
+    def _make_shard(self, config: MoEConfig, spec: str, index: int):
+        s = RolloutSpec.parse(spec)
+        s.validate(config)
+        c = s.coords(index)
+        self._shard_args = (config, s.tp, c["tp"], s.ep, c["ep"])
+        return RolloutShard(*self._shard_args)
+
+    @endpoint
+    def source_map(self):
+        """Probe this rank's own load_weights (overwrites the parameters)."""
+        return self._source_map()
+
+    @endpoint
+    def connect(self, plan: WorkerPlan, ranges: list) -> dict:
+        """Build tables and arenas, load version 0, register every incoming range once.
+
+        Returns {range: RDMABuffer} for the controller to hand to the writers.
+        """
+        self._connect(plan)
+        return register_ranges(self.executor.arenas, ranges)
+
+    @endpoint
+    def set_peers(self, handles: dict) -> None:
+        """Handles of other rollouts' ranges this rank forwards into."""
+        self.peers = handles
+
+    @endpoint
+    def forward(self, r: int, stage: Stage) -> None:
+        """Round r: write this stage's bytes out of receive arena r % 2; returns once landed."""
+        self._issue(r, stage)
+
+    @endpoint
+    def assemble(self, r: int) -> None:
+        """Round r: receive arena r % 2 -> parameters (after the round's last stage)."""
+        self.executor.assemble(r)
+
+    @endpoint
+    def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
+        """(checksums of the live parameters, of this rank's own load_weights of ``version``)."""
+        scratch = RolloutShard(*self._shard_args)
+        with torch.no_grad():
+            scratch.load_weights(checkpoint(self.config, version, self.smap.tensors()))
+        return checksums(self.shard.params), checksums(scratch.params)

@@ -1,0 +1,46 @@
+"""WorkerExecutor without Monarch: registered ranges as arena views, writes as copies.
+
+The controller's sequence (send, forward EXTERNAL, forward INTERNAL, assemble) run in one
+process must give every rollout exactly what its own loader gives.
+"""
+
+import torch
+
+from meshes.actors import checkpoint, checksums
+from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
+from weightbridge import CpuCopyKernels, Placement, Stage, extract_source_map, plan_transfer
+from weightbridge.executor import WorkerExecutor, incoming_ranges
+
+CONFIG = SIZES["tiny"]
+
+
+def test_executors_with_copy_writes_match_the_rollouts_own_loader():
+    spec = checkpoint_spec(CONFIG)
+    trainers = [TrainerShard(CONFIG, 2, r % 2, 2, r // 2) for r in range(4)]
+    rollouts = [RolloutShard(CONFIG, 2, r % 2, 1, 0) for r in range(4)]
+    tmaps = [extract_source_map(w.params, w.load_weights, spec) for w in trainers]
+    rmaps = [extract_source_map(w.params, w.load_weights, spec) for w in rollouts]
+    plan = plan_transfer([(m, Placement("t")) for m in tmaps],
+                         [(m, Placement(f"r{i // 2}", engine=i // 2)) for i, m in enumerate(rmaps)],
+                         round_bytes=64 << 10)
+    shards = trainers + rollouts
+    ex = {w: WorkerExecutor(plan.for_worker(w), s.params, CpuCopyKernels())
+          for w, s in zip(plan.workers, shards)}
+    registered = {(w, key): ex[w].arenas[key[0]][key[1]:key[1] + key[2]]
+                  for w, keys in incoming_ranges(e.plan for e in ex.values()).items()
+                  for key in keys}
+    for s in trainers:
+        s.load_weights(checkpoint(CONFIG, 5))
+    for r in range(plan.num_rounds):
+        for e in ex.values():
+            e.pack(r)
+        for stage in (Stage.RECEIVE, Stage.EXTERNAL, Stage.INTERNAL):
+            for e in ex.values():
+                for peer, key, src in e.writes(r, stage):
+                    registered[(peer, key)].copy_(src)
+        for e in ex.values():
+            e.assemble(r)
+    for s in rollouts:
+        want = RolloutShard(CONFIG, s.tp, s.tp_rank, 1, 0)
+        want.load_weights(checkpoint(CONFIG, 5))
+        assert checksums(s.params) == checksums(want.params)

@@ -1,0 +1,92 @@
+"""One worker's side of a plan across processes: arenas, copy tables, and the writes of a stage.
+
+`run_plan_locally` runs every worker in one process; on a mesh each worker runs a
+`WorkerExecutor` and the controller sequences the steps (pack, each stage's writes, assemble).
+The executor is transport-free: it says which bytes of which arena go to which registered range
+of which peer (`writes`), and a transport moves them. Receivers register, once, every range some
+peer writes into (`incoming_ranges`, computed on the controller from all worker plans).
+
+Typical usage::
+
+    ex = WorkerExecutor(worker_plan, shard.params, CpuCopyKernels())   # once, at connect
+    ex.pack(r)                                                         # trainers, per round
+    for peer, key, src in ex.writes(r, Stage.RECEIVE): ...             # src: a view of an arena
+    ex.assemble(r)                                                     # rollouts, after the round
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Mapping
+
+import torch
+
+from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
+from weightbridge.types import Stage, WorkerId, WorkerPlan
+
+Range = tuple[int, int, int]
+"""(arena parity, byte offset, nbytes) in a receiver's two round arenas."""
+
+
+def incoming_ranges(plans: Iterable[WorkerPlan]) -> dict[WorkerId, set[Range]]:
+    """Per receiving worker, every distinct arena range some peer writes into, over all rounds."""
+    out: dict[WorkerId, set[Range]] = {}
+    for plan in plans:
+        for rnd in plan.rounds:
+            for w in rnd.writes:
+                out.setdefault(w.peer, set()).add((rnd.index % 2, w.peer_offset, w.nbytes))
+    return out
+
+
+class WorkerExecutor:
+    """A worker's two round arenas and copy tables, built once, reused for every version.
+
+    Parameters must stay the same tensor objects (update them in place): the tables point at
+    their storage.
+    """
+
+    def __init__(self, plan: WorkerPlan, params: Mapping[str, torch.Tensor],
+                 kernels: CopyKernels | None = None):
+        self.plan, self.kernels = plan, kernels or TorchCopyKernels()
+        tensors = []
+        for spec in plan.params:
+            t = params.get(spec.name)
+            if t is None:
+                raise ValueError(f"{plan.worker} has no parameter {spec.name!r}; connect with "
+                                 f"the same parameters its source map was extracted from")
+            if (tuple(t.shape) != spec.shape
+                    or str(t.dtype).removeprefix("torch.") != spec.dtype):
+                raise ValueError(f"{plan.worker} parameter {spec.name!r} is {tuple(t.shape)} "
+                                 f"{t.dtype}, but its source map says {spec.shape} {spec.dtype}")
+            if not t.is_contiguous():
+                raise ValueError(f"{plan.worker} parameter {spec.name!r} is not contiguous; the "
+                                 f"mesh executor writes parameters in place, so make it "
+                                 f"contiguous before probing")
+            tensors.append(t)
+        device = tensors[0].device if tensors else torch.device("cpu")
+        self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
+                       for _ in range(2)]
+        self._pack = [self.kernels.build_table(r.pack, tensors) if r.pack else None
+                      for r in plan.rounds]
+        self._assemble = [self.kernels.build_table(r.assemble, tensors) if r.assemble else None
+                          for r in plan.rounds]
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.plan.rounds)
+
+    def pack(self, r: int) -> None:
+        """Parameters -> arena r % 2 (trainers)."""
+        if self._pack[r] is not None:
+            self.kernels.pack(self._pack[r], self.arenas[r % 2])
+
+    def assemble(self, r: int) -> None:
+        """Arena r % 2 -> parameters (rollouts, after the round's last stage has landed)."""
+        if self._assemble[r] is not None:
+            self.kernels.assemble(self._assemble[r], self.arenas[r % 2])
+
+    def writes(self, r: int, stage: Stage) -> Iterator[tuple[WorkerId, Range, torch.Tensor]]:
+        """(peer, peer's registered range, source bytes) of every write of round r's stage."""
+        arena = self.arenas[r % 2]
+        for w in self.plan.rounds[r].writes:
+            if w.stage is stage:
+                yield w.peer, (r % 2, w.peer_offset, w.nbytes), arena[w.offset:w.offset + w.nbytes]

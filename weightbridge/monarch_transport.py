@@ -1,0 +1,94 @@
+"""Monarch RDMA for round buffers: the only core module that imports ``monarch``.
+
+Monarch 0.7.0's `RDMABuffer` is 1-D and has no offset writes (``write_from`` fills the prefix of
+the remote buffer), so a receiver registers one buffer per byte range that some peer writes into,
+each over a view of one of its two round arenas, once, at connect. A writer then sends a slice of
+its own arena into the handle of exactly that range. Handles are small picklable objects: they
+travel through endpoint arguments (control plane); bytes move only through ``write_from`` (data
+plane).
+
+Typical usage::
+
+    configure_transport()                                   # controller, before spawning procs
+    handles = register_ranges(arenas, [(0, 4096, 65536)])   # receiver, once, at connect
+    futures = [write(handles[key], arena[off:off + n]) for ...]   # writer, per stage
+    wait_all(futures)
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+import monarch
+from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
+
+Range = tuple[int, int, int]
+"""(arena parity, byte offset, nbytes): a range of one of a receiver's two round arenas."""
+
+DEFAULT_CHUNK_MB = 8
+"""TCP-fallback chunk size: 4-16 MB chunks move about 2x the bytes of the 64 MB default here."""
+
+
+def configure_transport(chunk_mb: int = DEFAULT_CHUNK_MB) -> None:
+    """Set the RDMA chunk size; call in the controller before spawning (children inherit it)."""
+    monarch.configure(rdma_max_chunk_size_mb=int(chunk_mb))
+
+
+def backend() -> str:
+    """The RDMA backend of this process: "ibverbs", or "tcp" (the fallback, no RDMA NIC)."""
+    return str(get_rdma_backend())
+
+
+def register_ranges(arenas: Sequence[torch.Tensor], ranges: Iterable[Range]
+                    ) -> dict[Range, RDMABuffer]:
+    """Register one RDMA buffer per distinct range of the arenas (1-D contiguous uint8 tensors).
+
+    The buffers alias the arenas: bytes a peer writes land in the arena in place.
+
+    Raises:
+        ValueError: an arena that is not 1-D contiguous uint8, or a range outside its arena.
+    """
+    for i, a in enumerate(arenas):
+        if a.dtype != torch.uint8 or a.dim() != 1 or not a.is_contiguous():
+            raise ValueError(f"arena {i} is {a.dtype} {tuple(a.shape)}; RDMA arenas must be 1-D "
+                             f"contiguous uint8 tensors (allocate with torch.empty(n, "
+                             f"dtype=torch.uint8))")
+    handles: dict[Range, RDMABuffer] = {}
+    with warnings.catch_warnings():
+        # Every receiving process would warn once about the TCP fallback; the controller
+        # reports the backend once instead (`backend`).
+        warnings.simplefilter("ignore", RDMATcpFallbackWarning)
+        for parity, offset, nbytes in sorted(set(ranges)):
+            arena = arenas[parity]
+            if nbytes < 1 or offset < 0 or offset + nbytes > arena.numel():
+                raise ValueError(f"range [{offset}, {offset + nbytes}) of arena {parity} lies "
+                                 f"outside its {arena.numel()} bytes; the plan and the arena "
+                                 f"size disagree")
+            handles[(parity, offset, nbytes)] = RDMABuffer(arena[offset:offset + nbytes])
+    return handles
+
+
+def write(handle: RDMABuffer, src: torch.Tensor, *, timeout_s: int = 60):
+    """Start writing ``src`` (a 1-D contiguous byte view) into the whole registered range.
+
+    Returns a Monarch future; the write is sent eagerly. A receiver whose process is gone makes
+    the write hang until ``timeout_s`` on the TCP fallback, so keep the timeout finite.
+    """
+    if src.numel() != handle.size():
+        raise ValueError(f"writing {src.numel()} bytes into a registered range of "
+                         f"{handle.size()} bytes; writes must cover exactly one registered range")
+    return handle.write_from(src, timeout=timeout_s)
+
+
+def wait_all(futures: Sequence) -> None:
+    """Block until every write has landed (sync code: scripts and sync endpoints)."""
+    for f in futures:
+        f.get()
+
+
+def drop_all(handles: Mapping[object, RDMABuffer]) -> None:
+    """Deregister buffers (the arenas stay pinned until then)."""
+    wait_all([h.drop() for h in handles.values()])
