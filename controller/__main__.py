@@ -3,6 +3,7 @@
     bash scripts/dev.sh run                                    # default mesh run (below)
     python -m controller --trainer "nodes=1,gpus=4,tp=2,ep=2" \
         --rollout "engines=2,nodes=1,gpus=2,tp=2" --updates 3 --model tiny
+    python -m controller --updates 2 --trace /tmp/update.json  # + timeline of the last update
     python -m controller --local                               # in-process demo, no meshes
 
 The mesh run spawns both meshes on this host, probes every rank's own load_weights, plans the
@@ -39,6 +40,9 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=3, help="model versions to transfer")
     parser.add_argument("--model", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--round-kib", type=int, default=256, help="bytes per round buffer")
+    parser.add_argument("--trace", metavar="PATH",
+                        help="write the last update's per-rank, per-stage timeline here "
+                             "(Chrome trace JSON; open in Perfetto)")
     parser.add_argument("--local", action="store_true",
                         help="in-process demo (fixed layouts, no meshes)")
     args = parser.parse_args()
@@ -71,22 +75,35 @@ def mesh_run(args) -> int:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
             t0 = time.perf_counter()
             try:
-                plan = mt.connect()
+                mt.connect()
             except LayoutError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
             print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
                   f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
-            print(plan.summary(), flush=True)
+            print(mt.summary(), flush=True)
             for version in range(1, args.updates + 1):
                 report = mt.update(version)
                 print(report.line(), flush=True)
                 failed |= bool(report.mismatched)
+            if args.trace and args.updates > 0:
+                write_trace(args.trace, report.timing, label=f"update {report.version}")
+                print(f"wrote the trace of update {report.version} to {args.trace}")
             t_stop = time.perf_counter()
     finally:
         if t_stop is not None:
             print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
     return 1 if failed else 0
+
+
+def write_trace(path: str, timing, *, label: str) -> None:
+    """Chrome trace JSON of one update (see controller/timing.py)."""
+    import json
+
+    from controller.timing import chrome_trace
+
+    with open(path, "w") as f:
+        json.dump(chrome_trace(timing, label=label), f)
 
 
 def local_demo(args) -> None:

@@ -31,14 +31,19 @@ from dataclasses import dataclass
 
 from monarch.actor import this_host
 
+from controller.timing import UpdateTiming, update_timing, write_dests
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import Placement, Stage, TransferPlan, WorkerId, plan_transfer
+from weightbridge import LayoutError, Placement, Stage, TransferPlan, WorkerId, plan_transfer
 from weightbridge.executor import incoming_ranges
 from weightbridge.monarch_transport import backend, configure_transport, drop_all
+from weightbridge.simulate import eq1
 
 FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
+PROBE_BYTES = 8 << 20
+"""Link probe write size: one 8 MB RDMA chunk."""
+PROBE_REPEATS = 3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,6 +62,10 @@ class UpdateReport:
     """Rollout parameters compared (over all rollout workers)."""
     mismatched: tuple[str, ...]
     """``rollout<i>:<param>`` of every parameter whose checksum differs from its loader's."""
+    timing: UpdateTiming | None = None
+    """Every worker's spans and stall windows (actor clocks; see controller/timing.py)."""
+    ideal_s: float = 0.0
+    """Eq. (1) from the link probe at connect."""
 
     def line(self) -> str:
         verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
@@ -66,7 +75,16 @@ class UpdateReport:
         rate = self.rdma_bytes / self.transfer_s / 1e6 if self.transfer_s else 0.0
         return (f"update {self.version}: train_step {self.train_step_s:.3f}s  transfer "
                 f"{self.transfer_s:.3f}s ({self.rdma_bytes / 1e6:.2f} MB over RDMA, "
-                f"{rate:.0f} MB/s)  verify {self.verify_s:.3f}s  | {verdict}")
+                f"{rate:.0f} MB/s)  verify {self.verify_s:.3f}s  | {verdict}"
+                + (f"\n  {self.timing_line()}" if self.timing is not None else ""))
+
+    def timing_line(self) -> str:
+        t = self.timing
+        mean, peak = t.kernel_share()
+        ratio = f"{t.ewtt_s / self.ideal_s:.2f}" if self.ideal_s > 0 else "n/a"
+        return (f"EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  ideal {self.ideal_s:.4f}s  "
+                f"EWTT/ideal {ratio}  pack+assemble {100 * mean:.1f}% of EWTT per worker "
+                f"(busiest {100 * peak:.1f}%)")
 
 
 class MeshTransfer:
@@ -100,6 +118,9 @@ class MeshTransfer:
         self.spawn_s = 0.0
         self.num_handles = 0
         self._handles: dict = {}
+        self.links: dict[str, float] = {}
+        """Bytes/s of one RDMA write stream per probed link, measured at connect."""
+        self.ideal_s = 0.0
 
     @property
     def backend(self) -> str:
@@ -168,9 +189,13 @@ class MeshTransfer:
         """Probe, plan, scatter plans, register buffers, hand out handles. Moves no weights.
 
         Raises:
-            LayoutError: the rollouts need elements no trainer holds (raised by the planner,
-                before any actor allocates a buffer).
+            LayoutError: the two meshes load different checkpoints (checked first, before any
+                probe), or the rollouts need elements no trainer holds (raised by the planner);
+                either way before any actor allocates a buffer.
         """
+        tspecs_f = self.trainers.checkpoint_spec.call()
+        rspecs_f = self.rollouts.checkpoint_spec.call()
+        _check_same_checkpoint(_by_rank(tspecs_f.get()), _by_rank(rspecs_f.get()))
         tmaps_f = self.trainers.source_map.call()
         rmaps_f = self.rollouts.source_map.call()
         tmaps, rmaps = _by_rank(tmaps_f.get()), _by_rank(rmaps_f.get())
@@ -202,7 +227,34 @@ class MeshTransfer:
             for f in futures:
                 f.get()
         self._active = _active_steps(plans.values(), self.plan.num_rounds)
+        self._dests = write_dests(plans.values())
+        self.links = self._probe_links()
+        self.ideal_s = eq1(self.plan, trainer_node_bandwidth=self.links["trainer->rollout"],
+                           rollout_node_bandwidth=self.links.get(
+                               "rollout->rollout", self.links["trainer->rollout"]))
         return self.plan
+
+    def _probe_links(self) -> dict[str, float]:
+        """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
+        (or the same engine if there is one), best of PROBE_REPEATS each: one stream per link."""
+        handle = self.rollouts.slice(worker=0).probe_buffer.call_one(PROBE_BYTES).get()
+        writers = {"trainer->rollout": self.trainers.slice(worker=0)}
+        spec = self.rollout_spec
+        peer = spec.workers_per_engine if spec.engines > 1 else 1
+        if peer < spec.num_workers:
+            writers["rollout->rollout"] = self.rollouts.slice(worker=peer)
+        try:
+            return {link: PROBE_BYTES / mesh.probe_link.call_one(
+                handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
+        finally:
+            drop_all({0: handle})
+
+    def summary(self) -> str:
+        """The plan summary plus the link probe and the ideal EWTT it gives."""
+        links = ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in self.links.items())
+        return (f"{self.plan.summary()}\n  links (one {PROBE_BYTES >> 20} MB RDMA write stream, "
+                f"best of {PROBE_REPEATS}): {links}\n  ideal EWTT (Eq. 1, a link per planning "
+                f"node): {self.ideal_s:.4f}s")
 
     # -- one update -----------------------------------------------------------------------------
 
@@ -215,7 +267,11 @@ class MeshTransfer:
         t1 = time.perf_counter()
         self._transfer()
         t2 = time.perf_counter()
-        results = _by_rank(self.rollouts.checksums.call(version).get())
+        span_f = [(side, mesh.timings.call()) for side, mesh in
+                  (("trainer", self.trainers), ("rollout", self.rollouts))]
+        check_f = self.rollouts.checksums.call(version)
+        spans = {(side, p.rank): s for side, f in span_f for p, s in f.get().items()}
+        results = _by_rank(check_f.get())
         t3 = time.perf_counter()
         bad, count = [], 0
         for i, (got, want) in enumerate(results):
@@ -224,7 +280,8 @@ class MeshTransfer:
         sent, _ = self.plan.stage_bytes()
         return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=int(sent.sum()), num_params=count,
-                            mismatched=tuple(bad))
+                            mismatched=tuple(bad), timing=update_timing(spans, self._dests),
+                            ideal_s=self.ideal_s)
 
     def _transfer(self) -> None:
         # Round r+1's RECEIVE writes go to arena (r+1)%2 while the rollouts assemble round r out
@@ -248,6 +305,24 @@ class MeshTransfer:
 
 def _by_rank(values) -> list:
     return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
+
+
+def _check_same_checkpoint(trainer_specs: list, rollout_specs: list) -> None:
+    """Every worker must read the same checkpoint: source-map regions are coordinates in it.
+
+    Without this, a trainer of a bigger vocabulary (say) would hold every row a rollout needs,
+    and the plan would silently move rows of a tensor the rollout does not have.
+    """
+    want = trainer_specs[0]
+    for side, specs in (("trainer", trainer_specs), ("rollout", rollout_specs)):
+        for i, spec in enumerate(specs):
+            diff = want.differences(spec, ("trainer 0", f"{side} {i}"))
+            if diff:
+                more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+                raise LayoutError(
+                    f"trainer worker 0 and {side} worker {i} load different checkpoints: "
+                    f"{len(diff)} tensors differ: {'; '.join(diff[:4])}{more}. Both meshes must "
+                    f"load the same checkpoint: build both sides from the same model config")
 
 
 def _active_steps(plans, num_rounds: int) -> set:

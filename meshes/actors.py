@@ -19,12 +19,13 @@ Typical usage (see controller/driver.py)::
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Iterable, Iterator, Mapping
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, TrainerShard, checkpoint_spec
+from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import Stage, WorkerId, WorkerPlan, default_kernels, extract_source_map
 from weightbridge.executor import Range, WorkerExecutor
@@ -68,9 +69,15 @@ class _Worker(Actor):
         self.smap = None
         self.executor: WorkerExecutor | None = None
         self.peers: dict[tuple[WorkerId, Range], object] = {}
+        self.spans: list[tuple[str, int, int, int]] = []  # (stage, round, start_ns, end_ns)
 
     def _make_shard(self, config: MoEConfig, spec: str, index: int):
         raise NotImplementedError
+
+    @endpoint
+    def checkpoint_spec(self):
+        """Names, shapes and dtypes of the checkpoint this rank's load_weights reads."""
+        return checkpoint_spec(self.config)
 
     def _source_map(self):
         self.smap = extract_source_map(self.shard.params, self.shard.load_weights,
@@ -93,20 +100,41 @@ class _Worker(Actor):
                    for peer, key, src in self.executor.writes(r, stage)]
         wait_all(futures)
 
+    def _timed(self, stage: str, r: int, step, *args) -> None:
+        # time.monotonic_ns is CLOCK_MONOTONIC: comparable across the procs of one host.
+        start = time.monotonic_ns()
+        step(*args)
+        self.spans.append((stage, r, start, time.monotonic_ns()))
+
+    @endpoint
+    def timings(self) -> list[tuple[str, int, int, int]]:
+        """This update's (stage, round, start_ns, end_ns) spans; clears them."""
+        spans, self.spans = self.spans, []
+        return spans
+
+    @endpoint
+    def probe_link(self, handle, nbytes: int, repeats: int) -> float:
+        """Best seconds of ``repeats`` RDMA writes of ``nbytes`` into ``handle``, after a warm-up
+        write (the first write starts this proc's RDMA manager)."""
+        src = torch.full((nbytes,), 7, dtype=torch.uint8)
+        best = float("inf")
+        for i in range(repeats + 1):
+            start = time.monotonic_ns()
+            write(handle, src, timeout_s=WRITE_TIMEOUT_S).get()
+            best = best if i == 0 else min(best, (time.monotonic_ns() - start) / 1e9)
+        return best
+
 
 class TrainerActor(_Worker):
-    """One trainer rank: Megatron-like shard (TP x EP, DP replicas); writes RECEIVE-stage bytes."""
+    """One trainer rank: Megatron-like shard (TP x EP x PP, DP replicas) or an FSDP flat shard;
+    writes RECEIVE-stage bytes."""
 
     side = "trainer"
 
     def _make_shard(self, config: MoEConfig, spec: str, index: int):
         s = TrainerSpec.parse(spec)
         s.validate(config)
-        if s.pp > 1 or s.fsdp:
-            raise ValueError(f"trainer spec {spec!r}: the mesh actors support TP x EP x DP "
-                             f"only so far; use pp=1 and fsdp=0")
-        c = s.coords(index)
-        return TrainerShard(config, s.tp, c["tp"], s.ep, c["ep"])
+        return s.shard(config, index)
 
     @endpoint
     def source_map(self):
@@ -131,8 +159,8 @@ class TrainerActor(_Worker):
     @endpoint
     def send(self, r: int) -> None:
         """Round r: pack into arena r % 2 and write the RECEIVE stage; returns once it landed."""
-        self.executor.pack(r)
-        self._issue(r, Stage.RECEIVE)
+        self._timed("pack", r, self.executor.pack, r)
+        self._timed(Stage.RECEIVE.value, r, self._issue, r, Stage.RECEIVE)
 
 
 class RolloutActor(_Worker):
@@ -169,12 +197,18 @@ class RolloutActor(_Worker):
     @endpoint
     def forward(self, r: int, stage: Stage) -> None:
         """Round r: write this stage's bytes out of receive arena r % 2; returns once landed."""
-        self._issue(r, stage)
+        self._timed(stage.value, r, self._issue, r, stage)
 
     @endpoint
     def assemble(self, r: int) -> None:
         """Round r: receive arena r % 2 -> parameters (after the round's last stage)."""
-        self.executor.assemble(r)
+        self._timed("assemble", r, self.executor.assemble, r)
+
+    @endpoint
+    def probe_buffer(self, nbytes: int):
+        """Register an ``nbytes`` scratch RDMA buffer for the link probe; returns its handle."""
+        self._probe_arena = torch.zeros(nbytes, dtype=torch.uint8)
+        return register_ranges([self._probe_arena], [(0, 0, nbytes)])[(0, 0, nbytes)]
 
     @endpoint
     def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:

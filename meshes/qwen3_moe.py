@@ -5,7 +5,9 @@ it. `checkpoint_spec` gives the HF checkpoint names and shapes; `RolloutShard` h
 parameters in the inference layout (fused qkv, fused gate_up as 3-d stacked experts, TP inside,
 experts by expert-parallel rank, vocabulary padded to a multiple of 64) with a vLLM-style
 ``load_weights``; `TrainerShard` holds one rank in a Megatron-like layout (separate q/k/v sharded
-by heads, row-parallel o_proj, experts by expert-parallel rank, unpadded vocabulary shards).
+by heads, row-parallel o_proj, experts by expert-parallel rank, unpadded vocabulary shards, a
+pipeline stage's contiguous block of layers numbered from 0); `FsdpTrainerShard` holds one rank's
+piece of an FSDP flat parameter (the whole checkpoint flattened, padded and cut in equal shards).
 """
 
 from __future__ import annotations
@@ -125,16 +127,33 @@ class RolloutShard:
 
 
 class TrainerShard:
-    """One rank of a Megatron-like trainer: attention TP by heads, experts by EP rank."""
+    """One rank of a Megatron-like trainer: attention TP by heads, experts by EP rank, layers by
+    pipeline stage.
 
-    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int):
+    Stage ``pp_rank`` of ``pp`` holds layers ``[pp_rank * L, (pp_rank + 1) * L)`` with
+    ``L = layers // pp``, renumbered from 0 as Megatron does (stage 1's ``decoder.layers.0`` is
+    checkpoint layer L); the embedding lives on the first stage, the final norm and the output
+    layer on the last.
+    """
+
+    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
+                 pp: int = 1, pp_rank: int = 0):
+        if c.layers % pp or not 0 <= pp_rank < pp:
+            raise ValueError(f"pp={pp}, pp_rank={pp_rank}: pp must divide the model's "
+                             f"{c.layers} layers and 0 <= pp_rank < pp")
         self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
         self.local_experts = c.experts // ep
+        self.num_local_layers = c.layers // pp
+        self.first_layer = pp_rank * self.num_local_layers
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp - 1
         q, kv = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp
-        shapes = {"embedding.word_embeddings.weight": (c.vocab // tp, c.hidden),
-                  "output_layer.weight": (c.vocab // tp, c.hidden),
-                  "decoder.final_layernorm.weight": (c.hidden,)}
-        for i in range(c.layers):
+        shapes = {}
+        if self.is_first_stage:
+            shapes["embedding.word_embeddings.weight"] = (c.vocab // tp, c.hidden)
+        if self.is_last_stage:
+            shapes |= {"output_layer.weight": (c.vocab // tp, c.hidden),
+                       "decoder.final_layernorm.weight": (c.hidden,)}
+        for i in range(self.num_local_layers):
             p = f"decoder.layers.{i}."
             shapes |= {p + "input_layernorm.weight": (c.hidden,),
                        p + "pre_mlp_layernorm.weight": (c.hidden,),
@@ -157,7 +176,9 @@ class TrainerShard:
         for name, w in weights:
             parts = name.split(".")
             if name.startswith("model.layers."):
-                layer, rest = parts[2], ".".join(parts[3:])
+                layer, rest = int(parts[2]) - self.first_layer, ".".join(parts[3:])
+                if not 0 <= layer < self.num_local_layers:
+                    continue  # another pipeline stage's layer
                 p = f"decoder.layers.{layer}."
                 if ".experts." in rest:
                     expert = int(parts[5]) - self.ep_rank * self.local_experts
@@ -181,11 +202,46 @@ class TrainerShard:
                     self.params[dst].copy_(w.narrow(1, r * cols, cols))
                 else:
                     self.params[dst].copy_(w)
+            elif _TRAINER_NAMES[name] not in self.params:
+                continue  # embedding off the first stage, final norm / lm_head off the last
             elif name in ("model.embed_tokens.weight", "lm_head.weight"):
                 dst = self.params[_TRAINER_NAMES[name]]
                 dst.copy_(w.narrow(0, r * dst.shape[0], dst.shape[0]))
             else:
                 self.params[_TRAINER_NAMES[name]].copy_(w)
+
+
+class FsdpTrainerShard:
+    """One rank of an FSDP trainer with a single flat parameter (FSDP1 style, one unit).
+
+    Every checkpoint tensor, in `checkpoint_spec` order, is flattened and concatenated; the whole
+    is zero-padded to a multiple of ``world`` and cut into ``world`` equal contiguous shards.
+    Rank r holds shard r as the 1-d bf16 parameter ``flat_param``; a shard starts and ends
+    wherever the cut falls, usually inside a tensor, and the last one ends in padding.
+    """
+
+    def __init__(self, c: MoEConfig, world: int, rank: int):
+        if not 0 <= rank < world:
+            raise ValueError(f"FSDP rank {rank} is not in [0, world={world})")
+        self.c, self.world, self.rank = c, world, rank
+        self.offsets: dict[str, tuple[int, int]] = {}
+        """Checkpoint tensor -> [start, stop) in the unsharded flat parameter."""
+        pos = 0
+        for t in checkpoint_spec(c).tensors:
+            self.offsets[t.name] = (pos, pos + t.numel)
+            pos += t.numel
+        self.shard_numel = -(-pos // world)
+        self.shard_start = rank * self.shard_numel
+        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=torch.bfloat16)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        flat, lo = self.params["flat_param"], self.shard_start
+        hi = lo + self.shard_numel
+        for name, w in weights:
+            start, stop = self.offsets[name]
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:  # the part of this tensor that falls in this rank's shard
+                flat[a - lo:b - lo].copy_(w.reshape(-1)[a - start:b - start])
 
 
 _TRAINER_NAMES = {

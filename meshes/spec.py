@@ -6,13 +6,14 @@
 A trainer spec lays out ``nodes * gpus`` workers as DP x PP x EP x TP (TP fastest); a rollout
 spec lays out ``engines`` replicas of ``nodes * gpus`` workers as EP x TP. ``fsdp=1`` makes the
 trainer keep FSDP flat shards instead (its workers are the FSDP ranks).
+``TrainerSpec.shard(model, worker)`` builds a trainer worker's shard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from meshes.qwen3_moe import MoEConfig
+from meshes.qwen3_moe import FsdpTrainerShard, MoEConfig, TrainerShard
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,9 @@ class TrainerSpec:
             raise ValueError(f"trainer spec {self}: tp*pp*ep = {group} must divide the "
                              f"{self.num_workers} workers (nodes*gpus)")
         _check_model(self, model, self.tp, self.ep)
+        if model.vocab % self.tp:
+            raise ValueError(f"trainer spec {self}: tp={self.tp} must divide the model's "
+                             f"vocabulary of {model.vocab} (the trainer does not pad it)")
         if model.layers % self.pp:
             raise ValueError(f"trainer spec {self}: pp={self.pp} must divide the model's "
                              f"{model.layers} layers")
@@ -68,6 +72,15 @@ class TrainerSpec:
         ep, rest = rest % self.ep, rest // self.ep
         pp, dp = rest % self.pp, rest // self.pp
         return {"dp": dp, "pp": pp, "ep": ep, "tp": tp}
+
+    def shard(self, model: MoEConfig, worker: int) -> TrainerShard | FsdpTrainerShard:
+        """Worker ``worker``'s shard: FSDP rank ``worker``, or its TP/EP/PP ranks' Megatron-like
+        shard (DP replicas build the same shard)."""
+        if self.fsdp:
+            return FsdpTrainerShard(model, self.num_workers, worker)
+        c = self.coords(worker)
+        return TrainerShard(model, self.tp, c["tp"], self.ep, c["ep"], pp=self.pp,
+                            pp_rank=c["pp"])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

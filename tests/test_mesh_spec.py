@@ -1,5 +1,7 @@
 """Mesh specs: parsing, derived degrees, and clear errors before anything spawns."""
 
+import dataclasses
+
 import pytest
 
 from meshes.qwen3_moe import SIZES
@@ -34,6 +36,19 @@ def test_rollout_spec_parses_engines():
 def test_bad_specs_say_what_is_wrong(cls, text, match):
     with pytest.raises(ValueError, match=match):
         cls.parse(text).validate(MODEL)
+
+
+def test_trainer_tp_must_divide_the_unpadded_vocabulary():
+    model = dataclasses.replace(MODEL, vocab=1001)
+    with pytest.raises(ValueError, match="tp=2 must divide the model's vocabulary of 1001"):
+        TrainerSpec.parse("gpus=2,tp=2").validate(model)
+
+
+def test_trainer_spec_builds_pipeline_stage_and_fsdp_shards():
+    stage = TrainerSpec.parse("gpus=4,tp=2,pp=2").shard(MODEL, 3)  # tp 1 of stage 1
+    assert (stage.tp_rank, stage.first_layer, stage.is_last_stage) == (1, 1, True)
+    flat = TrainerSpec.parse("gpus=4,fsdp=1").shard(MODEL, 2)
+    assert list(flat.params) == ["flat_param"] and flat.shard_start == 2 * flat.shard_numel
 
 
 @pytest.mark.parametrize("text,match", [("gpus", "expected key=value"),

@@ -3,18 +3,21 @@
 Layout pairs share one trainer and one rollout proc mesh of 4 procs each (spawning procs and
 importing torch in them dominates the cost); each test spawns fresh actors on them and stops
 them. Every rollout parameter must be bit-identical (by checksum, computed on the rollout) to
-its own load_weights of the trainers' version after every update.
+its own load_weights of the trainers' version after every update. The failure cases spawn their
+own small meshes, so they can check that every proc they started is gone afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
+from monarch.actor import ActorError
 
 from controller.driver import MeshTransfer
-from meshes.actors import TrainerActor
+from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import LayoutError
 
@@ -62,10 +65,14 @@ def procs():
 
 
 @pytest.mark.parametrize("trainer,rollout", [
+    ("nodes=1,gpus=4,tp=2,ep=2", "engines=1,nodes=1,gpus=4,tp=2,ep=2"),  # identical degrees
     ("nodes=1,gpus=4,tp=2,ep=2", "engines=2,nodes=1,gpus=2,tp=2"),  # TP mismatch, 2 replicas
     ("nodes=1,gpus=4,ep=4", "engines=2,nodes=1,gpus=2,ep=2"),       # EP4 -> EP2 engines
     ("nodes=2,gpus=2,tp=2", "engines=4,nodes=1,gpus=1"),            # DP2 x TP2 -> 4 TP1 engines
-], ids=["tp2ep2-to-2xtp2", "ep4-to-2xep2", "dp2tp2-to-4xtp1"])
+    ("nodes=1,gpus=4,tp=2,pp=2", "engines=2,nodes=1,gpus=2,tp=2"),  # two pipeline stages
+    ("nodes=1,gpus=4,fsdp=1", "engines=1,nodes=1,gpus=4,tp=2,ep=2"),  # FSDP flat -> fused
+], ids=["tp2ep2-to-tp2ep2", "tp2ep2-to-2xtp2", "ep4-to-2xep2", "dp2tp2-to-4xtp1",
+        "tp2pp2-to-2xtp2", "fsdp4-to-tp2ep2"])
 def test_rollouts_are_bit_identical_to_their_loader_after_each_update(procs, trainer, rollout):
     with MeshTransfer(TrainerSpec.parse(trainer), RolloutSpec.parse(rollout), "tiny",
                       round_bytes=ROUND_BYTES, procs=procs) as mt:
@@ -99,3 +106,85 @@ def test_a_rollout_tensor_no_trainer_holds_fails_in_connect_and_meshes_stop():
             mt.connect()
     assert mt.plan is None  # failed while planning: no worker got a plan or a buffer
     assert _bootstrap_children() - before == set()
+
+
+class OtherVocabTrainer(TrainerActor):
+    """A trainer built from a model of another vocabulary size than the rollouts'.
+
+    It holds every row the rollouts need, so without a checkpoint check the plan would succeed.
+    """
+
+    def _make_shard(self, config, spec, index):
+        self.config = dataclasses.replace(config, vocab=1024)
+        return super()._make_shard(self.config, spec, index)
+
+
+def test_trainer_and_rollout_checkpoints_that_disagree_fail_in_connect_and_meshes_stop():
+    before = _bootstrap_children()
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
+                      round_bytes=ROUND_BYTES, trainer_actor=OtherVocabTrainer)
+    with pytest.raises(LayoutError, match=r"load different checkpoints: 2 tensors differ: "
+                       r"'model.embed_tokens.weight': trainer 0 \(1024, 128\) bfloat16, "
+                       r"rollout 0 \(1000, 128\) bfloat16"):
+        with mt:
+            mt.connect()
+    assert mt.plan is None and mt.num_handles == 0  # no plan, no buffer registered
+    assert _bootstrap_children() - before == set()
+
+
+class FailingLoaderRollout(RolloutActor):
+    """A rollout whose load_weights raises on rank 1 (a corrupt shard, say)."""
+
+    def _make_shard(self, config, spec, index):
+        shard = super()._make_shard(config, spec, index)
+        if index == 1:
+            def load_weights(weights):
+                raise OSError("rollout shard 1: checkpoint file truncated")
+            shard.load_weights = load_weights
+        return shard
+
+
+def test_a_worker_whose_load_weights_raises_fails_in_connect_and_meshes_stop():
+    before = _bootstrap_children()
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=2,tp=2"), "tiny",
+                      round_bytes=ROUND_BYTES, rollout_actor=FailingLoaderRollout)
+    # Monarch re-raises the remote error with its traceback; the original message is in it.
+    with pytest.raises(ActorError, match=r"rollout\.source_map failed(.|\n)*OSError: rollout "
+                       r"shard 1: checkpoint file truncated"):
+        with mt:
+            mt.connect()
+    assert mt.plan is None and mt.num_handles == 0
+    assert _bootstrap_children() - before == set()
+
+
+def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stage_round(
+        procs, tmp_path):
+    import json
+
+    from controller.__main__ import write_trace
+    from weightbridge import Stage
+
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
+                      round_bytes=ROUND_BYTES, procs=procs) as mt:
+        mt.connect()
+        report = mt.update(1)
+    assert not report.mismatched, report.line()
+    assert set(mt.links) == {"trainer->rollout", "rollout->rollout"}
+    assert min(mt.links.values()) > 0 and report.ideal_s > 0
+    timing = report.timing
+    assert 0 < timing.agst_s <= timing.ewtt_s
+    path = tmp_path / "update.json"
+    write_trace(str(path), timing, label="update 1")
+    events = json.loads(path.read_text())["traceEvents"]
+    steps = [(e["pid"], e["tid"], e["cat"], e["args"]["round"]) for e in events
+             if e["ph"] == "X" and e["cat"] != "stall"]
+    active = mt._active
+    want = {(0, t, s, r) for t in range(4) for r, st in active if st is Stage.RECEIVE
+            for s in ("pack", "receive")}
+    want |= {(1, j, st.value, r) for j in range(4) for r, st in active
+             if st in (Stage.EXTERNAL, Stage.INTERNAL)}
+    want |= {(1, j, "assemble", r) for j in range(4) for r, st in active if st == "assemble"}
+    assert len(steps) == len(set(steps)) and set(steps) == want

@@ -106,6 +106,28 @@ class CheckpointSpec:
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    def differences(self, other: "CheckpointSpec", labels: tuple[str, str] = ("this", "other")
+                    ) -> tuple[str, ...]:
+        """One line per tensor that is missing on one side or has another shape or dtype.
+
+        Tensor order is ignored (source maps address tensors by name). Empty when both specs
+        describe the same tensors.
+
+        Example: ``("'lm_head.weight': trainer (1024, 128) bfloat16, rollout (1000, 128)
+        bfloat16",)`` for ``labels=("trainer", "rollout")``.
+        """
+        out = []
+        for t in self.tensors:
+            if t.name not in other:
+                out.append(f"{t.name!r}: only in {labels[0]}")
+                continue
+            o = other[t.name]
+            if (t.shape, t.dtype) != (o.shape, o.dtype):
+                out.append(f"{t.name!r}: {labels[0]} {t.shape} {t.dtype}, "
+                           f"{labels[1]} {o.shape} {o.dtype}")
+        out += [f"{t.name!r}: only in {labels[1]}" for t in other.tensors if t.name not in self]
+        return tuple(out)
+
 
 # --------------------------------------------------------------------------------------------
 # Source maps

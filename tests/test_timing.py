@@ -1,0 +1,104 @@
+"""Stall windows, EWTT, AGST, the Chrome trace, and Eq. (1) from probed link rates (no meshes)."""
+
+import json
+
+import pytest
+
+from controller.timing import chrome_trace, update_timing
+from weightbridge import Placement, simulate
+from weightbridge.simulate import eq1
+from weightbridge.types import Cluster
+from test_simulate import _plan
+
+MS = 1_000_000  # ns
+
+# Two trainers and two rollouts, one round; trainer 0 writes to rollout 0, trainer 1 to
+# rollout 1, and rollout 0 forwards to rollout 1 (external).
+SPANS = {
+    ("trainer", 0): [("pack", 0, 100 * MS, 101 * MS), ("receive", 0, 101 * MS, 110 * MS)],
+    ("trainer", 1): [("pack", 0, 102 * MS, 103 * MS), ("receive", 0, 103 * MS, 120 * MS)],
+    ("rollout", 0): [("external", 0, 121 * MS, 130 * MS), ("assemble", 0, 131 * MS, 133 * MS)],
+    ("rollout", 1): [("external", 0, 121 * MS, 121 * MS), ("assemble", 0, 131 * MS, 140 * MS)],
+}
+DESTS = {("trainer", 0, 0, "receive"): frozenset({0}),
+         ("trainer", 1, 0, "receive"): frozenset({1}),
+         ("rollout", 0, 0, "external"): frozenset({1})}
+
+
+def test_stall_windows_follow_the_controller_driven_sync_definitions():
+    t = update_timing(SPANS, DESTS)
+    assert t.start_ns == 100 * MS  # the first send
+    assert t.stalls[("trainer", 0)] == (100 * MS, 110 * MS)  # until its last write landed
+    assert t.stalls[("trainer", 1)] == (100 * MS, 120 * MS)
+    assert t.stalls[("rollout", 0)] == (101 * MS, 133 * MS)  # first write aimed at it
+    assert t.stalls[("rollout", 1)] == (103 * MS, 140 * MS)
+    assert t.ewtt_s == pytest.approx(0.040)
+    assert t.agst_s == pytest.approx((10 + 20 + 32 + 37) / 4 / 1e3)
+    assert t.agst_s <= t.ewtt_s
+
+
+def test_kernel_share_is_pack_and_assemble_over_ewtt():
+    t = update_timing(SPANS, DESTS)
+    mean, peak = t.kernel_share()
+    assert mean == pytest.approx((1 + 1 + 2 + 9) / 4 / 40)
+    assert peak == pytest.approx(9 / 40)
+
+
+def test_a_worker_without_spans_does_not_stall_and_one_nobody_writes_starts_at_the_update():
+    spans = {**SPANS, ("rollout", 2): [("assemble", 0, 131 * MS, 132 * MS)],
+             ("trainer", 2): []}
+    t = update_timing(spans, DESTS)
+    assert t.stalls[("trainer", 2)] == (100 * MS, 100 * MS)
+    assert t.stalls[("rollout", 2)] == (100 * MS, 132 * MS)
+    assert t.agst_s == pytest.approx((10 + 20 + 32 + 37 + 0 + 32) / 6 / 1e3)
+
+
+def test_no_spans_at_all_is_an_error():
+    with pytest.raises(ValueError, match="no spans"):
+        update_timing({("trainer", 0): []}, {})
+
+
+def test_chrome_trace_has_one_complete_event_per_rank_stage_round():
+    trace = json.loads(json.dumps(chrome_trace(update_timing(SPANS, DESTS))))
+    steps = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] != "stall"]
+    keys = [(e["pid"], e["tid"], e["cat"], e["args"]["round"]) for e in steps]
+    assert len(keys) == len(set(keys)) == sum(len(s) for s in SPANS.values())
+    assert min(e["ts"] for e in steps) == 0.0  # microseconds from the first send
+    recv = next(e for e in steps if (e["pid"], e["tid"], e["cat"]) == (0, 1, "receive"))
+    assert (recv["ts"], recv["dur"]) == (3000.0, 17000.0)
+    stalls = [e for e in trace["traceEvents"] if e.get("cat") == "stall"]
+    assert len(stalls) == 4 and max(e["ts"] + e["dur"] for e in stalls) == 40000.0
+
+
+def test_eq1_with_one_rate_is_the_simulators_ideal():
+    plan = _plan(2, 3)
+    cluster = Cluster(gpus_per_node=1, inter_node_bandwidth=100.0, intra_node_bandwidth=1e3)
+    assert eq1(plan, trainer_node_bandwidth=100.0, rollout_node_bandwidth=100.0) == \
+        simulate(plan, cluster).ideal
+
+
+def test_eq1_takes_the_slower_of_trainer_egress_and_rollout_ingress():
+    model = 256 * 64 * 4
+    plan = _plan(2, 3)  # 2 trainer nodes; every rollout node needs the whole model
+    assert eq1(plan, trainer_node_bandwidth=10.0, rollout_node_bandwidth=100.0) == \
+        pytest.approx(model / 20.0)
+    assert eq1(plan, trainer_node_bandwidth=100.0, rollout_node_bandwidth=10.0) == \
+        pytest.approx(model / 10.0)
+    with pytest.raises(ValueError, match="positive"):
+        eq1(plan, trainer_node_bandwidth=0.0, rollout_node_bandwidth=1.0)
+
+
+def test_eq1_counts_what_each_rollout_node_needs():
+    from weightbridge import ParamSpec, Piece, Region, SourceMap, plan_transfer
+
+    def smap(rows):  # rows [lo, hi) of a 256 x 64 float32 tensor
+        reg = Region("w", (rows[0], 0), (rows[1] - rows[0], 64), (1, 1))
+        return SourceMap((ParamSpec("w", (rows[1] - rows[0], 64), "float32"),),
+                         (Piece(reg, "w", 0, (64, 1)),))
+
+    plan = plan_transfer([(smap((0, 256)), Placement("t"))],
+                         [(smap((0, 64)), Placement("r0", engine=0)),
+                          (smap((64, 256)), Placement("r1", engine=1))], round_bytes=4096)
+    # The busiest node needs rows 64..255 (48 KiB); the trainer node sends all 64 KiB.
+    assert eq1(plan, trainer_node_bandwidth=1e6, rollout_node_bandwidth=1.0) == \
+        pytest.approx(192 * 64 * 4)
