@@ -5,6 +5,8 @@
         --rollout "engines=2,nodes=1,gpus=2,tp=2" --updates 3 --model tiny
     python -m controller --updates 2 --trace /tmp/update.json  # + timeline of the last update
     python -m controller --local                               # in-process demo, no meshes
+    python -m controller --attach-trainers tcp://t0:4444 \
+        --attach-rollouts tcp://r0:4444,tcp://r1:4444 ...       # workers on other hosts
 
 The mesh run spawns both meshes on this host, probes every rank's own load_weights, plans the
 three-stage transfer on the controller, registers the rollouts' round buffers for RDMA once, then
@@ -45,6 +47,11 @@ def main() -> None:
                              "(Chrome trace JSON; open in Perfetto)")
     parser.add_argument("--local", action="store_true",
                         help="in-process demo (fixed layouts, no meshes)")
+    parser.add_argument("--attach-trainers", metavar="ADDRS",
+                        help="comma-separated Monarch worker addresses (tcp://HOST:PORT), one "
+                             "per trainer node, to attach to instead of spawning on this host")
+    parser.add_argument("--attach-rollouts", metavar="ADDRS",
+                        help="likewise, one per rollout node, engine by engine")
     args = parser.parse_args()
     if args.local:
         local_demo(args)
@@ -63,13 +70,21 @@ def mesh_run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    procs, owners = None, ()
+    if args.attach_trainers or args.attach_rollouts:
+        try:
+            owners, procs = attach(args, trainer, rollout)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     spec = checkpoint_spec(SIZES[args.model])
     print(f"model {args.model}: {len(spec)} tensors, {spec.numel:,} elements; trainer "
           f"[{args.trainer}] {trainer.num_workers} procs, rollout [{args.rollout}] "
           f"{rollout.num_workers} procs", flush=True)
     failed = False
     t_stop = None
-    mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10)
+    mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10,
+                      procs=procs)
     try:
         with mt:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
@@ -91,9 +106,35 @@ def mesh_run(args) -> int:
                 print(f"wrote the trace of update {report.version} to {args.trace}")
             t_stop = time.perf_counter()
     finally:
+        for mesh in owners:  # attached procs are ours to stop; the workers keep running
+            mesh.stop().get(timeout=60)
         if t_stop is not None:
             print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
     return 1 if failed else 0
+
+
+def attach(args, trainer, rollout) -> tuple[tuple, tuple]:
+    """Proc meshes on remote Monarch workers, one address per node of each spec:
+    ((trainer owner, rollout owner), (trainer workers, rollout workers))."""
+    from controller.launch import attach_procs, parse_addresses
+
+    if not (args.attach_trainers and args.attach_rollouts):
+        raise ValueError("--attach-trainers and --attach-rollouts go together")
+    t_addrs = parse_addresses(args.attach_trainers)
+    r_addrs = parse_addresses(args.attach_rollouts)
+    if len(t_addrs) != trainer.nodes:
+        raise ValueError(f"--attach-trainers names {len(t_addrs)} workers, but the trainer "
+                         f"spec has nodes={trainer.nodes}")
+    if len(r_addrs) != rollout.engines * rollout.nodes:
+        raise ValueError(f"--attach-rollouts names {len(r_addrs)} workers, but the rollout spec "
+                         f"has engines*nodes={rollout.engines * rollout.nodes}")
+    t_owner, tp = attach_procs(t_addrs, gpus=trainer.gpus, name="trainer")
+    try:
+        r_owner, rp = attach_procs(r_addrs, gpus=rollout.gpus, name="rollout")
+    except BaseException:
+        t_owner.stop().get(timeout=60)
+        raise
+    return (t_owner, r_owner), (tp, rp)
 
 
 def write_trace(path: str, timing, *, label: str) -> None:

@@ -199,10 +199,13 @@ class MeshTransfer:
         tmaps_f = self.trainers.source_map.call()
         rmaps_f = self.rollouts.source_map.call()
         tmaps, rmaps = _by_rank(tmaps_f.get()), _by_rank(rmaps_f.get())
+        # One planning node per host of the specs: workers [h * gpus, (h + 1) * gpus) share
+        # host h (on this machine the hosts are names; attached meshes are laid out the same).
         per_engine = self.rollout_spec.workers_per_engine
+        t_gpus, r_gpus = self.trainer_spec.gpus, self.rollout_spec.gpus
         self.plan = plan_transfer(
-            [(m, Placement("trainer")) for m in tmaps],
-            [(m, Placement(f"rollout-e{i // per_engine}", engine=i // per_engine))
+            [(m, Placement(f"trainer-h{i // t_gpus}")) for i, m in enumerate(tmaps)],
+            [(m, Placement(f"rollout-h{i // r_gpus}", engine=i // per_engine))
              for i, m in enumerate(rmaps)],
             round_bytes=self.round_bytes)
         plans = {w: self.plan.for_worker(w) for w in self.plan.workers}

@@ -52,6 +52,17 @@ print(report.line())
 assert not report.mismatched, report.mismatched
 
 # %% [markdown]
+# The rollouts generate with the weights they just received: each rank runs its share of a
+# forward pass (no collectives here) and returns its greedy tokens.
+
+# %%
+generated = mt.rollouts.generate_step.call(seed=0).get()
+for point, tokens in generated.items():
+    print("rollout", dict(point), "generate_step ->", tokens)
+# the two engines are replicas of one policy version: they generate the same tokens
+assert len({tuple(tokens) for tokens in generated.values()}) == 1
+
+# %% [markdown]
 # ## Shut down
 
 # %%

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshes.forward import rank_forward
 from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import Stage, WorkerId, WorkerPlan, default_kernels, extract_source_map
@@ -209,6 +210,15 @@ class RolloutActor(_Worker):
         """Register an ``nbytes`` scratch RDMA buffer for the link probe; returns its handle."""
         self._probe_arena = torch.zeros(nbytes, dtype=torch.uint8)
         return register_ranges([self._probe_arena], [(0, 0, nbytes)])[(0, 0, nbytes)]
+
+    @endpoint
+    def generate_step(self, seed: int, num_tokens: int = 8) -> list[int]:
+        """A forward pass with the current weights on ``num_tokens`` pseudo-random tokens: this
+        rank's share (its heads, experts and vocabulary shard; no collectives). Returns the
+        argmax over the local vocabulary shard per token."""
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, self.config.vocab, (1, num_tokens), generator=gen)
+        return rank_forward(self.shard, tokens)[0].argmax(-1).tolist()
 
     @endpoint
     def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:

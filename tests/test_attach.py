@@ -1,0 +1,57 @@
+"""The controller attaches to Monarch workers on other hosts (here: worker processes on
+loopback ports) instead of spawning procs itself, and leaves nothing behind."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.mesh
+def test_controller_attaches_to_remote_workers_and_verifies_updates():
+    env = dict(os.environ, HYPERACTOR_MESH_DEFAULT_TRANSPORT="tcp://127.0.0.1:0")
+    addrs = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(3)]
+    workers = [subprocess.Popen([sys.executable, "-m", "controller.worker", a], cwd=REPO,
+                                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL) for a in addrs]
+    try:
+        time.sleep(2)  # let the workers bind their ports
+        done = subprocess.run(
+            [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
+             "--rollout", "engines=2,nodes=1,gpus=1", "--updates", "2",
+             "--attach-trainers", addrs[0], "--attach-rollouts", ",".join(addrs[1:])],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert done.stdout.count("bit-identical to their own load_weights") == 2
+    finally:
+        for w in workers:  # each worker and the procs it spawned share a process group
+            try:
+                os.killpg(w.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            w.wait(timeout=30)
+
+
+def test_attach_needs_both_sides_and_one_address_per_node():
+    base = [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
+            "--rollout", "engines=2,nodes=1,gpus=1"]
+    for extra, message in (
+            (["--attach-trainers", "tcp://127.0.0.1:1"], "go together"),
+            (["--attach-trainers", "tcp://127.0.0.1:1,tcp://127.0.0.1:2",
+              "--attach-rollouts", "tcp://127.0.0.1:3,tcp://127.0.0.1:4"], "nodes=1")):
+        done = subprocess.run(base + extra, cwd=REPO, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
