@@ -255,7 +255,8 @@ class MeshTransfer:
     def summary(self) -> str:
         """The plan summary plus the link probe and the ideal EWTT it gives."""
         links = ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in self.links.items())
-        return (f"{self.plan.summary()}\n  links (one {PROBE_BYTES >> 20} MB RDMA write stream, "
+        return (f"{self.plan.summary()}\n{self.plan.worker_summary()}\n"
+                f"  links (one {PROBE_BYTES >> 20} MB RDMA write stream, "
                 f"best of {PROBE_REPEATS}): {links}\n  ideal EWTT (Eq. 1, a link per planning "
                 f"node): {self.ideal_s:.4f}s")
 

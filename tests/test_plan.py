@@ -239,3 +239,17 @@ def test_rollout_element_held_by_no_trainer_is_a_layout_error():
     trainers = [(b.build(), Placement("t0"))]
     with pytest.raises(LayoutError, match=r"'attn.w' \(48 elements\)"):
         plan_transfer(trainers, _rollouts(1, 1), round_bytes=1024)
+
+
+
+def test_worker_summary_lists_every_worker_with_its_bytes_per_stage():
+    from planning_layouts import fused_rollout, tp_trainer
+    from weightbridge import Placement, plan_transfer
+
+    plan = plan_transfer([(tp_trainer(r, 2), Placement("t")) for r in range(2)],
+                         [(fused_rollout(r, 2), Placement(f"r{r}", engine=0)) for r in range(2)],
+                         round_bytes=1 << 16)
+    lines = plan.worker_summary().splitlines()
+    assert len(lines) == 1 + 4
+    sent, _ = plan.stage_bytes()
+    assert f"{sent[0][0] / 1e6:7.3f}" in lines[1] and " t " in lines[1]

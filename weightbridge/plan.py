@@ -225,6 +225,17 @@ class TransferPlan:
 
         return worker_plan(self, worker)
 
+    def worker_summary(self, max_rows: int = 16) -> str:
+        """One line per worker: its node and the MB it sends and receives in each stage."""
+        sent, recv = self.stage_bytes()
+        lines = ["  per worker (MB sent / received: receive, external, internal)"]
+        for i, w in enumerate(self.workers[:max_rows]):
+            cells = "  ".join(f"{s / 1e6:7.3f}/{r / 1e6:7.3f}" for s, r in zip(sent[i], recv[i]))
+            lines.append(f"    {str(w):>5} {self.placement(w).node:<14} {cells}")
+        if len(self.workers) > max_rows:
+            lines.append(f"    ... {len(self.workers) - max_rows} more workers")
+        return "\n".join(lines)
+
     def summary(self) -> str:
         """A few readable lines: sizes, rounds, and per-stage traffic with balance."""
         sent, recv = self.stage_bytes()
