@@ -66,6 +66,10 @@ class _Worker(Actor):
             raise ValueError(f"unknown model {model!r}; choose one of {sorted(SIZES)}")
         self.config = SIZES[model]
         self.index = current_rank().rank
+        if not torch.cuda.is_available():
+            # CPU workers: every proc of both meshes shares this host's cores, and torch's
+            # default of one thread per core per process oversubscribes them many times over.
+            torch.set_num_threads(1)
         self.shard = self._make_shard(self.config, spec, self.index)
         self.smap = None
         self.executor: WorkerExecutor | None = None
