@@ -52,7 +52,16 @@ def main() -> None:
                              "per trainer node, to attach to instead of spawning on this host")
     parser.add_argument("--attach-rollouts", metavar="ADDRS",
                         help="likewise, one per rollout node, engine by engine")
+    parser.add_argument("--cluster", type=int, metavar="N", nargs="?", const=0,
+                        help="bring up an emulated cluster of N hosts here (network namespaces, "
+                             "links shaped by tc; N defaults to trainer nodes + rollout nodes), "
+                             "run on it, tear it down (controller/cluster.py; needs root)")
+    parser.add_argument("--link-mbit", type=float,
+                        help="host link rate, Mbit/s each direction: shapes --cluster links "
+                             "(default 400) and replaces the link probe in Eq. (1)")
     args = parser.parse_args()
+    if args.cluster is not None:
+        raise SystemExit(cluster_run(args))
     if args.local:
         local_demo(args)
     else:
@@ -83,8 +92,9 @@ def mesh_run(args) -> int:
           f"{rollout.num_workers} procs", flush=True)
     failed = False
     t_stop = None
+    rate = args.link_mbit * 1e6 / 8 if getattr(args, "link_mbit", None) else None
     mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10,
-                      procs=procs)
+                      procs=procs, link_rate=rate)
     try:
         with mt:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
@@ -111,6 +121,44 @@ def mesh_run(args) -> int:
         if t_stop is not None:
             print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
     return 1 if failed else 0
+
+
+def cluster_run(args) -> int:
+    """`mesh_run` on an emulated cluster: trainer nodes on the first hosts, then the rollout
+    nodes engine by engine; the cluster is torn down on exit, errors and Ctrl-C."""
+    import os
+    import signal
+
+    from controller.cluster import TRANSPORT_ENV, ClusterError, EmulatedCluster
+    from meshes.spec import RolloutSpec, TrainerSpec
+
+    try:
+        trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    nodes = trainer.nodes + rollout.engines * rollout.nodes
+    hosts = args.cluster or nodes
+    if hosts != nodes:
+        print(f"error: --cluster {hosts}, but the specs need {nodes} hosts ({trainer.nodes} "
+              f"trainer nodes + {rollout.engines * rollout.nodes} rollout nodes)",
+              file=sys.stderr)
+        return 2
+    args.link_mbit = args.link_mbit or 400.0
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        with EmulatedCluster(hosts, link_mbit=args.link_mbit) as cluster:
+            os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
+            addrs = cluster.addresses
+            args.attach_trainers = ",".join(addrs[:trainer.nodes])
+            args.attach_rollouts = ",".join(addrs[trainer.nodes:])
+            print(f"emulated cluster: {hosts} hosts, {args.link_mbit:g} Mbit/s links "
+                  f"(trainers {args.attach_trainers}; rollouts {args.attach_rollouts})",
+                  flush=True)
+            return mesh_run(args)
+    except ClusterError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def attach(args, trainer, rollout) -> tuple[tuple, tuple]:

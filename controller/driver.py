@@ -99,11 +99,15 @@ class MeshTransfer:
         procs: (trainer procs, rollout procs) to spawn the actors on instead of spawning procs
             (each a one-dim mesh of the spec's worker count); they are then not stopped here.
         trainer_actor, rollout_actor: Actor classes (tests substitute faulty ones).
+        link_rate: Bytes/s of every host link, when known (an emulated cluster's `tc` rate):
+            Eq. (1) uses it and the link probe is skipped.
+        reroute: A function applied to the plan before it is scattered (the P2P baseline in
+            `controller.baselines` rewrites the forwarding stages this way).
     """
 
     def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, model: str, *,
                  round_bytes: int = 256 << 10, procs=None, trainer_actor=TrainerActor,
-                 rollout_actor=RolloutActor):
+                 rollout_actor=RolloutActor, link_rate: float | None = None, reroute=None):
         if model not in SIZES:
             raise ValueError(f"unknown model {model!r}; choose one of {sorted(SIZES)}")
         trainer.validate(SIZES[model])
@@ -121,6 +125,7 @@ class MeshTransfer:
         self.links: dict[str, float] = {}
         """Bytes/s of one RDMA write stream per probed link, measured at connect."""
         self.ideal_s = 0.0
+        self.link_rate, self._reroute = link_rate, reroute
 
     @property
     def backend(self) -> str:
@@ -208,6 +213,8 @@ class MeshTransfer:
             [(m, Placement(f"rollout-h{i // r_gpus}", engine=i // per_engine))
              for i, m in enumerate(rmaps)],
             round_bytes=self.round_bytes)
+        if self._reroute is not None:
+            self.plan = self._reroute(self.plan)
         plans = {w: self.plan.for_worker(w) for w in self.plan.workers}
         ranges = incoming_ranges(plans.values())
         futures = [self.trainers.slice(worker=w.index).connect.call_one(plans[w])
@@ -231,10 +238,12 @@ class MeshTransfer:
                 f.get()
         self._active = _active_steps(plans.values(), self.plan.num_rounds)
         self._dests = write_dests(plans.values())
-        self.links = self._probe_links()
-        self.ideal_s = eq1(self.plan, trainer_node_bandwidth=self.links["trainer->rollout"],
-                           rollout_node_bandwidth=self.links.get(
-                               "rollout->rollout", self.links["trainer->rollout"]))
+        self.links = ({"configured": self.link_rate} if self.link_rate else
+                      self._probe_links())
+        egress = self.link_rate or self.links["trainer->rollout"]
+        self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,
+                           rollout_node_bandwidth=self.link_rate or self.links.get(
+                               "rollout->rollout", egress))
         return self.plan
 
     def _probe_links(self) -> dict[str, float]:
@@ -255,9 +264,10 @@ class MeshTransfer:
     def summary(self) -> str:
         """The plan summary plus the link probe and the ideal EWTT it gives."""
         links = ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in self.links.items())
+        how = ("every host link, each direction (tc)" if self.link_rate else
+               f"one {PROBE_BYTES >> 20} MB RDMA write stream, best of {PROBE_REPEATS}")
         return (f"{self.plan.summary()}\n{self.plan.worker_summary()}\n"
-                f"  links (one {PROBE_BYTES >> 20} MB RDMA write stream, "
-                f"best of {PROBE_REPEATS}): {links}\n  ideal EWTT (Eq. 1, a link per planning "
+                f"  links ({how}): {links}\n  ideal EWTT (Eq. 1, a link per planning "
                 f"node): {self.ideal_s:.4f}s")
 
     # -- one update -----------------------------------------------------------------------------
@@ -288,19 +298,30 @@ class MeshTransfer:
                             ideal_s=self.ideal_s)
 
     def _transfer(self) -> None:
-        # Round r+1's RECEIVE writes go to arena (r+1)%2 while the rollouts assemble round r out
-        # of arena r%2; arena (r+1)%2 was last read by assemble(r-1), which finished before
-        # send(r+1) was issued. Actors take one message at a time, and RDMA writes land without
-        # the receiving actor's thread, so a send never waits on an assemble.
-        assembling = None
-        for r in range(self.plan.num_rounds):
-            sending = self.trainers.send.call(r) if (r, Stage.RECEIVE) in self._active else None
-            for f in (assembling, sending):
-                if f is not None:
-                    f.get()
-            for stage in FORWARD_STAGES:
-                if (r, stage) in self._active:
-                    self.rollouts.forward.call(r, stage).get()
+        # Two round arenas per worker. Round r+1's RECEIVE writes go to arena (r+1)%2 while the
+        # rollouts forward (EXTERNAL, INTERNAL) and then assemble round r out of arena r%2, so
+        # the trainers' links carry round r+1 while the rollouts' links carry round r. Arena
+        # (r+1)%2 was last read by assemble(r-1): send(r+1) is issued only after it returned.
+        # Actors take one message at a time, and RDMA writes land without the receiving actor's
+        # thread, so a send never waits on a forward or an assemble.
+        rounds = self.plan.num_rounds
+        send = lambda r: (self.trainers.send.call(r)  # noqa: E731
+                          if r < rounds and (r, Stage.RECEIVE) in self._active else None)
+        sending, assembling = send(0), None
+        for r in range(rounds):
+            if sending is not None:
+                sending.get()  # round r has landed
+            # EXTERNAL is queued behind assemble(r-1); INTERNAL forwards what EXTERNAL brought,
+            # so it is issued only once every rollout's EXTERNAL writes have landed.
+            external = (self.rollouts.forward.call(r, Stage.EXTERNAL)
+                        if (r, Stage.EXTERNAL) in self._active else None)
+            if assembling is not None:
+                assembling.get()  # arena (r+1)%2 is free
+            sending = send(r + 1)
+            if external is not None:
+                external.get()
+            if (r, Stage.INTERNAL) in self._active:
+                self.rollouts.forward.call(r, Stage.INTERNAL).get()
             assembling = self.rollouts.assemble.call(r) if (r, "assemble") in self._active \
                 else None
         if assembling is not None:

@@ -1,0 +1,157 @@
+"""WeightBridge vs broadcast vs P2P on an emulated cluster whose links are the bottleneck.
+
+    .venv/bin/python benchmarks/bench_cluster.py            # needs root (network namespaces)
+    .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
+
+One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
+shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
+hosts it needs, and runs the three mechanisms on the same procs, model and links:
+
+- rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
+- trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
+
+Prints EWTT, AGST, the ideal EWTT of Eq. (1) from the configured rate and the ratios (the last
+update of each run; every update is verified bit-exact), and writes out/cluster/bench_cluster.csv,
+out/cluster/bench_cluster.png and the Chrome trace of one WeightBridge update at 4 replicas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason  # noqa: E402
+
+OUT = Path(__file__).resolve().parents[1] / "out" / "cluster"
+CONFIGS = ([("replicas", e, "nodes=1,gpus=2,tp=2", f"engines={e},nodes=1,gpus=1")
+            for e in (1, 2, 4)]
+           + [("trainer nodes", n, f"nodes={n},gpus=1" + (f",ep={n}" if n > 1 else ""),
+               "engines=4,nodes=1,gpus=1") for n in (1, 2, 4)])
+MECHANISMS = ("weightbridge", "broadcast", "p2p")
+
+
+def run_config(addrs, tspec_text, rspec_text, args) -> dict:
+    from controller.baselines import Broadcast, p2p_plan
+    from controller.driver import MeshTransfer
+    from controller.launch import attach_procs
+    from meshes.spec import RolloutSpec, TrainerSpec
+
+    tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
+    t_addrs = addrs[:tspec.nodes]
+    r_addrs = addrs[tspec.nodes:tspec.nodes + rspec.engines * rspec.nodes]
+    rate = args.link_mbit * 1e6 / 8
+    owners = []
+    try:
+        t_owner, tp = attach_procs(t_addrs, gpus=tspec.gpus, name="trainer")
+        owners.append(t_owner)
+        r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
+        owners.append(r_owner)
+        results, ideal = {}, 0.0
+        for mech in MECHANISMS:
+            kw = dict(procs=(tp, rp), round_bytes=args.round_kib << 10, link_rate=rate)
+            if mech == "broadcast":
+                runner = Broadcast(tspec, rspec, args.model, **kw)
+            else:
+                runner = MeshTransfer(tspec, rspec, args.model,
+                                      reroute=p2p_plan if mech == "p2p" else None, **kw)
+            with runner:
+                if mech != "broadcast":
+                    runner.connect()
+                if mech == "weightbridge":
+                    ideal = runner.ideal_s
+                reports = [runner.update(v) for v in range(1, args.updates + 1)]
+            bad = [r for r in reports if r.mismatched]
+            if bad:
+                raise SystemExit(f"{mech}: {bad[0].line()}")
+            results[mech] = reports[-1]
+        return {"ideal": ideal, **results}
+    finally:
+        for o in owners:
+            o.stop().get(timeout=60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link-mbit", type=float, default=50)
+    parser.add_argument("--round-kib", type=int, default=128)
+    parser.add_argument("--updates", type=int, default=2)
+    parser.add_argument("--model", default="tiny")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason:
+        print(f"skipped: cannot emulate a cluster here: {reason}")
+        return 0
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows = []
+    t0 = time.perf_counter()
+    with EmulatedCluster(8, link_mbit=args.link_mbit) as cluster:
+        os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links; model "
+              f"{args.model}, rounds of {args.round_kib} KiB, {args.updates} updates per run "
+              f"(figures: the last update)", flush=True)
+        for sweep, x, tspec, rspec in CONFIGS:
+            res = run_config(cluster.addresses, tspec, rspec, args)
+            ideal, wb = res["ideal"], res["weightbridge"].timing
+            for mech in MECHANISMS:
+                t = res[mech].timing
+                rows.append({"sweep": sweep, "x": x, "trainer": tspec, "rollout": rspec,
+                             "mechanism": mech, "ewtt_s": round(t.ewtt_s, 4),
+                             "agst_s": round(t.agst_s, 4), "ideal_s": round(ideal, 4),
+                             "ewtt_over_ideal": round(t.ewtt_s / ideal, 3),
+                             "speedup_of_weightbridge": round(t.ewtt_s / wb.ewtt_s, 2),
+                             "rdma_mb": round(res[mech].rdma_bytes / 1e6, 2)})
+                print(f"[{sweep}={x}] {mech:<12} EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  "
+                      f"ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}  "
+                      f"vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x  "
+                      f"({res[mech].rdma_bytes / 1e6:.1f} MB over RDMA, bit-exact)", flush=True)
+            if sweep == "replicas" and x == 4:
+                from controller.timing import chrome_trace
+
+                path = OUT / "trace_weightbridge_4replicas.json"
+                path.write_text(json.dumps(chrome_trace(wb, label="WeightBridge, 4 replicas")))
+    with open(OUT / "bench_cluster.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, OUT / "bench_cluster.png", args.link_mbit)
+    print(f"wrote {OUT}/bench_cluster.csv, bench_cluster.png, trace_weightbridge_4replicas.json "
+          f"in {time.perf_counter() - t0:.0f}s")
+    return 0
+
+
+def plot(rows, path: Path, mbit: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, sweep in zip(axes, ("replicas", "trainer nodes")):
+        sub = [r for r in rows if r["sweep"] == sweep]
+        xs = sorted({r["x"] for r in sub})
+        for mech in MECHANISMS:
+            ax.plot(xs, [next(r["ewtt_s"] for r in sub if r["x"] == x and r["mechanism"] == mech)
+                         for x in xs], marker="o", label=mech)
+        ax.plot(xs, [next(r["ideal_s"] for r in sub if r["x"] == x) for x in xs], "k--",
+                label="ideal (Eq. 1)")
+        ax.set_xlabel("rollout replicas (1 trainer node)" if sweep == "replicas" else
+                      "trainer nodes (4 rollout nodes)")
+        ax.set_xticks(xs)
+        ax.set_ylabel("EWTT (s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(f"Emulated cluster, {mbit:g} Mbit/s host links, tiny model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

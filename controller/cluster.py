@@ -1,0 +1,307 @@
+"""An emulated cluster on this machine: hosts are network namespaces behind shaped links.
+
+    python -m controller.cluster up --hosts 3 --link-mbit 400    # prints the worker addresses
+    python -m controller.cluster down                            # removes everything it made
+    python -m controller.cluster status
+    python -m controller.cluster run --hosts 3 --link-mbit 100 -- CMD ...  # up, CMD, down
+
+Layout (root only; names and addresses are ours alone, so teardown finds them by name):
+
+    root namespace: bridge wb-br0, 10.77.0.1/24 (the controller's address)
+    host i:         namespace wb-h{i}; veth wb-v{i} (on the bridge) <-> eth0 (10.77.0.{i+2}/24)
+                    tc tbf at the link rate on both ends: wb-v{i} shapes what the host receives,
+                    eth0 shapes what it sends; no default route, so nothing leaves the bridge
+                    a Monarch worker: python -m controller.worker tcp://10.77.0.{i+2}:4444
+
+Each host's link is a full-duplex link of the given rate, so transfers between hosts are bound
+by the links, as on a real cluster, while every process still shares this machine's CPUs and
+memory. Procs that the controller spawns on a worker run inside that worker's namespace.
+
+`EmulatedCluster` is a context manager: leaving it (also on errors and Ctrl-C) kills every
+process in its namespaces and deletes the links, the namespaces and the bridge.
+``python -m controller.cluster down`` does the same for a cluster left by a killed process.
+
+Typical usage::
+
+    with EmulatedCluster(3, link_mbit=400) as cluster:
+        os.environ[TRANSPORT_ENV] = cluster.controller_transport
+        hosts = attach_to_workers(workers=cluster.addresses, ca="trust_all_connections")
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TRANSPORT_ENV = "HYPERACTOR_MESH_DEFAULT_TRANSPORT"
+NS_PREFIX = "wb-h"
+VETH_PREFIX = "wb-v"
+BRIDGE = "wb-br0"
+SUBNET = "10.77.0"
+"""A private /24 of our own; .1 is the bridge (the controller), .2.. the hosts."""
+WORKER_PORT = 4444
+MAX_HOSTS = 200
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster could not be brought up (the message says why)."""
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd)}` failed: {done.stderr.strip() or done.stdout}")
+    return done
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made here (not root, no iproute2, no CAP_NET_ADMIN), or None."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (`ip`, `tc`) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"{NS_PREFIX}probe{os.getpid()}"
+    done = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if done.returncode != 0:
+        return f"`ip netns add` failed: {done.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def host_address(i: int) -> str:
+    return f"{SUBNET}.{i + 2}"
+
+
+class EmulatedCluster:
+    """``hosts`` namespaces on a bridge, links shaped to ``link_mbit``, a worker in each.
+
+    Args:
+        hosts: Number of emulated hosts.
+
+    Keyword Args:
+        link_mbit: Rate of every host link, each direction, Mbit/s.
+        start_workers: Start a Monarch worker per host (False: only the network).
+        log_dir: Where the workers' output goes (a temporary folder by default).
+    """
+
+    def __init__(self, hosts: int, *, link_mbit: float, start_workers: bool = True,
+                 log_dir: str | None = None):
+        if not 1 <= hosts <= MAX_HOSTS:
+            raise ValueError(f"hosts must be in [1, {MAX_HOSTS}], got {hosts}")
+        if link_mbit <= 0:
+            raise ValueError(f"link_mbit must be positive, got {link_mbit}")
+        self.hosts, self.link_mbit = hosts, float(link_mbit)
+        self.start_workers = start_workers
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="wb-cluster-"))
+        self.workers: list[subprocess.Popen] = []
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_mbit * 1e6 / 8
+
+    @property
+    def addresses(self) -> list[str]:
+        """Monarch worker addresses, host 0 first."""
+        return [f"tcp://{host_address(i)}:{WORKER_PORT}" for i in range(self.hosts)]
+
+    @property
+    def controller_transport(self) -> str:
+        """The transport the controller (root namespace) must use to reach the workers."""
+        return f"tcp://{SUBNET}.1:0"
+
+    def __enter__(self) -> "EmulatedCluster":
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> None:
+        """Bridge, namespaces, shaped veths, workers; returns once every worker listens."""
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterError(f"cannot emulate a cluster here: {reason}")
+        if existing():
+            raise ClusterError(f"a cluster is already up ({', '.join(existing())}); tear it "
+                               f"down with `python -m controller.cluster down`")
+        _ip("ip", "link", "add", BRIDGE, "type", "bridge")
+        _ip("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        _ip("ip", "link", "set", BRIDGE, "up")
+        for i in range(self.hosts):
+            self._add_host(i)
+        if self.start_workers:
+            for i in range(self.hosts):
+                self._start_worker(i)
+            self._wait_listening()
+
+    def _add_host(self, i: int) -> None:
+        ns, veth = f"{NS_PREFIX}{i}", f"{VETH_PREFIX}{i}"
+        _ip("ip", "netns", "add", ns)
+        _ip("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _ip("ip", "link", "set", veth, "master", BRIDGE)
+        _ip("ip", "link", "set", veth, "up")
+        _ip("ip", "link", "set", "lo", "up", ns=ns)
+        _ip("ip", "addr", "add", f"{host_address(i)}/24", "dev", "eth0", ns=ns)
+        _ip("ip", "link", "set", "eth0", "up", ns=ns)
+        for dev, where in ((veth, None), ("eth0", ns)):  # host ingress, host egress
+            _ip("tc", "qdisc", "add", "dev", dev, "root", *self._tbf(), ns=where)
+
+    def _tbf(self) -> list[str]:
+        # The bucket holds ~5 ms of traffic (at least 64 KB): small enough that bursts do not
+        # beat the rate, large enough for the kernel's timer resolution. The queue holds 200 ms
+        # so TCP sees few drops.
+        burst = max(64 << 10, int(self.link_bytes_per_s * 0.005))
+        return ["tbf", "rate", f"{self.link_mbit:g}mbit", "burst", str(burst),
+                "latency", "200ms"]
+
+    def _start_worker(self, i: int) -> None:
+        addr = host_address(i)
+        env = dict(os.environ, **{TRANSPORT_ENV: f"tcp://{addr}:0"})
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in sys.path if p])
+        log = open(self.log_dir / f"worker-h{i}.log", "w")
+        self.workers.append(subprocess.Popen(
+            ["ip", "netns", "exec", f"{NS_PREFIX}{i}", sys.executable, "-m", "controller.worker",
+             self.addresses[i]], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True))
+        log.close()
+
+    def _wait_listening(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(self.hosts))
+        while pending:
+            for i in sorted(pending):
+                if self.workers[i].poll() is not None:
+                    raise ClusterError(f"the worker of host {i} exited with "
+                                       f"{self.workers[i].returncode}; see "
+                                       f"{self.log_dir / f'worker-h{i}.log'}")
+                with socket.socket() as s:
+                    s.settimeout(0.5)
+                    if s.connect_ex((host_address(i), WORKER_PORT)) == 0:
+                        pending.discard(i)
+            if pending and time.monotonic() > deadline:
+                raise ClusterError(f"workers of hosts {sorted(pending)} did not listen within "
+                                   f"{timeout_s:.0f}s; see {self.log_dir}")
+            if pending:
+                time.sleep(0.2)
+
+    def down(self) -> None:
+        """Kill our processes, delete our links, namespaces and bridge. Safe to call twice."""
+        for w in self.workers:
+            _kill_group(w.pid)
+        teardown()
+        for w in self.workers:
+            try:
+                w.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.workers = []
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def existing() -> list[str]:
+    """Our namespaces and bridge that exist now (found by name)."""
+    names = [line.split()[0] for line in
+             _ip("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
+    found = [n for n in names if n.startswith(NS_PREFIX)]
+    if _ip("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+        found.append(BRIDGE)
+    return found
+
+
+def leftovers() -> list[str]:
+    """Anything teardown should have removed: namespaces, links, processes in our namespaces."""
+    out = existing()
+    links = _ip("ip", "-o", "link", "show", check=False).stdout
+    out += [f"link {tok.split('@')[0]}" for tok in links.split()
+            if tok.startswith(VETH_PREFIX) and tok.rstrip(":").split("@")[0][len(VETH_PREFIX):]
+            .isdigit()]
+    return out
+
+
+def teardown() -> None:
+    """Remove every namespace, veth and bridge of ours, killing the processes inside first."""
+    for ns in [n for n in existing() if n.startswith(NS_PREFIX)]:
+        for _ in range(3):  # a dying worker may spawn nothing new, but check again
+            pids = _ip("ip", "netns", "pids", ns, check=False).stdout.split()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            time.sleep(0.1)
+        _ip("ip", "link", "del", f"{VETH_PREFIX}{ns[len(NS_PREFIX):]}", check=False)
+        _ip("ip", "netns", "del", ns, check=False)
+    links = _ip("ip", "-o", "link", "show", check=False).stdout.split()
+    for tok in links:
+        name = tok.rstrip(":").split("@")[0]
+        if name.startswith(VETH_PREFIX) and name[len(VETH_PREFIX):].isdigit():
+            _ip("ip", "link", "del", name, check=False)
+    _ip("ip", "link", "del", BRIDGE, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="emulated cluster: namespaces + shaped links")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for name in ("up", "run"):
+        p = sub.add_parser(name)
+        p.add_argument("--hosts", type=int, default=3)
+        p.add_argument("--link-mbit", type=float, default=400)
+        if name == "run":
+            p.add_argument("command", nargs=argparse.REMAINDER)
+    sub.add_parser("down")
+    sub.add_parser("status")
+    args = parser.parse_args(argv)
+    if args.cmd == "down":
+        teardown()
+        left = leftovers()
+        print("removed the emulated cluster" if not left else f"left behind: {left}")
+        return 1 if left else 0
+    if args.cmd == "status":
+        print("\n".join(existing()) or "no emulated cluster")
+        return 0
+    cluster = EmulatedCluster(args.hosts, link_mbit=args.link_mbit)
+    if args.cmd == "up":
+        with_cleanup = cluster.__enter__  # tears down itself if bringing up fails
+        with_cleanup()
+        print(f"export {TRANSPORT_ENV}={cluster.controller_transport}")
+        print(f"workers ({args.link_mbit:g} Mbit/s links): {','.join(cluster.addresses)}")
+        print(f"worker logs: {cluster.log_dir}; tear down: python -m controller.cluster down")
+        return 0
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("run needs a command after --")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with cluster:
+        env = dict(os.environ, WB_CLUSTER_WORKERS=",".join(cluster.addresses),
+                   WB_CLUSTER_LINK_MBIT=f"{args.link_mbit:g}",
+                   **{TRANSPORT_ENV: cluster.controller_transport})
+        try:
+            return subprocess.run(command, env=env).returncode
+        except KeyboardInterrupt:
+            return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

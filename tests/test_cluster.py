@@ -1,0 +1,81 @@
+"""The emulated cluster: hosts in network namespaces behind tc-shaped links, a Monarch worker in
+each; the controller runs verified updates over it, and teardown leaves nothing behind, also
+after a failure or Ctrl-C."""
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from controller.cluster import SUBNET, EmulatedCluster, existing, leftovers, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[1]
+REASON = unavailable_reason()
+pytestmark = pytest.mark.skipif(REASON is not None,
+                                reason=f"no emulated cluster here: {REASON}")
+
+
+def _our_processes() -> list[str]:
+    """Command lines of live processes that mention our subnet (workers and their procs)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in ps.splitlines() if f"{SUBNET}." in line and "ps -eo" not in line]
+
+
+def _assert_clean() -> None:
+    assert leftovers() == []
+    assert _our_processes() == []
+
+
+@pytest.mark.mesh
+def test_controller_runs_verified_updates_on_the_emulated_cluster():
+    done = subprocess.run(
+        [sys.executable, "-m", "controller", "--cluster", "3", "--link-mbit", "100",
+         "--trainer", "nodes=1,gpus=2,tp=2", "--rollout", "engines=2,nodes=1,gpus=1",
+         "--updates", "2"], cwd=REPO, capture_output=True, text=True, timeout=180)
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    assert "emulated cluster: 3 hosts, 100 Mbit/s links" in out
+    assert "configured 12 MB/s" in out  # Eq. (1) from the tc rate, not a probe
+    assert out.count("bit-identical to their own load_weights") == 2
+    ideal = float(out.split("ideal EWTT (Eq. 1, a link per planning node): ")[1].split("s")[0])
+    assert 0.15 < ideal < 0.22  # 2.29 MB over one 12.5 MB/s trainer link
+    _assert_clean()
+
+
+@pytest.mark.mesh
+def test_cluster_is_torn_down_after_an_error():
+    cluster = EmulatedCluster(2, link_mbit=200)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cluster:
+            assert len(existing()) == 3  # two namespaces and the bridge
+            assert len(_our_processes()) >= 2  # the workers
+            raise RuntimeError("boom")
+    _assert_clean()
+
+
+@pytest.mark.mesh
+def test_cluster_run_is_torn_down_on_ctrl_c():
+    proc = subprocess.Popen([sys.executable, "-m", "controller.cluster", "run", "--hosts", "2",
+                             "--link-mbit", "200", "--", "sleep", "120"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("sleep 120" in p for p in subprocess.run(
+                ["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _assert_clean()
+
+
+def test_down_with_nothing_up_is_a_no_op():
+    done = subprocess.run([sys.executable, "-m", "controller.cluster", "down"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "removed" in done.stdout, done.stdout + done.stderr
