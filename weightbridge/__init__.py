@@ -10,6 +10,7 @@ Typical usage::
     smap.load(params, checkpoint)   # what load_weights does, replayed from the map
 """
 
+from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
 from weightbridge.boxcopy import CopyKernels, TorchCopyKernels, default_kernels
 from weightbridge.correspond import correspond
 from weightbridge.cpu_kernels import CpuCopyKernels
@@ -42,6 +43,7 @@ from weightbridge.types import (
 )
 
 __all__ = [
+    "AdapterOptions",
     "BoxCopy",
     "BufferWrite",
     "CheckpointSpec",
@@ -56,8 +58,10 @@ __all__ = [
     "ParamSpec",
     "Piece",
     "Placement",
+    "ReceiverAdapter",
     "Region",
     "Round",
+    "SenderAdapter",
     "SourceMap",
     "Stage",
     "TensorSpec",

@@ -74,19 +74,28 @@ class WorkerExecutor:
     def num_rounds(self) -> int:
         return len(self.plan.rounds)
 
-    def pack(self, r: int) -> None:
-        """Parameters -> arena r % 2 (trainers)."""
+    def pack(self, r: int, buffer: torch.Tensor | None = None) -> None:
+        """Parameters -> arena r % 2 (trainers), or -> ``buffer`` (on the parameters' device)."""
         if self._pack[r] is not None:
-            self.kernels.pack(self._pack[r], self.arenas[r % 2])
+            self.kernels.pack(self._pack[r], self.arenas[r % 2] if buffer is None else buffer)
 
-    def assemble(self, r: int) -> None:
-        """Arena r % 2 -> parameters (rollouts, after the round's last stage has landed)."""
+    def assemble(self, r: int, buffer: torch.Tensor | None = None) -> None:
+        """Arena r % 2 (or ``buffer``, on the parameters' device) -> parameters (rollouts,
+        after the round's last stage has landed)."""
         if self._assemble[r] is not None:
-            self.kernels.assemble(self._assemble[r], self.arenas[r % 2])
+            self.kernels.assemble(self._assemble[r],
+                                  self.arenas[r % 2] if buffer is None else buffer)
 
-    def writes(self, r: int, stage: Stage) -> Iterator[tuple[WorkerId, Range, torch.Tensor]]:
-        """(peer, peer's registered range, source bytes) of every write of round r's stage."""
-        arena = self.arenas[r % 2]
+    def round_nbytes(self, r: int) -> tuple[int, int]:
+        """(packed, assembled) bytes of round r: what a staging buffer keeps of the round."""
+        return tuple(0 if t is None else int(t.nbytes)
+                     for t in (self._pack[r], self._assemble[r]))
+
+    def writes(self, r: int, stage: Stage, buffer: torch.Tensor | None = None
+               ) -> Iterator[tuple[WorkerId, Range, torch.Tensor]]:
+        """(peer, peer's registered range, source bytes) of every write of round r's stage;
+        the bytes are read from arena r % 2, or from ``buffer`` (a staged copy of it)."""
+        arena = self.arenas[r % 2] if buffer is None else buffer
         for w in self.plan.rounds[r].writes:
             if w.stage is stage:
                 yield w.peer, (r % 2, w.peer_offset, w.nbytes), arena[w.offset:w.offset + w.nbytes]

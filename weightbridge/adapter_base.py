@@ -1,0 +1,149 @@
+"""What both adapters share: options, the per-worker executor and staging layout, and the
+group set-up rank 0's connect runs (probe everyone, plan once, hand out plans and handles).
+
+The public entry point is `weightbridge.adapters`; see its docstring and docs/integration.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from weightbridge.boxcopy import CopyKernels, default_kernels
+from weightbridge.coordination import Mode
+from weightbridge.executor import WorkerExecutor, incoming_ranges
+from weightbridge.plan import plan_transfer
+from weightbridge.probe import extract_source_map
+from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
+
+FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
+_SEQ = itertools.count()
+"""Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdapterOptions:
+    """Switches and limits shared by every adapter of one transfer group.
+
+    Example: ``AdapterOptions(sender_staging=True, receiver_staging=True, timeout_s=30)``
+    """
+
+    sender_staging: bool = False
+    """SS: `send_weights` returns once the trainer's bytes are in host memory."""
+    receiver_staging: bool = False
+    """RS: bytes land in host staging while rollouts generate; installed at a later poll."""
+    timeout_s: float = 60.0
+    """Longest wait for a peer (a rollout that stops polling, a trainer that never sends)."""
+    round_bytes: int = 1 << 20
+    """Round buffer capacity per worker (planner argument)."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0 or self.round_bytes < 1:
+            raise ValueError(f"timeout_s ({self.timeout_s}) and round_bytes "
+                             f"({self.round_bytes}) must be positive")
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.from_flags(sender_staging=self.sender_staging,
+                               receiver_staging=self.receiver_staging)
+
+
+class _Worker:
+    """What both adapters share: the probe, the executor, a condition, the staging layout."""
+
+    side = ""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
+                 spec: CheckpointSpec, *, rank: int, placement: Placement, control, transport,
+                 options: AdapterOptions, kernels: CopyKernels | None = None):
+        self.params, self.load_weights, self.spec = dict(params), load_weights, spec
+        self.worker, self.placement = WorkerId(self.side, rank), placement
+        self.control, self.transport, self.options = control, transport, options
+        self.kernels = kernels
+        self.executor: WorkerExecutor | None = None
+        self.cond = threading.Condition()
+        self.events: list[tuple[int, str, int]] = []
+        """(sequence number, what, version): what this worker did, ordered process-wide."""
+
+    def _log(self, event: tuple[str, int]) -> None:
+        self.events.append((next(_SEQ), *event))
+
+    def _source_map(self) -> SourceMap:
+        """Probe this worker's own load_weights; the parameters are restored afterwards."""
+        saved = {n: p.detach().clone() for n, p in self.params.items()}
+        try:
+            return extract_source_map(self.params, self.load_weights, self.spec)
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(saved[n])
+
+    def _wb_source_map(self) -> tuple[SourceMap, Placement]:
+        return self._source_map(), self.placement
+
+    def _setup(self, plan) -> None:
+        device = next(iter(self.params.values())).device
+        self.executor = WorkerExecutor(plan, self.params,
+                                       self.kernels or default_kernels(device))
+        sizes = [self.executor.round_nbytes(r)[0 if self.side == "trainer" else 1]
+                 for r in range(self.executor.num_rounds)]
+        self._offsets = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
+
+    def _staged_view(self, buf: torch.Tensor, r: int) -> torch.Tensor:
+        return buf[self._offsets[r]:self._offsets[r + 1]]
+
+    def _wait(self, predicate, what: str) -> None:
+        """Wait on ``self.cond`` (held) until ``predicate()``, at most ``timeout_s``."""
+        if not self.cond.wait_for(predicate, timeout=self.options.timeout_s):
+            raise TimeoutError(f"{self.worker}: {what} within timeout_s="
+                               f"{self.options.timeout_s}s")
+
+    def _poll_until(self, predicate, what: str, *, deadline: bool = True) -> None:
+        """Wait for a condition on other workers (no shared condition variable to wait on)."""
+        end = time.monotonic() + self.options.timeout_s
+        while not predicate():
+            if deadline and time.monotonic() > end:
+                raise TimeoutError(f"{self.worker}: {what} within timeout_s="
+                                   f"{self.options.timeout_s}s")
+            time.sleep(getattr(self.control, "poll_interval_s", 0.0005))
+
+    def _issue(self, r: int, stage: Stage, buffer: torch.Tensor | None = None) -> None:
+        self.transport.wait([self.transport.write(peer, key, src)
+                             for peer, key, src in self.executor.writes(r, stage, buffer)])
+
+
+def setup_group(control, round_bytes: int) -> None:
+    """Rank 0's connect: probe every worker, plan once, hand out plans and transport handles.
+
+    Only ``_wb_`` calls on the workers the control plane returns, so it runs the same over
+    direct calls (`adapters_local.LocalControl`) and over actor endpoints.
+    """
+    trainers, receivers = control.trainers(), control.receivers()
+    maps_t = [t._wb_source_map() for t in trainers]
+    maps_r = [x._wb_source_map() for x in receivers]
+    plan = plan_transfer(maps_t, maps_r, round_bytes=round_bytes)
+    plans = {w: plan.for_worker(w) for w in plan.workers}
+    ranges = incoming_ranges(plans.values())
+    handles = {}
+    for j, x in enumerate(receivers):
+        w = WorkerId("rollout", j)
+        handles.update({(w, key): h for key, h in
+                        x._wb_setup(plans[w], sorted(ranges.get(w, ()))).items()})
+    for i, t in enumerate(trainers):
+        t._wb_setup(plans[WorkerId("trainer", i)])
+    for w, proxy in [(WorkerId("rollout", j), x) for j, x in enumerate(receivers)] + \
+            [(WorkerId("trainer", i), t) for i, t in enumerate(trainers)]:
+        mine = {(wr.peer, (r.index % 2, wr.peer_offset, wr.nbytes))
+                for r in plans[w].rounds for wr in r.writes}
+        proxy._wb_set_peers({k: handles[k] for k in mine if k in handles})
+
+
+def _host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
+    """Host staging memory for a worker whose arenas are ``like``'s; pinned next to a GPU."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=like.device.type == "cuda")

@@ -1,0 +1,288 @@
+"""Worker coordination, pure: versions, supersession, engine-consistent installs, staging slots.
+
+No torch, no Monarch, no threads: every class here is a small state machine whose methods are
+called by the adapters (`weightbridge.adapters`) when a control message arrives or a worker
+polls. The tests drive them directly (`tests/test_coordination.py`).
+
+The protocol (paper section 3.3)::
+
+    rank-0 sender                 rank-0 receiver of engine e          other receivers of e
+    -------------                 ---------------------------          --------------------
+    offer(v)  ------------------> EngineCoordinator.offer(v)
+                                  poll(step s): decide(s) -> Relay?
+                                  [RS: claim(e) at the sender: the
+                                   staging slot of v is pinned]
+                                  Relay(v, at_step=s+1, slot) ------->  WorkerVersions.relay
+                                  (acked before rank 0 runs step s)
+                                  poll(s+1): due(s+1) -> install v      poll(s+1): due(s+1) -> v
+                                  installed(rank, v) <----------------  installed(rank, v)
+
+Why ``at_step = s + 1``: the workers of one engine run their inference steps in lockstep (the
+engine's collectives), so while rank 0 sits in its poll of step s the others have at most reached
+their poll of step s; some may already be past it. Once they have all acked the relay, every one
+of them meets it at its poll of step s + 1, so the whole engine installs at the same step.
+
+Typical usage::
+
+    mode = Mode.from_flags(sender_staging=True, receiver_staging=False)   # Mode.SS
+    coord = EngineCoordinator(num_ranks=2)            # on an engine's rank-0 receiver
+    coord.offer(3); relay = coord.decide(step=10)     # -> Relay(3, at_step=11)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Mode(enum.Enum):
+    """The four synchronization modes: sender staging (SS) x receiver staging (RS)."""
+
+    SYNC = "sync"
+    """SS off, RS off: the trainer and the rollouts block until the update is installed."""
+    SS = "ss"
+    """Trainer resumes once its data is copied to host staging; rollouts block in the transfer."""
+    RS = "rs"
+    """Rollouts keep generating while bytes land in host staging; install at the next poll.
+    The trainer blocks until its bytes have left (landed in the rollouts' staging)."""
+    ASYNC = "async"
+    """Both: the trainer resumes after staging, the rollouts install at a later poll."""
+
+    @classmethod
+    def from_flags(cls, *, sender_staging: bool, receiver_staging: bool) -> "Mode":
+        return {(False, False): cls.SYNC, (True, False): cls.SS,
+                (False, True): cls.RS, (True, True): cls.ASYNC}[
+                    (bool(sender_staging), bool(receiver_staging))]
+
+    @property
+    def sender_staging(self) -> bool:
+        return self in (Mode.SS, Mode.ASYNC)
+
+    @property
+    def receiver_staging(self) -> bool:
+        return self in (Mode.RS, Mode.ASYNC)
+
+    @property
+    def trainer_returns_when(self) -> str:
+        """What `send_weights` waits for: "staged" (its own host copy), "landed" (every byte in
+        the rollouts' staging buffers) or "installed" (every rollout runs the new version)."""
+        if self.sender_staging:
+            return "staged"
+        return "landed" if self.receiver_staging else "installed"
+
+    @property
+    def rollout_blocks_for_transfer(self) -> bool:
+        """Whether a rollout's poll that takes an update waits for the bytes to move (True) or
+        only copies already staged bytes into its parameters (False)."""
+        return not self.receiver_staging
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """Rank-0 receiver -> every receiver of its engine: install ``version`` at ``at_step``.
+
+    Example: ``Relay(version=4, at_step=11, slot=1)``: at the poll of inference step 11, install
+    version 4 from staging slot 1 (``slot=None``: the bytes come straight into the parameters,
+    so the poll joins the transfer).
+    """
+
+    version: int
+    """Model version; strictly increasing along the relays of one engine."""
+    at_step: int
+    """Inference step at whose poll every worker of the engine installs it."""
+    slot: int | None = None
+    """Receiver staging slot that holds it (RS and async modes), None when not staged."""
+
+
+class EngineCoordinator:
+    """The rank-0 receiver's view of its engine: offers from the sender, the pinned install.
+
+    A new version is decided only when every rank has installed the previous decision: until
+    then the slot it was staged in stays pinned (see `StagingSlots`), and at most one decision
+    is outstanding, so an engine never holds two half-installed versions.
+    """
+
+    def __init__(self, num_ranks: int):
+        if num_ranks < 1:
+            raise ValueError(f"an engine has at least one worker, got num_ranks={num_ranks}")
+        self.num_ranks = num_ranks
+        self.offered = 0
+        """Newest version offered by the sender (0: none yet)."""
+        self.decided = 0
+        """Newest version relayed to the engine."""
+        self._installed: dict[int, int] = {r: 0 for r in range(num_ranks)}
+
+    def offer(self, version: int) -> None:
+        """The sender has a version ready; an older or repeated offer is ignored (superseded)."""
+        self.offered = max(self.offered, version)
+
+    @property
+    def idle(self) -> bool:
+        """Every rank installed the last decision (a new one may be made)."""
+        return all(v >= self.decided for v in self._installed.values())
+
+    def decide(self, step: int, claim=None) -> Relay | None:
+        """At rank 0's poll of ``step``: the relay to send (for ``at_step = step + 1``), or None
+        (nothing newer offered, or the previous decision not yet installed everywhere).
+
+        ``claim``: in RS modes, a call to the sender's `StagingSlots.claim` for this engine,
+        returning (version, slot) of the newest landed version or None; the relay carries the
+        version it returns (possibly newer than any offer seen yet).
+        """
+        if self.offered <= self.decided or not self.idle:
+            return None
+        version, slot = self.offered, None
+        if claim is not None:
+            got = claim()
+            if got is None or got[0] <= self.decided:
+                return None
+            version, slot = got
+        self.decided = version
+        self.offered = max(self.offered, version)
+        return Relay(version, step + 1, slot)
+
+    def installed(self, rank: int, version: int) -> None:
+        """Rank ``rank`` of the engine now runs ``version``."""
+        if rank not in self._installed:
+            raise ValueError(f"rank {rank} is not in this engine of {self.num_ranks} ranks")
+        self._installed[rank] = max(self._installed[rank], version)
+        # A transfer may carry a newer version than the offer it answered (sender staging
+        # superseded it meanwhile): older offers are then stale.
+        self.decided = max(self.decided, version)
+
+
+class WorkerVersions:
+    """One receiver's relays and installed version: what its poll of a step must install."""
+
+    def __init__(self):
+        self.installed = 0
+        """Version the worker's parameters hold (0: what the engine started from)."""
+        self._relays: list[Relay] = []
+
+    def relay(self, relay: Relay) -> None:
+        """Record a relay from rank 0.
+
+        Raises:
+            ValueError: versions out of order (a relay not newer than the last one).
+        """
+        last = max(self._relays[-1].version if self._relays else 0, self.installed)
+        if relay.version <= last:
+            raise ValueError(f"relay of version {relay.version} after version {last}: versions "
+                             f"must reach a worker in increasing order")
+        self._relays.append(relay)
+
+    def due(self, step: int) -> Relay | None:
+        """The relay to install at the poll of ``step``: the newest one due. Older due relays are
+        dropped: a newer decided version supersedes them. Call `done` once installed."""
+        ready = [r for r in self._relays if r.at_step <= step]
+        if not ready:
+            return None
+        self._relays = [r for r in self._relays if r.at_step > step]
+        return ready[-1]
+
+    def done(self, relay: Relay) -> None:
+        self.installed = relay.version
+
+
+class StagingSlots:
+    """Sender-side bookkeeping of the receivers' host staging slots, per engine (RS modes).
+
+    A transfer lands version v in one slot of every receiver of an engine; the engine's rank 0
+    later `claim`s it, which pins that slot until the engine's next claim (rank 0 claims again
+    only when every rank has installed, `EngineCoordinator.idle`). A new transfer writes the
+    slot that is not pinned, overwriting a version that landed there but was never claimed: the
+    newer one supersedes it. With two slots one is always free, so a rollout that stops polling
+    never blocks the trainer.
+    """
+
+    def __init__(self, num_engines: int, num_slots: int = 2):
+        if num_slots < 2:
+            raise ValueError(f"num_slots={num_slots}: one slot is pinned by the installed "
+                             f"version, so landing needs at least two")
+        self.num_slots = num_slots
+        self._pinned: list[int | None] = [None] * num_engines
+        # (engine, slot) -> version fully landed there; absent while empty or being written.
+        self._landed: dict[tuple[int, int], int] = {}
+        self._writing: dict[int, int] = {}
+
+    def begin(self, version: int) -> dict[int, int]:
+        """Start landing ``version`` everywhere: the slot per engine to write into."""
+        slots = {}
+        for e, pinned in enumerate(self._pinned):
+            free = [s for s in range(self.num_slots) if s != pinned]
+            # The free slot holding the oldest (or no) version: keep the newest unclaimed one
+            # while there are spare slots.
+            slot = min(free, key=lambda s: self._landed.get((e, s), -1))
+            self._landed.pop((e, slot), None)  # overwritten from now on: superseded
+            slots[e] = slot
+        self._writing = slots
+        return slots
+
+    def complete(self, version: int) -> None:
+        """Every byte of ``version`` landed in the slots `begin` returned."""
+        for e, slot in self._writing.items():
+            self._landed[(e, slot)] = version
+        self._writing = {}
+
+    def claim(self, engine: int) -> tuple[int, int] | None:
+        """Pin the slot of the newest version landed for ``engine``: (version, slot), or None
+        when nothing has landed (or it is being overwritten by a transfer under way)."""
+        held = [(v, s) for (e, s), v in self._landed.items() if e == engine]
+        if not held:
+            return None
+        version, slot = max(held)
+        self._pinned[engine] = slot
+        return version, slot
+
+    def landed(self, engine: int, slot: int) -> int | None:
+        return self._landed.get((engine, slot))
+
+
+class SenderStage:
+    """One trainer's host staging buffer (SS modes): which version it holds, and whether a
+    transfer is reading it.
+
+    Staging a newer version overwrites one not yet sent (it supersedes it); while a transfer
+    reads the buffer, staging must wait for it to finish (`busy`), which needs no rollout to
+    poll: a transfer only starts once every receiver takes part or stages.
+    """
+
+    def __init__(self):
+        self.version = 0
+        """Version held (0: none)."""
+        self.sent = 0
+        """Newest version a transfer has read out of the buffer."""
+        self.busy = False
+
+    def stage(self, version: int) -> None:
+        """Record that ``version`` was copied in.
+
+        Raises:
+            ValueError: not newer than the version held or sent (versions go in order).
+            RuntimeError: a transfer is reading the buffer (wait until `busy` clears).
+        """
+        if version <= max(self.version, self.sent):
+            raise ValueError(f"send_weights(version={version}) after version "
+                             f"{max(self.version, self.sent)}: versions must increase")
+        if self.busy:
+            raise RuntimeError("staging while a transfer reads the staging buffer; wait for "
+                               "the transfer to finish first")
+        self.version = version
+
+    @property
+    def pending(self) -> int | None:
+        """A staged version no transfer has read yet."""
+        return self.version if self.version > self.sent and not self.busy else None
+
+    def start(self) -> int:
+        """A transfer starts reading the buffer: the version it carries."""
+        assert self.pending is not None, "start() without a pending staged version"
+        self.busy = True
+        return self.version
+
+    def finish(self) -> None:
+        self.busy, self.sent = False, self.version
+
+    def cancel(self) -> None:
+        """The transfer did not start after all (another trainer staged a newer version)."""
+        self.busy = False
