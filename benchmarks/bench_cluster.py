@@ -80,7 +80,7 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-mbit", type=float, default=50)
-    parser.add_argument("--round-kib", type=int, default=128)
+    parser.add_argument("--round-kib", type=int, default=512)
     parser.add_argument("--updates", type=int, default=2)
     parser.add_argument("--model", default="tiny")
     args = parser.parse_args()
