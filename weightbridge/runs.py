@@ -72,16 +72,21 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int) -> PassRuns:
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
-        raw = raw_digits(values[base:hi], alpha)
-        valid = (raw >= 0) & (raw < modulus)
-        step = raw[1:] - raw[:-1]  # relation j: element base+j to base+j+1 (wrapping is fine)
+        bits = values[base:hi].view(alpha.bits_dtype)
+        # Raw-bit differences equal digit differences (the constant offset cancels; wrapping
+        # is fine), so the digits themselves are needed only at the candidates.
+        step = bits[1:] - bits[:-1]  # relation j: element base+j to base+j+1
         cand = torch.ones(step.numel(), dtype=torch.bool)
-        cand[1:] = (step[1:] != step[:-1]) | (valid[2:] != valid[1:-1]) | \
-            (valid[1:-1] != valid[:-2])
+        torch.ne(step[1:], step[:-1], out=cand[1:])
+        valid = None  # a chunk that is all sourced (the common case) skips the validity pass
+        if not (int(bits.min()) >= alpha.first_normal
+                and int(bits.max()) < alpha.first_normal + modulus):
+            valid = _valid(bits, alpha, modulus)
+            cand[1:] |= (valid[2:] != valid[1:-1]) | (valid[1:-1] != valid[:-2])
         if lo >= 2:
             cand[0] = False  # relation lo-1 was judged with the previous chunk
         j = torch.nonzero(cand).squeeze(1)
-        x = _exact(raw, valid, j, modulus)  # digits at elements j-1, j, j+1 (local)
+        x = _exact(bits, valid, j, alpha, modulus)  # digits at elements j-1, j, j+1 (local)
         rel_here = _relation(x[1], x[2], modulus)
         rel_before = _relation(x[0], x[1], modulus)
         new = (rel_here != rel_before) | (j == 0)
@@ -97,13 +102,20 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int) -> PassRuns:
                       torch.cat(cur_digits), n)
 
 
-def _exact(raw: torch.Tensor, valid: torch.Tensor, j: torch.Tensor, modulus: int
-           ) -> list[torch.Tensor]:
+def _valid(bits: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:
+    raw = raw_digits(bits.view(alpha.dtype), alpha)
+    return (raw >= 0) & (raw < modulus)
+
+
+def _exact(bits: torch.Tensor, valid: torch.Tensor | None, j: torch.Tensor, alpha: Alphabet,
+           modulus: int) -> list[torch.Tensor]:
     """Exact int64 digits (NO_SOURCE when invalid) at elements j-1, j and j+1."""
     out = []
     for at in (j - 1, j, j + 1):
         at = at.clamp(min=0)
-        out.append(torch.where(valid[at], raw[at].to(torch.int64), NO_SOURCE))
+        digit = bits[at].to(torch.int64) - alpha.first_normal
+        ok = (digit >= 0) & (digit < modulus) if valid is None else valid[at]
+        out.append(torch.where(ok, digit, NO_SOURCE))
     return out
 
 
