@@ -70,29 +70,45 @@ class MeshTransport:
         wait_all(futures)
 
 
-class _Proxy:
-    """A peer adapter: ``proxy._wb_x(*args)`` is ``peer.wb.call_one("_wb_x", *args).get()``."""
+SETUP_CALLS = frozenset({"_wb_source_map", "_wb_setup"})
+"""Adapter calls without a deadline: probing and building tables scale with the model."""
 
-    def __init__(self, actor):
-        self._actor = actor
+
+class _Proxy:
+    """A peer adapter: ``proxy._wb_x(*args)`` is ``peer.wb.call_one("_wb_x", *args).get()``,
+    bounded by the control plane's timeout (a dead peer fails at once with a
+    SupervisionError; one that stopped answering, within the timeout)."""
+
+    def __init__(self, actor, control: "MeshControl"):
+        self._actor, self._control = actor, control
 
     def __getattr__(self, name: str):
         if not name.startswith("_wb_"):
             raise AttributeError(name)
-        return lambda *args: self._actor.wb.call_one(name, *args).get()
+        return lambda *args: self._actor.wb.call_one(name, *args).get(
+            timeout=self._control.timeout_for(name))
 
 
 class MeshControl:
-    """Where the peers are: trainer and rollout actor meshes with one ``worker`` axis each."""
+    """Where the peers are: trainer and rollout actor meshes with one ``worker`` axis each.
+
+    ``timeout_s``: the longest an adapter call on a peer may take during a transfer (None: no
+    limit); pass `AdapterOptions.timeout_s`.
+    """
 
     poll_interval_s = 0.01
     """Waits on remote state poll it over endpoint calls: at most 100 calls a second."""
 
     def __init__(self, trainers, rollouts, num_trainers: int, num_engines: int,
-                 engine_size: int):
-        self._t = [_Proxy(trainers.slice(worker=i)) for i in range(num_trainers)]
-        self._r = [_Proxy(rollouts.slice(worker=j)) for j in range(num_engines * engine_size)]
+                 engine_size: int, *, timeout_s: float | None = None):
+        self._t = [_Proxy(trainers.slice(worker=i), self) for i in range(num_trainers)]
+        self._r = [_Proxy(rollouts.slice(worker=j), self)
+                   for j in range(num_engines * engine_size)]
         self.num_engines, self.engine_size = num_engines, engine_size
+        self.timeout_s = timeout_s
+
+    def timeout_for(self, name: str) -> float | None:
+        return None if name in SETUP_CALLS else self.timeout_s
 
     def trainers(self) -> list:
         return self._t
@@ -106,14 +122,36 @@ class MeshControl:
     def engine(self, engine: int) -> list:
         return self._r[engine * self.engine_size:(engine + 1) * self.engine_size]
 
+    def gather(self, peers: list, name: str, *args, return_errors: bool = False) -> list:
+        """Issue the call on every peer, then wait for all: the results, in order.
+
+        Raises the first peer's error once all have answered; ``return_errors``: the errors
+        are returned in place of results instead.
+        """
+        futures = [p._actor.wb.call_one(name, *args) for p in peers]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.get(timeout=self.timeout_for(name)))
+            except Exception as e:  # noqa: BLE001  (raised below, after every peer answered)
+                out.append(_Failed(e))
+        if not return_errors:
+            for r in out:
+                if isinstance(r, _Failed):
+                    raise r.error
+        return [r.error if isinstance(r, _Failed) else r for r in out]
+
     def call_all(self, peers: list, name: str, *args) -> None:
         """Issue the call on every peer, then wait for all (they run in parallel)."""
-        futures = [p._actor.wb.call_one(name, *args) for p in peers]
-        for f in futures:
-            f.get()
+        self.gather(peers, name, *args)
 
     def engine_rank0s(self) -> list:
         return [self.engine(e)[0] for e in range(self.num_engines)]
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 class _AdapterActor(Actor):
@@ -140,7 +178,8 @@ class RLTrainer(_AdapterActor):
         self.shard = TrainerShard(SIZES[self.model], self.tp, rank, 1, 0)
         self.adapter = SenderAdapter(
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
-            rank=rank, control=MeshControl(trainers, rollouts, *topology),
+            rank=rank, control=MeshControl(trainers, rollouts, *topology,
+                                                timeout_s=options.timeout_s),
             transport=MeshTransport(options.timeout_s), options=options,
             placement=Placement("trainer"))
 
@@ -181,7 +220,8 @@ class RLRollout(_AdapterActor):
         self.adapter = ReceiverAdapter(
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
             rank=rank, engine=rank // engine_size, engine_rank=self.rank_in_engine,
-            engine_size=engine_size, control=MeshControl(trainers, rollouts, *topology),
+            engine_size=engine_size,
+            control=MeshControl(trainers, rollouts, *topology, timeout_s=options.timeout_s),
             transport=MeshTransport(options.timeout_s), options=options)
 
     def _step(self, seed: int) -> dict:

@@ -3,6 +3,8 @@
 #   bash scripts/dev.sh setup        create or reuse .venv and install the pinned dependencies
 #   bash scripts/dev.sh run [ARGS]   set up, then run the main job
 #   bash scripts/dev.sh test [ARGS]  set up, then run the test suite (ARGS go to pytest)
+#   bash scripts/dev.sh engines      set up, then add the real engines (vLLM CPU, torchtitan)
+#   bash scripts/dev.sh engines-test [ARGS]  set up with engines, run tests/engines
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${WB_VENV:-.venv}
@@ -25,11 +27,26 @@ setup() {
   fi
 }
 
+engines() {
+  setup
+  # The engines' own dependency trees pull a serving stack and a CUDA torchvision that breaks
+  # transformers on a CPU torch; the lock holds only what model building and loading import,
+  # installed without resolution (about 1.9 GB; see docs/engines.md).
+  local stamp=$VENV/.wb-engines-$(sha1sum requirements/engines.txt | cut -c1-12)
+  if [ ! -f "$stamp" ]; then
+    "$PY" -m pip install -q --no-deps -r requirements/engines.txt
+    rm -f "$VENV"/.wb-engines-*
+    touch "$stamp"
+  fi
+}
+
 cmd=${1:-}
 shift || true
 case "$cmd" in
   setup) setup ;;
   run)   setup; exec "$PY" -m controller "$@" ;;
   test)  setup; exec "$PY" -m pytest "$@" ;;
-  *) echo "usage: bash scripts/dev.sh {setup|run|test} [ARGS]" >&2; exit 2 ;;
+  engines) engines ;;
+  engines-test) engines; exec "$PY" -m pytest -m engines tests/engines "$@" ;;
+  *) echo "usage: bash scripts/dev.sh {setup|run|test|engines|engines-test} [ARGS]" >&2; exit 2 ;;
 esac

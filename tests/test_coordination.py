@@ -194,3 +194,15 @@ def test_a_cancelled_start_leaves_the_staged_version_pending():
     st.start()
     st.cancel()
     assert st.pending == 1
+
+
+def test_slots_of_a_replan_are_new_numbers_so_an_install_under_way_keeps_its_own():
+    old = StagingSlots(num_engines=1)
+    old.begin(1)
+    old.complete(1)
+    assert old.claim(0) == (1, 0)  # engine 0 installs version 1 from slot 0 ...
+    new = StagingSlots(num_engines=1, first_slot=2)  # ... while a re-plan starts new slots
+    assert new.claim(0) is None  # nothing landed under the new plan yet
+    assert new.begin(2) == {0: 2}
+    new.complete(2)
+    assert new.claim(0) == (2, 2) and new.begin(3) == {0: 3}

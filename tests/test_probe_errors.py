@@ -185,3 +185,46 @@ def test_loader_that_reads_nothing_leaves_everything_unsourced():
     assert smap.pieces == ()
     assert dict(smap.unsourced) == {"blk0.w13": 48, "blk0.norm": 6}
     assert set(smap.unused) == {"layers.0.mlp.w", "layers.0.norm"}
+
+
+def test_a_transposed_view_parameter_is_mapped_and_written_in_memory_order():
+    """Engines keep derived weights as transposed views (vLLM's MLA W_UV): the probe maps them
+    in memory order, and replay and the executor write the same memory in place."""
+    from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
+    from weightbridge.replay import replay
+
+    spec = CheckpointSpec((TensorSpec("w", (3, 5), "bfloat16"),))
+    storage = torch.zeros(3, 5, dtype=torch.bfloat16)
+    params = {"w_t": storage.t()}  # (5, 3), strides (1, 5): not contiguous
+
+    def load_weights(weights):
+        for _, t in weights:
+            params["w_t"].copy_(t.t())
+
+    smap = extract_source_map(params, load_weights, spec)
+    assert smap.params[0].shape == (3, 5)  # memory order: the storage's own shape
+    ckpt = {"w": torch.randn(3, 5).bfloat16()}
+    expected = ckpt["w"].t().contiguous()
+    storage.zero_()
+    replay(smap, params, ckpt)
+    assert torch.equal(params["w_t"].contiguous().view(torch.uint8), expected.view(torch.uint8))
+    assert storage.data_ptr() == params["w_t"].data_ptr()
+
+
+def test_views_into_another_parameter_are_left_out_of_the_map():
+    """vLLM's MLA W_UK_T / W_UV are views into kv_b_proj.weight: writing the owner writes them,
+    so the map covers the owner only and every byte is transferred once."""
+    from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
+
+    spec = CheckpointSpec((TensorSpec("kv_b", (8, 4), "bfloat16"),))
+    kv_b = torch.zeros(8, 4, dtype=torch.bfloat16)
+    params = {"kv_b": kv_b, "w_uv": kv_b.view(2, 4, 4)[:, 2:].transpose(1, 2),
+              "w_uk_t": kv_b.view(2, 4, 4)[:, :2]}
+
+    def load_weights(weights):
+        for _, t in weights:
+            kv_b.copy_(t)
+
+    smap = extract_source_map(params, load_weights, spec)
+    assert [p.name for p in smap.params] == ["kv_b"]
+    assert sum(p.region.numel for p in smap.pieces) == 32

@@ -6,6 +6,7 @@ The public entry point is `weightbridge.adapters`; see its docstring and docs/in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -17,7 +18,7 @@ import torch
 from weightbridge.boxcopy import CopyKernels, default_kernels
 from weightbridge.coordination import Mode
 from weightbridge.executor import WorkerExecutor, incoming_ranges
-from weightbridge.plan import plan_transfer
+from weightbridge.plan import TransferPlan, plan_transfer
 from weightbridge.probe import extract_source_map
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
 
@@ -87,6 +88,10 @@ class _Worker:
     def _wb_source_map(self) -> tuple[SourceMap, Placement]:
         return self._source_map(), self.placement
 
+    def _wb_ping(self) -> bool:
+        """Rank 0 asks who is still there after a transfer failed."""
+        return True
+
     def _setup(self, plan) -> None:
         device = next(iter(self.params.values())).device
         self.executor = WorkerExecutor(plan, self.params,
@@ -118,30 +123,64 @@ class _Worker:
                              for peer, key, src in self.executor.writes(r, stage, buffer)])
 
 
-def setup_group(control, round_bytes: int) -> None:
-    """Rank 0's connect: probe every worker, plan once, hand out plans and transport handles.
+class TransferFailed(RuntimeError):
+    """A rollout worker was lost during a transfer (its process died or stopped answering).
 
-    Only ``_wb_`` calls on the workers the control plane returns, so it runs the same over
-    direct calls (`adapters_local.LocalControl`) and over actor endpoints.
+    The message names the worker, its engine and the version, says which engines were excluded
+    and what the surviving engines hold, and how to bring the lost engine back (reconnect).
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMaps:
+    """Rank 0's record of connect: every worker's source map, kept to re-plan without
+    re-probing (a probe overwrites a worker's parameters for a moment: not while it generates)."""
+
+    trainers: tuple
+    """(SourceMap, Placement) per trainer."""
+    receivers: tuple
+    """(SourceMap, Placement) per rollout worker."""
+
+
+def setup_group(control, round_bytes: int) -> tuple[GroupMaps, TransferPlan]:
+    """Rank 0's connect: probe every worker, plan once, hand out plans and transport handles.
+    Returns the maps (kept for re-planning) and the plan.
+
+    Every worker is probed at once (`control.gather`): a real engine's load_weights may be
+    collective over its ranks (a DCP load over the trainers), so probing one rank after
+    another would deadlock. Only ``_wb_`` calls on the workers the control plane returns, so
+    it runs the same over direct calls (`adapters_local.LocalControl`) and actor endpoints.
     """
     trainers, receivers = control.trainers(), control.receivers()
-    maps_t = [t._wb_source_map() for t in trainers]
-    maps_r = [x._wb_source_map() for x in receivers]
-    plan = plan_transfer(maps_t, maps_r, round_bytes=round_bytes)
+    found = control.gather(trainers + receivers, "_wb_source_map")
+    maps = GroupMaps(tuple(found[:len(trainers)]), tuple(found[len(trainers):]))
+    return maps, plan_group(control, maps, round_bytes)
+
+
+def plan_group(control, maps: GroupMaps, round_bytes: int, *, excluded=frozenset(),
+               generation: int = 0) -> TransferPlan:
+    """Plan from ``maps``, set every worker up and return the plan, leaving out the rollout workers whose index
+    is in ``excluded``: they get an empty source map, so no byte is routed to or through them,
+    and they are not called. ``generation`` numbers the receivers' staging slots (a re-plan
+    keeps a slot an engine is installing from until it is done)."""
+    trainers, receivers = control.trainers(), control.receivers()
+    rollout_maps = [(dataclasses.replace(m, pieces=(), unsourced=(), unused=()), p)
+                    if j in excluded else (m, p) for j, (m, p) in enumerate(maps.receivers)]
+    plan = plan_transfer(list(maps.trainers), rollout_maps, round_bytes=round_bytes)
     plans = {w: plan.for_worker(w) for w in plan.workers}
     ranges = incoming_ranges(plans.values())
+    live = [(WorkerId("rollout", j), x) for j, x in enumerate(receivers) if j not in excluded]
     handles = {}
-    for j, x in enumerate(receivers):
-        w = WorkerId("rollout", j)
+    for w, x in live:
         handles.update({(w, key): h for key, h in
-                        x._wb_setup(plans[w], sorted(ranges.get(w, ()))).items()})
+                        x._wb_setup(plans[w], sorted(ranges.get(w, ())), generation).items()})
     for i, t in enumerate(trainers):
         t._wb_setup(plans[WorkerId("trainer", i)])
-    for w, proxy in [(WorkerId("rollout", j), x) for j, x in enumerate(receivers)] + \
-            [(WorkerId("trainer", i), t) for i, t in enumerate(trainers)]:
+    for w, proxy in live + [(WorkerId("trainer", i), t) for i, t in enumerate(trainers)]:
         mine = {(wr.peer, (r.index % 2, wr.peer_offset, wr.nbytes))
                 for r in plans[w].rounds for wr in r.writes}
         proxy._wb_set_peers({k: handles[k] for k in mine if k in handles})
+    return plan
 
 
 def _host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,18 @@ adapters_local.LocalControl` calls the adapters of one process directly (tests, 
 control plane turns each call into an actor endpoint call. Transport: ``write(peer, range, src)``
 and ``wait(futures)``; `adapters_local.LocalTransport` copies in process.
 
+A rollout worker lost mid-transfer raises `TransferFailed`; its engine leaves the group and
+rank 0 re-plans without it (docs/integration.md, "Failures").
+
 Modules: `adapter_base` (options, shared worker state, group set-up), `sender`, `receiver`;
 the protocol itself is `coordination`.
 
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """
 
-from weightbridge.adapter_base import AdapterOptions, setup_group
+from weightbridge.adapter_base import AdapterOptions, TransferFailed, setup_group
 from weightbridge.receiver import ReceiverAdapter
 from weightbridge.sender import SenderAdapter
 
-__all__ = ["AdapterOptions", "ReceiverAdapter", "SenderAdapter", "setup_group"]
+__all__ = ["AdapterOptions", "ReceiverAdapter", "SenderAdapter", "TransferFailed",
+           "setup_group"]

@@ -195,11 +195,14 @@ class StagingSlots:
     never blocks the trainer.
     """
 
-    def __init__(self, num_engines: int, num_slots: int = 2):
+    def __init__(self, num_engines: int, num_slots: int = 2, *, first_slot: int = 0):
         if num_slots < 2:
             raise ValueError(f"num_slots={num_slots}: one slot is pinned by the installed "
                              f"version, so landing needs at least two")
         self.num_slots = num_slots
+        self.slot_ids = range(first_slot, first_slot + num_slots)
+        """Slot numbers: a re-plan after a lost engine starts a new set (`first_slot`), so a
+        receiver can keep the slot it is installing from while the new ones fill."""
         self._pinned: list[int | None] = [None] * num_engines
         # (engine, slot) -> version fully landed there; absent while empty or being written.
         self._landed: dict[tuple[int, int], int] = {}
@@ -209,7 +212,7 @@ class StagingSlots:
         """Start landing ``version`` everywhere: the slot per engine to write into."""
         slots = {}
         for e, pinned in enumerate(self._pinned):
-            free = [s for s in range(self.num_slots) if s != pinned]
+            free = [s for s in self.slot_ids if s != pinned]
             # The free slot holding the oldest (or no) version: keep the newest unclaimed one
             # while there are spare slots.
             slot = min(free, key=lambda s: self._landed.get((e, s), -1))

@@ -22,6 +22,7 @@ import torch
 
 from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
 from weightbridge.types import Stage, WorkerId, WorkerPlan
+from weightbridge.views import memory_order
 
 Range = tuple[int, int, int]
 """(arena parity, byte offset, nbytes) in a receiver's two round arenas."""
@@ -53,14 +54,15 @@ class WorkerExecutor:
             if t is None:
                 raise ValueError(f"{plan.worker} has no parameter {spec.name!r}; connect with "
                                  f"the same parameters its source map was extracted from")
+            t = memory_order(t)  # as the probe saw it
             if (tuple(t.shape) != spec.shape
                     or str(t.dtype).removeprefix("torch.") != spec.dtype):
                 raise ValueError(f"{plan.worker} parameter {spec.name!r} is {tuple(t.shape)} "
                                  f"{t.dtype}, but its source map says {spec.shape} {spec.dtype}")
             if not t.is_contiguous():
-                raise ValueError(f"{plan.worker} parameter {spec.name!r} is not contiguous; the "
-                                 f"mesh executor writes parameters in place, so make it "
-                                 f"contiguous before probing")
+                raise ValueError(f"{plan.worker} parameter {spec.name!r} is not contiguous in "
+                                 f"any dim order; the executor writes parameters in place, so "
+                                 f"pass a contiguous tensor (or a permuted view of one)")
             tensors.append(t)
         device = tensors[0].device if tensors else torch.device("cpu")
         self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)

@@ -31,6 +31,7 @@ from weightbridge.errors import LayoutError
 from weightbridge.boxes import TensorIndex, box_to_pieces, group_boxes
 from weightbridge.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, SourceMap
+from weightbridge.views import memory_order, without_aliases
 
 Params = Mapping[str, torch.Tensor]
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
@@ -50,6 +51,8 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
     Args:
         params: the worker's parameters by name, or a zero-argument callable returning the live
             mapping (for loaders that replace parameter tensors instead of copying into them).
+            A transposed view of a contiguous tensor is mapped in its memory order, and a
+            view into another parameter's memory is left out of the map (`weightbridge.views`).
         load_weights: the engine's loader, ``load_weights(Iterable[(name, tensor)])``.
         spec: the checkpoint's names, shapes and dtypes.
 
@@ -63,7 +66,7 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
         ValueError: unsupported dtypes, parameters that change shape between passes.
         LayoutError: the loader changes values, or casts a checkpoint tensor to another dtype.
     """
-    get = params if callable(params) else (lambda: params)
+    get = _in_memory_order(params if callable(params) else (lambda: params))
     tindex = TensorIndex(spec.tensors)
     ckpt_dtypes = {t.name: _torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
                    for t in spec.tensors}
@@ -279,6 +282,18 @@ def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeight
 # --------------------------------------------------------------------------------------------
 # Small helpers
 # --------------------------------------------------------------------------------------------
+
+
+def _in_memory_order(get: Callable[[], Params]) -> Callable[[], Params]:
+    """The parameters as every later step sees them: views into another parameter's memory
+    left out (written with it), transposed views in memory order."""
+    def live():
+        params = get()
+        if not isinstance(params, Mapping):
+            return params  # _checked_params refuses it
+        return {n: memory_order(p) if isinstance(p, torch.Tensor) else p
+                for n, p in without_aliases(dict(params)).items()}
+    return live
 
 
 def _checked_params(params: Params, shapes: dict | None) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from typing import Mapping
 import torch
 
 from weightbridge.types import Piece, Region, SourceMap, pieces_by_param
+from weightbridge.views import memory_order
 
 
 def region_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
@@ -42,7 +43,7 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
     _check_inputs(smap, params, checkpoint)
     with torch.no_grad():
         for name, pieces in pieces_by_param(smap.pieces).items():
-            param = params[name].detach()
+            param = memory_order(params[name].detach())
             work = param if param.is_contiguous() else param.contiguous()
             flat = work.view(-1)
             for piece in pieces:
@@ -80,7 +81,7 @@ def _check_inputs(smap: SourceMap, params: Mapping[str, torch.Tensor],
     for spec in smap.params:
         if spec.name not in params:
             raise ValueError(f"parameter {spec.name!r} of the source map is missing from params")
-        p = params[spec.name]
+        p = memory_order(params[spec.name])
         if tuple(p.shape) != spec.shape or str(p.dtype).removeprefix("torch.") != spec.dtype:
             raise ValueError(f"parameter {spec.name!r} is {tuple(p.shape)} {p.dtype}; the map "
                              f"was extracted for {spec.shape} {spec.dtype}")

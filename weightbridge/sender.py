@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import time
 
 import torch
 
-from weightbridge.adapter_base import (FORWARD_STAGES, AdapterOptions, _host_buffer, _Worker,
-                                       setup_group)
+from weightbridge.adapter_base import (FORWARD_STAGES, AdapterOptions, TransferFailed,
+                                       _host_buffer, _Worker, plan_group, setup_group)
 from weightbridge.boxcopy import CopyKernels
 from weightbridge.coordination import SenderStage, StagingSlots
 from weightbridge.types import Placement, Stage, WorkerId
@@ -33,14 +34,27 @@ class SenderAdapter(_Worker):
         self._ready = 0  # non-SS: the version this trainer waits in send_weights with
         self._done = 0  # newest version whose transfer finished
         self._connected = threading.Event()
+        self._connect_error: str | None = None
         # Rank 0 only: the engines' staging slots (RS) and the sequencing thread (SS).
         self.slots: StagingSlots | None = None
         self._session_lock = threading.Lock()
         self._slots_lock = threading.Lock()
         self._joined: set[WorkerId] = set()
+        self._session_joined: set[WorkerId] = set()  # who had joined the running transfer
         self._thread: threading.Thread | None = None
         self._kick_lock = threading.Lock()
         self.error: BaseException | None = None
+        # Rank 0 only: the group's source maps (re-planning), the engines lost so far, and
+        # why the group can no longer send (None while it can).
+        self._maps = None
+        self.plan = None
+        """Rank 0, once connected: the `TransferPlan` in force (its ``summary()`` is the byte
+        accounting); replaced when a lost engine is planned out."""
+        self.failed_engines: set[int] = set()
+        self._generation = 0
+        self._broken: str | None = None
+        # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
+        self._failures: dict[int, str] = {}
 
     # -- the user's calls -----------------------------------------------------------------------
 
@@ -51,11 +65,20 @@ class SenderAdapter(_Worker):
         its plan; the others wait for their plan. Moves no weights.
         """
         if self.worker.index == 0:
-            setup_group(self.control, self.options.round_bytes)
+            try:
+                self._maps, self.plan = setup_group(self.control, self.options.round_bytes)
+            except Exception as e:
+                # The other trainers wait for a plan: tell them now rather than at timeout.
+                self.control.gather(self.control.trainers()[1:], "_wb_connect_failed",
+                                    f"{type(e).__name__}: {e}", return_errors=True)
+                raise
             self.slots = StagingSlots(self.control.num_engines)
         if not self._connected.wait(self.options.timeout_s):
             raise TimeoutError(f"{self.worker}: no plan from trainer 0 within timeout_s; every "
                                f"trainer must call connect()")
+        if self._connect_error is not None:
+            raise RuntimeError(f"{self.worker}: trainer 0's connect failed, so this group has "
+                               f"no plan: {self._connect_error}")
 
     def send_weights(self, version: int) -> None:
         """Collective over the trainers: move ``version`` (the weights in the parameters now).
@@ -67,15 +90,21 @@ class SenderAdapter(_Worker):
         Raises:
             ValueError: a version not newer than the last one sent.
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
+            TransferFailed: a rollout worker was lost during this transfer (sync, RS; on every
+                trainer) or an earlier one (SS, async; on rank 0, after this version was
+                staged: it still goes to the surviving engines). See docs/integration.md,
+                "Failures".
         """
         if self.executor is None:
             raise RuntimeError("call connect() before send_weights()")
-        self._raise_background_error()
+        if self._broken is not None:
+            raise TransferFailed(self._broken)
         if self.options.sender_staging:
             self._stage(version)
             if self.worker.index == 0:
                 self._kick()
             self._log(("resume", version))
+            self._raise_background_error()
             return
         with self.cond:
             if version <= max(self._ready, self._done):
@@ -87,8 +116,14 @@ class SenderAdapter(_Worker):
         if self.worker.index == 0:
             self._run_session(version)
         with self.cond:
-            self._wait(lambda: self._done >= version,
-                       f"the transfer of version {version} did not finish")
+            # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
+            if not self.cond.wait_for(lambda: self._done >= version or version in self._failures,
+                                      timeout=3 * self.options.timeout_s):
+                raise TimeoutError(f"{self.worker}: the transfer of version {version} did not "
+                                   f"finish within 3 x timeout_s={self.options.timeout_s}s; "
+                                   f"is trainer 0 still running?")
+            if version in self._failures:
+                raise TransferFailed(self._failures.pop(version))
         self._log(("resume", version))
 
     # -- staging (SS) ---------------------------------------------------------------------------
@@ -166,12 +201,19 @@ class SenderAdapter(_Worker):
     def _raise_background_error(self) -> None:
         if self.error is not None:
             e, self.error = self.error, None
+            if isinstance(e, TransferFailed):
+                raise e
             raise RuntimeError(f"{self.worker}: a background transfer failed: {e}") from e
 
     def wait_idle(self) -> None:
         """Rank 0, SS modes: wait until every staged version was transferred (end of a run)."""
-        self._poll_until(lambda: self._thread is None,
-                         "staged versions were not all transferred")
+        # A lost rollout takes up to timeout_s to find, then a re-plan: 3 x, as send_weights.
+        end = time.monotonic() + 3 * self.options.timeout_s
+        while self._thread is not None:
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.worker}: staged versions were not all transferred "
+                                   f"within 3 x timeout_s={self.options.timeout_s}s")
+            time.sleep(getattr(self.control, "poll_interval_s", 0.0005))
         self._raise_background_error()
 
     # -- the transfer (rank 0) ------------------------------------------------------------------
@@ -186,57 +228,178 @@ class SenderAdapter(_Worker):
             for p in peers:
                 getattr(p, name)(*args)
 
+    def _live(self) -> list[tuple[int, object]]:
+        """(rollout index, peer) of every rollout worker of an engine not lost."""
+        size = len(self.control.receivers()) // self.control.num_engines
+        return [(j, x) for j, x in enumerate(self.control.receivers())
+                if j // size not in self.failed_engines]
+
+    def _live_rank0s(self) -> list:
+        return [r0 for e, r0 in enumerate(self.control.engine_rank0s())
+                if e not in self.failed_engines]
+
     def _gather(self, version: int, *, deadline: bool = True) -> None:
         """RS off: offer ``version`` to every engine and wait until every rollout joined."""
-        for r0 in self.control.engine_rank0s():
+        for r0 in self._live_rank0s():
             r0._wb_offer(version)
-        want = {WorkerId("rollout", j) for j in range(len(self.control.receivers()))}
+        want = {WorkerId("rollout", j) for j, _ in self._live()}
         self._poll_until(lambda: want <= self._joined,
                          f"rollout workers {sorted(str(w) for w in want - self._joined)} did "
                          f"not poll_requests() for version {version}; in sync and SS modes "
                          f"every rollout must poll between inference steps", deadline=deadline)
 
-    def _run_session(self, version: int) -> None:
-        """Move ``version`` end to end; every other worker's part is called on it."""
-        control, mode = self.control, self.options.mode
+    def _run_session(self, version: int, *, release: bool = True) -> None:
+        """Move ``version`` end to end; every other worker's part is called on it.
+
+        A failure is handed to `_on_failure`, which raises `TransferFailed` when a rollout
+        worker was lost (after re-planning without its engine) and re-raises anything else.
+        """
         with self._session_lock:
-            trainers, receivers = control.trainers(), control.receivers()
-            if not mode.sender_staging:  # every trainer is inside send_weights(version)
-                self._poll_until(lambda: all(t._wb_ready() >= version for t in trainers),
-                                 f"not every trainer called send_weights({version})")
-            if mode.receiver_staging:
-                with self._slots_lock:
-                    slots = self.slots.begin(version)
-            else:
-                slots = {}
-                if not mode.sender_staging:
-                    self._gather(version)
-                with self.cond:
-                    self._joined = set()
-            # TODO(perf): overlap round r's landing with round r+1's send, as the controller
-            # path does (the two arenas allow it).
-            for r in range(self.executor.num_rounds):
-                self._each(trainers, "_wb_send_round", r)
-                for stage in FORWARD_STAGES:
-                    self._each(receivers, "_wb_forward", r, stage)
-                self._each(receivers, "_wb_land", r, slots)
-            if mode.receiver_staging:
-                with self._slots_lock:
-                    self.slots.complete(version)
+            moved = [False]
+            try:
+                self._session(version, moved, release)
+            except TransferFailed:
+                raise
+            except Exception as e:  # noqa: BLE001  (classified, then raised again)
+                self._on_failure(version, e, moved[0])
+
+    def _session(self, version: int, moved: list, release: bool) -> None:
+        control, mode = self.control, self.options.mode
+        trainers = control.trainers()
+        receivers = [x for _, x in self._live()]
+        if not mode.sender_staging:  # every trainer is inside send_weights(version)
+            self._poll_until(lambda: all(t._wb_ready() >= version for t in trainers),
+                             f"not every trainer called send_weights({version})")
+        if mode.receiver_staging:
+            with self._slots_lock:
+                slots = self.slots.begin(version)
+        else:
+            slots = {}
+            if not mode.sender_staging:
+                self._gather(version)
+            with self.cond:
+                self._session_joined, self._joined = self._joined, set()
+        moved[0] = True
+        # TODO(perf): overlap round r's landing with round r+1's send, as the controller
+        # path does (the two arenas allow it).
+        for r in range(self.executor.num_rounds):
+            self._each(trainers, "_wb_send_round", r)
+            for stage in FORWARD_STAGES:
+                self._each(receivers, "_wb_forward", r, stage)
+            self._each(receivers, "_wb_land", r, slots)
+        if mode.receiver_staging:
+            with self._slots_lock:
+                self.slots.complete(version)
+            if release:
                 for t in trainers:  # landed: the trainers go on before any install
                     t._wb_transferred(version)
-                for r0 in control.engine_rank0s():
-                    r0._wb_offer(version)
-            else:
-                for x in receivers:
-                    x._wb_session_done(version)
+            for r0 in self._live_rank0s():
+                r0._wb_offer(version)
+        else:
+            for x in receivers:
+                x._wb_session_done(version)
+            if release:
                 for t in trainers:  # in every rollout's parameters
                     t._wb_transferred(version)
 
+    # -- failures (rank 0) ----------------------------------------------------------------------
+
+    def _on_failure(self, version: int, error: Exception, moved: bool) -> None:
+        """A session call failed: find the rollout workers that are gone, exclude their
+        engines, re-plan over the others, re-send ``version`` where the trainers still hold
+        it, tell every trainer; raise `TransferFailed`. Anything else is raised unchanged (the
+        group is closed if bytes had moved: no engine's state is known)."""
+        control, mode = self.control, self.options.mode
+        live = self._live()
+        answers = control.gather([x for _, x in live], "_wb_ping", return_errors=True)
+        gone = [j for (j, _), a in zip(live, answers) if a is not True]
+        size = len(control.receivers()) // control.num_engines
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not gone:
+            if moved:
+                self._broken = (f"the transfer of version {version} failed after bytes moved "
+                                f"({type(error).__name__}: {cause}) and every rollout worker "
+                                f"still answers, so no engine's weights are known; build a new "
+                                f"group (new adapters, connect()) to go on")
+            raise error
+        lost = sorted({j // size for j in gone})
+        self.failed_engines.update(lost)
+        survivors = sorted(set(range(control.num_engines)) - self.failed_engines)
+        what = (f"rollout worker{'s' if len(gone) > 1 else ''} "
+                f"{', '.join(f'R{j} (engine {j // size})' for j in gone)} failed during the "
+                f"transfer of version {version} ({type(error).__name__}: {cause}). Engine"
+                f"{'s' if len(lost) > 1 else ''} {lost} {'are' if len(lost) > 1 else 'is'} "
+                f"excluded from this transfer group: nothing more is sent to it and its other "
+                f"workers' poll_requests() raise. To use it again, restart its workers and "
+                f"build a new group (new adapters, connect()).")
+        orphans = [control.receivers()[j] for j in range(len(control.receivers()))
+                   if j // size in lost and j not in gone]
+        control.gather(orphans, "_wb_fail", what, return_errors=True)
+        if not survivors:
+            self._broken = what + " No engine is left."
+            self._tell_trainers(version, self._broken)
+            raise TransferFailed(self._broken) from error
+        try:
+            self._replan()
+            if not mode.sender_staging:  # the trainers' parameters still hold this version
+                self._rejoin(moved)
+                self._session(version, [False], release=False)
+                state = (f"Version {version} was re-sent to the surviving engines {survivors} "
+                         f"over a new plan: they "
+                         + ("install it at their next poll_requests()." if mode.receiver_staging
+                            else "installed it."))
+            else:
+                self._rejoin(moved)
+                state = (f"The surviving engines {survivors} never saw version {version}: "
+                         + ("they keep the version they run and install the next one you send."
+                            if mode.receiver_staging else
+                            "their poll_requests() wait (no inference step runs on a partial "
+                            "update) for the next version you send, within 3 x timeout_s."))
+        except Exception as e2:  # noqa: BLE001
+            self._broken = (f"{what} Re-planning without it failed too ({type(e2).__name__}: "
+                            f"{e2}); build a new group (new adapters, connect()) to go on.")
+            self._tell_trainers(version, self._broken)
+            raise TransferFailed(self._broken) from e2
+        message = f"{what} {state} send_weights() goes on with the surviving engines."
+        self._tell_trainers(version, message)
+        raise TransferFailed(message) from error
+
+    def _rejoin(self, moved: bool) -> None:
+        """RS off: the surviving rollouts that had joined the failed transfer still wait in
+        poll_requests() for a version; count them in for the next transfer."""
+        if self.options.receiver_staging or not moved:
+            return  # before the bytes moved, `_joined` still holds who joined
+        live = {WorkerId("rollout", j) for j, _ in self._live()}
+        with self.cond:
+            self._joined = self._joined | (self._session_joined & live)
+
+    def _replan(self) -> None:
+        """Plan again from the source maps of connect, leaving the lost engines out; set the
+        trainers and surviving rollouts up on it (new tables, arenas and handles)."""
+        control = self.control
+        size = len(control.receivers()) // control.num_engines
+        excluded = {j for j in range(len(control.receivers()))
+                    if j // size in self.failed_engines}
+        self._generation += 1
+        with self._slots_lock:  # a version landing when it failed never completes
+            self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
+        self.plan = plan_group(control, self._maps, self.options.round_bytes, excluded=excluded,
+                   generation=self._generation)
+
+    def _tell_trainers(self, version: int, message: str) -> None:
+        others = self.control.trainers()[1:]
+        self.control.gather(others, "_wb_failed", version, message, return_errors=True)
+
     # -- called by rank 0 (endpoints on a mesh) -------------------------------------------------
 
-    def _wb_setup(self, plan, ranges=()) -> dict:
-        self._setup(plan)
+    def _wb_connect_failed(self, message: str) -> None:
+        self._connect_error = message
+        self._connected.set()
+
+    def _wb_setup(self, plan, ranges=(), generation: int = 0) -> dict:
+        with self.cond:  # a re-plan: not while this trainer stages (SS)
+            self._setup(plan)
+            self._staging = None  # the old copy is laid out for the old plan
         return {}
 
     def _wb_set_peers(self, handles: dict) -> None:
@@ -275,6 +438,12 @@ class SenderAdapter(_Worker):
         else:
             self.executor.pack(r)
             self._issue(r, Stage.RECEIVE)
+
+    def _wb_failed(self, version: int, message: str) -> None:
+        """Rank 0 lost a rollout worker while moving ``version``: send_weights raises."""
+        with self.cond:
+            self._failures[version] = message
+            self.cond.notify_all()
 
     def _wb_transferred(self, version: int) -> None:
         if not self.options.sender_staging:
