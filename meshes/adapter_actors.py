@@ -179,8 +179,8 @@ class RLTrainer(_AdapterActor):
         self.adapter = SenderAdapter(
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
             rank=rank, control=MeshControl(trainers, rollouts, *topology,
-                                                timeout_s=options.timeout_s),
-            transport=MeshTransport(options.timeout_s), options=options,
+                                                timeout_s=options.peer_timeout_s),
+            transport=MeshTransport(options.peer_timeout_s), options=options,
             placement=Placement("trainer"))
 
     @concurrent_endpoint
@@ -221,8 +221,9 @@ class RLRollout(_AdapterActor):
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
             rank=rank, engine=rank // engine_size, engine_rank=self.rank_in_engine,
             engine_size=engine_size,
-            control=MeshControl(trainers, rollouts, *topology, timeout_s=options.timeout_s),
-            transport=MeshTransport(options.timeout_s), options=options)
+            control=MeshControl(trainers, rollouts, *topology,
+                                timeout_s=options.peer_timeout_s),
+            transport=MeshTransport(options.peer_timeout_s), options=options)
 
     def _step(self, seed: int) -> dict:
         start = time.monotonic()

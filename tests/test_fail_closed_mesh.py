@@ -121,10 +121,10 @@ def _check(run: dict, ss: bool) -> None:
     _, message, elapsed = failures[0]
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
     assert "Engine [0] is excluded" in message and "new group" in message, message[-2000:]
-    # Finding the lost worker takes at most timeout_s; re-planning and (sync) re-sending the
-    # version to the survivors are bounded calls of their own.
+    # Within timeout_s: peers count as lost after peer_timeout_s, the rest of the budget finds
+    # which and re-plans (and, in sync mode, re-sends the version to the survivors).
     print(f"TransferFailed after {elapsed:.1f}s (timeout_s={TIMEOUT_S})")
-    assert elapsed < 3 * TIMEOUT_S, elapsed
+    assert elapsed < TIMEOUT_S, elapsed
     assert 0 in run["engine_errors"] and 1 not in run["engine_errors"], run["engine_errors"]
     survivors = [r for r in run["records"] if r["engine"] == 1]
     by_step: dict[int, set] = {}

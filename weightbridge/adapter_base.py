@@ -25,6 +25,8 @@ from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, Work
 FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+PEER_SHARE = 0.8
+"""`AdapterOptions.peer_timeout_s` as a share of ``timeout_s``."""
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 
 
@@ -40,7 +42,8 @@ class AdapterOptions:
     receiver_staging: bool = False
     """RS: bytes land in host staging while rollouts generate; installed at a later poll."""
     timeout_s: float = 60.0
-    """Longest wait for a peer (a rollout that stops polling, a trainer that never sends)."""
+    """Longest wait for a peer (a rollout that stops polling, a trainer that never sends), and
+    the bound within which a lost rollout worker surfaces as `TransferFailed`."""
     round_bytes: int = 1 << 20
     """Round buffer capacity per worker (planner argument)."""
 
@@ -48,6 +51,13 @@ class AdapterOptions:
         if not self.timeout_s > 0 or self.round_bytes < 1:
             raise ValueError(f"timeout_s ({self.timeout_s}) and round_bytes "
                              f"({self.round_bytes}) must be positive")
+
+    @property
+    def peer_timeout_s(self) -> float:
+        """How long one write or call to a peer may take before the peer counts as lost:
+        ``PEER_SHARE`` of ``timeout_s``, leaving the rest to find which worker is gone and
+        re-plan without its engine. Give it to the transport and the control plane."""
+        return PEER_SHARE * self.timeout_s
 
     @property
     def mode(self) -> Mode:

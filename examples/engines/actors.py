@@ -46,14 +46,14 @@ class EngineTrainer(_AdapterActor):
         self.worker = await asyncio.to_thread(
             TitanWorker, self.model, rank=rank, world_size=topology[0],
             master_port=self.master_port, **self.degrees)
-        # Start from checkpoint 0, as a trainer resumes from disk. FSDP2 gives parameters new
-        # local tensor objects on its lazy init after the first load_state_dict: the adapter
-        # must capture the tensors that stay.
+        # Start from checkpoint 0, as a trainer resumes from disk (before the adapter takes the
+        # parameters: FSDP2 may re-point a local tensor after a load that replaced storage).
         await asyncio.to_thread(self.worker.load_weights, models.checkpoint(self.model, 0).items())
         self.adapter = SenderAdapter(
             self.worker.params, self.worker.load_weights, models.checkpoint_spec(self.model),
-            rank=rank, control=MeshControl(trainers, rollouts, *topology),
-            transport=MeshTransport(options.timeout_s), options=options,
+            rank=rank, control=MeshControl(trainers, rollouts, *topology,
+                                           timeout_s=options.peer_timeout_s),
+            transport=MeshTransport(options.peer_timeout_s), options=options,
             placement=Placement("trainer"))
 
     @concurrent_endpoint
@@ -108,8 +108,9 @@ class EngineRollout(_AdapterActor):
         self.adapter = ReceiverAdapter(
             self.worker.params, self.worker.load_weights, models.checkpoint_spec(self.model),
             rank=rank, engine=engine, engine_rank=engine_rank, engine_size=engine_size,
-            control=MeshControl(trainers, rollouts, *topology),
-            transport=MeshTransport(options.timeout_s), options=options)
+            control=MeshControl(trainers, rollouts, *topology,
+                                timeout_s=options.peer_timeout_s),
+            transport=MeshTransport(options.peer_timeout_s), options=options)
 
     def _serve(self, version: int, timeout_s: float) -> list[int]:
         installed, end = [], time.monotonic() + timeout_s
