@@ -32,7 +32,7 @@ from monarch.actor import Actor, concurrent_endpoint
 from meshes.forward import rank_forward
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
-from weightbridge.monarch_transport import register_ranges, wait_all, write
+from weightbridge.monarch_transport import drop_all, register_ranges, wait_all, write
 from weightbridge.types import Placement
 
 
@@ -56,9 +56,15 @@ class MeshTransport:
     def __init__(self, timeout_s: float):
         self.timeout_s = max(1, int(timeout_s))
         self.peers: dict = {}
+        self.registered: dict = {}
 
     def register(self, arenas, ranges) -> dict:
-        return register_ranges(arenas, ranges)
+        """Register this worker's incoming ranges; after a re-plan, deregister the old plan's
+        (its arenas are no longer written: the failed transfer's writes ended or timed out)."""
+        if self.registered:
+            drop_all(self.registered)
+        self.registered = register_ranges(arenas, ranges)
+        return self.registered
 
     def set_peers(self, handles: dict) -> None:
         self.peers = handles
