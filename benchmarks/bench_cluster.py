@@ -2,13 +2,21 @@
 
     .venv/bin/python benchmarks/bench_cluster.py            # needs root (network namespaces)
     .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
+    .venv/bin/python benchmarks/bench_cluster.py --rollout-procs 2   # 2 procs per rollout node
+    .venv/bin/python benchmarks/bench_cluster.py --depth 3 --fifo-links
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
-hosts it needs, and runs the three mechanisms on the same procs, model and links:
+hosts it needs, and runs WeightBridge (data flow, and controller-sequenced as it was before),
+broadcast and P2P on the same procs, model and links:
 
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
+
+``--rollout-procs 2`` makes every rollout node a TP2 engine of two procs on its host, so the
+INTERNAL stage (inside a node, unshaped loopback) runs too. ``--depth`` sets the round arenas
+per worker (2 as in the paper); ``--fifo-links`` queues control messages behind bulk data
+(controller/cluster.py: control priority).
 
 Prints EWTT, AGST, the ideal EWTT of Eq. (1) from the configured rate and the ratios (the last
 update of each run; every update is verified bit-exact), and writes out/cluster/bench_cluster.csv,
@@ -30,11 +38,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "cluster"
-CONFIGS = ([("replicas", e, "nodes=1,gpus=2,tp=2", f"engines={e},nodes=1,gpus=1")
-            for e in (1, 2, 4)]
-           + [("trainer nodes", n, f"nodes={n},gpus=1" + (f",ep={n}" if n > 1 else ""),
-               "engines=4,nodes=1,gpus=1") for n in (1, 2, 4)])
-MECHANISMS = ("weightbridge", "broadcast", "p2p")
+
+
+def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
+    """(sweep, x, trainer spec, rollout spec) of every point."""
+    g = rollout_procs
+    node = f"nodes=1,gpus={g}" + (f",tp={g}" if g > 1 else "")
+    return ([("replicas", e, "nodes=1,gpus=2,tp=2", f"engines={e},{node}") for e in (1, 2, 4)]
+            + [("trainer nodes", n, f"nodes={n},gpus=1" + (f",ep={n}" if n > 1 else ""),
+                f"engines=4,{node}") for n in (1, 2, 4)])
+
+
+MECHANISMS = ("weightbridge", "wb-controller", "broadcast", "p2p")
+"""wb-controller: WeightBridge with the controller sequencing every round (the previous design)."""
 
 
 def run_config(addrs, tspec_text, rspec_text, args) -> dict:
@@ -54,13 +70,15 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
         r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
         owners.append(r_owner)
         results, ideal = {}, 0.0
-        for mech in MECHANISMS:
+        for mech in args.mechanisms:
             kw = dict(procs=(tp, rp), round_bytes=args.round_kib << 10, link_rate=rate)
             if mech == "broadcast":
                 runner = Broadcast(tspec, rspec, args.model, **kw)
             else:
-                runner = MeshTransfer(tspec, rspec, args.model,
-                                      reroute=p2p_plan if mech == "p2p" else None, **kw)
+                runner = MeshTransfer(
+                    tspec, rspec, args.model, depth=args.depth,
+                    reroute=p2p_plan if mech == "p2p" else None,
+                    sequencing="controller" if mech == "wb-controller" else "dataflow", **kw)
             with runner:
                 if mech != "broadcast":
                     runner.connect()
@@ -83,7 +101,15 @@ def main() -> int:
     parser.add_argument("--round-kib", type=int, default=512)
     parser.add_argument("--updates", type=int, default=2)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--rollout-procs", type=int, default=1,
+                        help="procs per rollout node (one TP engine per node)")
+    parser.add_argument("--depth", type=int, default=2, help="round arenas per worker")
+    parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS),
+                        choices=MECHANISMS, help="weightbridge is always run (the reference)")
+    parser.add_argument("--fifo-links", action="store_true",
+                        help="no control priority on the links: one FIFO queue each")
     args = parser.parse_args()
+    args.mechanisms = ["weightbridge"] + [m for m in args.mechanisms if m != "weightbridge"]
     reason = unavailable_reason()
     if reason:
         print(f"skipped: cannot emulate a cluster here: {reason}")
@@ -91,24 +117,29 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     t0 = time.perf_counter()
-    with EmulatedCluster(8, link_mbit=args.link_mbit) as cluster:
+    with EmulatedCluster(8, link_mbit=args.link_mbit,
+                         control_priority=not args.fifo_links) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links; model "
-              f"{args.model}, rounds of {args.round_kib} KiB, {args.updates} updates per run "
-              f"(figures: the last update)", flush=True)
-        for sweep, x, tspec, rspec in CONFIGS:
+        print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links "
+              f"({'FIFO' if args.fifo_links else 'control priority'}); model {args.model}, "
+              f"rounds of {args.round_kib} KiB, depth {args.depth}, {args.rollout_procs} procs "
+              f"per rollout node, {args.updates} updates per run (figures: the last update)",
+              flush=True)
+        for sweep, x, tspec, rspec in configs(args.rollout_procs):
             res = run_config(cluster.addresses, tspec, rspec, args)
             ideal, wb = res["ideal"], res["weightbridge"].timing
-            for mech in MECHANISMS:
+            for mech in args.mechanisms:
                 t = res[mech].timing
                 rows.append({"sweep": sweep, "x": x, "trainer": tspec, "rollout": rspec,
                              "mechanism": mech, "ewtt_s": round(t.ewtt_s, 4),
                              "agst_s": round(t.agst_s, 4), "ideal_s": round(ideal, 4),
                              "ewtt_over_ideal": round(t.ewtt_s / ideal, 3),
                              "speedup_of_weightbridge": round(t.ewtt_s / wb.ewtt_s, 2),
-                             "rdma_mb": round(res[mech].rdma_bytes / 1e6, 2)})
-                print(f"[{sweep}={x}] {mech:<12} EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  "
+                             "rdma_mb": round(res[mech].rdma_bytes / 1e6, 2),
+                             "depth": args.depth, "rollout_procs": args.rollout_procs,
+                             "links": "fifo" if args.fifo_links else "control priority"})
+                print(f"[{sweep}={x}] {mech:<13} EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  "
                       f"ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}  "
                       f"vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x  "
                       f"({res[mech].rdma_bytes / 1e6:.1f} MB over RDMA, bit-exact)", flush=True)
@@ -121,13 +152,13 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, OUT / "bench_cluster.png", args.link_mbit)
+    plot(rows, OUT / "bench_cluster.png", args.link_mbit, args.mechanisms)
     print(f"wrote {OUT}/bench_cluster.csv, bench_cluster.png, trace_weightbridge_4replicas.json "
           f"in {time.perf_counter() - t0:.0f}s")
     return 0
 
 
-def plot(rows, path: Path, mbit: float) -> None:
+def plot(rows, path: Path, mbit: float, mechanisms) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,7 +168,7 @@ def plot(rows, path: Path, mbit: float) -> None:
     for ax, sweep in zip(axes, ("replicas", "trainer nodes")):
         sub = [r for r in rows if r["sweep"] == sweep]
         xs = sorted({r["x"] for r in sub})
-        for mech in MECHANISMS:
+        for mech in mechanisms:
             ax.plot(xs, [next(r["ewtt_s"] for r in sub if r["x"] == x and r["mechanism"] == mech)
                          for x in xs], marker="o", label=mech)
         ax.plot(xs, [next(r["ideal_s"] for r in sub if r["x"] == x) for x in xs], "k--",

@@ -25,6 +25,7 @@ Typical usage::
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -83,34 +84,34 @@ class HeadActor(RolloutActor):
     def _make_shard(self, config: MoEConfig, spec: str, index: int):
         return FsdpTrainerShard(config, 1, 0)  # the whole checkpoint, one flat bf16 tensor
 
-    @endpoint
-    def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
+    def _checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
         want = FsdpTrainerShard(self.config, 1, 0)
         with torch.no_grad():
             want.load_weights(checkpoint(self.config, version))
         return checksums(self.shard.params), checksums(want.params)
 
     @endpoint
-    def broadcast(self, handles: list) -> None:
+    async def broadcast(self, handles: list) -> None:
         """Write the whole checkpoint into every handle at once; returns once all landed."""
         src = self.shard.params["flat_param"].view(torch.uint8)
-        self._timed("broadcast", 0, lambda: wait_all([write(h, src) for h in handles]))
+        await asyncio.to_thread(self._timed, "broadcast", 0,
+                                lambda: wait_all([write(h, src) for h in handles]))
 
 
 class BroadcastRollout(RolloutActor):
     """A rollout worker that receives the whole checkpoint and loads it with load_weights."""
 
     @endpoint
-    def full_buffer(self):
+    async def full_buffer(self):
         """Register a buffer for the whole checkpoint; returns its RDMA handle."""
         n = _checkpoint_bytes(self.config)
         self._full = torch.zeros(n, dtype=torch.uint8)
         return register_ranges([self._full], [(0, 0, n)])[(0, 0, n)]
 
     @endpoint
-    def load_full(self) -> None:
+    async def load_full(self) -> None:
         """Load the received checkpoint with this rank's own load_weights."""
-        self._timed("load", 0, self._load_full)
+        await asyncio.to_thread(self._timed, "load", 0, self._load_full)
 
     def _load_full(self) -> None:
         flat, pos, pairs = self._full.view(torch.bfloat16), 0, []
@@ -170,7 +171,7 @@ class Broadcast:
         t0 = time.perf_counter()
         self.gather.trainers.train_step.call(version).get()
         t1 = time.perf_counter()
-        self.gather._transfer()
+        self.gather._transfer(version)
         self.head.broadcast.call_one(self._handles).get()
         self.rollouts.load_full.call().get()
         t2 = time.perf_counter()

@@ -10,12 +10,22 @@ Layout (root only; names and addresses are ours alone, so teardown finds them by
     root namespace: bridge wb-br0, 10.77.0.1/24 (the controller's address)
     host i:         namespace wb-h{i}; veth wb-v{i} (on the bridge) <-> eth0 (10.77.0.{i+2}/24)
                     tc tbf at the link rate on both ends: wb-v{i} shapes what the host receives,
-                    eth0 shapes what it sends; no default route, so nothing leaves the bridge
+                    eth0 shapes what it sends; no default route, so nothing leaves the bridge;
+                    under each tbf a two-band priority queue (htb + u32 on the IP length):
+                    packets under 1408 bytes (control messages, TCP ACKs) go before full
+                    1500-byte data segments
                     a Monarch worker: python -m controller.worker tcp://10.77.0.{i+2}:4444
 
 Each host's link is a full-duplex link of the given rate, so transfers between hosts are bound
 by the links, as on a real cluster, while every process still shares this machine's CPUs and
 memory. Procs that the controller spawns on a worker run inside that worker's namespace.
+
+Control priority: on a cluster, actor messages travel on the frontend network and RDMA on the
+backend NICs, so a control message never waits behind bulk RDMA data. Here Monarch's RDMA
+fallback and its actor messages share one shaped link, and a plain FIFO queue of 200 ms would
+hold a 300-byte notification behind up to 1.25 MB of data (tens of ms at 50 Mbit/s). The small
+packets' band restores the separation without changing the link rate (tbf still shapes all of
+it). ``control_priority=False`` gives the plain FIFO.
 
 `EmulatedCluster` is a context manager: leaving it (also on errors and Ctrl-C) kills every
 process in its namespaces and deletes the links, the namespaces and the bridge.
@@ -48,6 +58,12 @@ BRIDGE = "wb-br0"
 SUBNET = "10.77.0"
 """A private /24 of our own; .1 is the bridge (the controller), .2.. the hosts."""
 WORKER_PORT = 4444
+QUEUE_S = 0.2
+"""Each link's queue holds this much traffic (TCP sees few drops)."""
+SMALL_PACKETS = (("0x0000", "0xfc00"), ("0x0400", "0xff00"), ("0x0500", "0xff80"))
+"""IP total length (value, mask) pairs of the control band: < 1024, 1024-1279, 1280-1407 bytes.
+Bulk data travels in full 1500-byte segments; control messages, ACKs and segment tails are
+shorter."""
 MAX_HOSTS = 200
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,16 +108,19 @@ class EmulatedCluster:
         link_mbit: Rate of every host link, each direction, Mbit/s.
         start_workers: Start a Monarch worker per host (False: only the network).
         log_dir: Where the workers' output goes (a temporary folder by default).
+        control_priority: Serve packets shorter than a full segment before bulk data on every
+            link (see the module doc); False: one FIFO queue per link.
     """
 
     def __init__(self, hosts: int, *, link_mbit: float, start_workers: bool = True,
-                 log_dir: str | None = None):
+                 log_dir: str | None = None, control_priority: bool = True):
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in [1, {MAX_HOSTS}], got {hosts}")
         if link_mbit <= 0:
             raise ValueError(f"link_mbit must be positive, got {link_mbit}")
         self.hosts, self.link_mbit = hosts, float(link_mbit)
         self.start_workers = start_workers
+        self.control_priority = control_priority
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="wb-cluster-"))
         self.workers: list[subprocess.Popen] = []
 
@@ -158,15 +177,31 @@ class EmulatedCluster:
         _ip("ip", "addr", "add", f"{host_address(i)}/24", "dev", "eth0", ns=ns)
         _ip("ip", "link", "set", "eth0", "up", ns=ns)
         for dev, where in ((veth, None), ("eth0", ns)):  # host ingress, host egress
-            _ip("tc", "qdisc", "add", "dev", dev, "root", *self._tbf(), ns=where)
+            _ip("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(), ns=where)
+            if self.control_priority:
+                self._add_priority_bands(dev, where)
+
+    def _add_priority_bands(self, dev: str, ns: str | None) -> None:
+        # htb here only orders (its classes' rates are far above the link's); tbf shapes. Band 1
+        # (prio 0): IP packets shorter than a full segment (SMALL_PACKETS: matched on the 16-bit
+        # total length at byte 2); band 2: everything else, in a byte FIFO as long as tbf's was.
+        tc = lambda *a: _ip("tc", *a, ns=ns)  # noqa: E731
+        tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "2")
+        for band in (1, 2):
+            tc("class", "add", "dev", dev, "parent", "10:", "classid", f"10:{band}", "htb",
+               "rate", "10gbit", "quantum", "65536", "prio", str(band - 1))
+        tc("qdisc", "add", "dev", dev, "parent", "10:2", "bfifo", "limit",
+           str(int(self.link_bytes_per_s * QUEUE_S)))
+        for value, mask in SMALL_PACKETS:
+            tc("filter", "add", "dev", dev, "parent", "10:", "protocol", "ip", "prio", "1",
+               "u32", "match", "u16", value, mask, "at", "2", "flowid", "10:1")
 
     def _tbf(self) -> list[str]:
         # The bucket holds ~5 ms of traffic (at least 64 KB): small enough that bursts do not
-        # beat the rate, large enough for the kernel's timer resolution. The queue holds 200 ms
-        # so TCP sees few drops.
+        # beat the rate, large enough for the kernel's timer resolution.
         burst = max(64 << 10, int(self.link_bytes_per_s * 0.005))
         return ["tbf", "rate", f"{self.link_mbit:g}mbit", "burst", str(burst),
-                "latency", "200ms"]
+                "latency", f"{QUEUE_S * 1000:g}ms"]
 
     def _start_worker(self, i: int) -> None:
         addr = host_address(i)

@@ -1,4 +1,4 @@
-"""The single controller: owns both meshes, plans centrally, sequences every round.
+"""The single controller: owns both meshes, plans centrally, starts every update.
 
     controller                       trainer mesh (TrainerActor)      rollout mesh (RolloutActor)
     ----------                       ---------------------------      ---------------------------
@@ -7,14 +7,20 @@
     correspond + plan_transfer (pure, here)
     scatter WorkerPlans   ------->   tables + 2 arenas                tables + 2 arenas, register
                           <---------------------------------------   incoming ranges -> handles
-    hand out handles      ------->   set_peers                        set_peers
+    hand out handles,     ------->   set_peers                        set_peers
+      Schedules, meshes
     per update:  train_step(v) -->   load checkpoint v
-      per round r:  send(r)   -->    pack, RDMA write RECEIVE  ====>  arena r%2
-                    forward(r, EXTERNAL), forward(r, INTERNAL) ---->  rollout -> rollout writes
-                    assemble(r) (overlaps send(r+1)) --------------->  arena r%2 -> params
+                 run_update(u) -->   per round r:                     per round r (once inputs
+                 (one call per        pack, [free(r-2)], RECEIVE ===>  landed): EXTERNAL, INTERNAL
+                  actor)              landed(r) -------------------->  ====> peers, landed(r),
+                                      <------------------------------  assemble r, free(r)
+                 wait for all    <--  done                            done
       checksums(v)            <------------------------------------  live vs own load_weights(v)
 
-Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes.
+Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes. The
+controller is off the per-round critical path: the actors sequence the rounds with one-way
+notifications to each other (`meshes/dataflow.py`); the controller waits, bounded, for every
+actor's ``run_update`` and turns any failure into one `TransferError`.
 
 Typical usage::
 
@@ -26,24 +32,33 @@ Typical usage::
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
 from monarch.actor import this_host
 
 from controller.timing import UpdateTiming, update_timing, write_dests
-from meshes.actors import RolloutActor, TrainerActor
+from meshes.actors import WRITE_TIMEOUT_S, RolloutActor, TrainerActor
+from meshes.dataflow import UpdateAborted, schedules
 from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import LayoutError, Placement, Stage, TransferPlan, WorkerId, plan_transfer
-from weightbridge.executor import incoming_ranges
 from weightbridge.monarch_transport import backend, configure_transport, drop_all
 from weightbridge.simulate import eq1
 
-FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
 PROBE_REPEATS = 3
+SEQUENCINGS = ("dataflow", "controller")
+ERROR_GRACE_S = 15.0
+"""After the first failure of an update, how long the controller keeps collecting the other
+workers' errors (a dead proc is reported after about 10 s) before it raises."""
+
+
+class TransferError(RuntimeError):
+    """An update failed on some worker (a write timed out, a peer died or raised); the message
+    names the workers and what happened to each."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,11 +118,28 @@ class MeshTransfer:
             Eq. (1) uses it and the link probe is skipped.
         reroute: A function applied to the plan before it is scattered (the P2P baseline in
             `controller.baselines` rewrites the forwarding stages this way).
+        depth: Round arenas per worker (2, the paper's: round r + 2 is written into a peer
+            only once it freed round r). 3 or more hide the latency of that notification behind
+            a round, at the cost of one more round buffer per worker.
+        sequencing: ``"dataflow"`` (the actors run the rounds, one call per actor per update)
+            or ``"controller"`` (the controller issues every round's steps: the previous design,
+            kept as the baseline the data flow is measured against).
+        timeout_s: Bound of every wait in an update: one RDMA write, one peer's notification.
+            A dead or stuck worker makes `update` raise `TransferError` within about this long
+            (plus ``ERROR_GRACE_S``), never hang.
     """
 
     def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, model: str, *,
                  round_bytes: int = 256 << 10, procs=None, trainer_actor=TrainerActor,
-                 rollout_actor=RolloutActor, link_rate: float | None = None, reroute=None):
+                 rollout_actor=RolloutActor, link_rate: float | None = None, reroute=None,
+                 depth: int = 2, timeout_s: float = WRITE_TIMEOUT_S,
+                 sequencing: str = "dataflow"):
+        if sequencing not in SEQUENCINGS:
+            raise ValueError(f"sequencing must be one of {SEQUENCINGS}, got {sequencing!r}")
+        if depth < 2:
+            raise ValueError(f"depth must be >= 2 round arenas per worker, got {depth}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if model not in SIZES:
             raise ValueError(f"unknown model {model!r}; choose one of {sorted(SIZES)}")
         trainer.validate(SIZES[model])
@@ -126,6 +158,8 @@ class MeshTransfer:
         """Bytes/s of one RDMA write stream per probed link, measured at connect."""
         self.ideal_s = 0.0
         self.link_rate, self._reroute = link_rate, reroute
+        self.timeout_s, self.depth, self.sequencing = float(timeout_s), depth, sequencing
+        self._updates = 0
 
     @property
     def backend(self) -> str:
@@ -216,28 +250,29 @@ class MeshTransfer:
         if self._reroute is not None:
             self.plan = self._reroute(self.plan)
         plans = {w: self.plan.for_worker(w) for w in self.plan.workers}
-        ranges = incoming_ranges(plans.values())
-        futures = [self.trainers.slice(worker=w.index).connect.call_one(plans[w])
+        ranges = _incoming_ranges(plans.values(), self.depth)
+        futures = [self.trainers.slice(worker=w.index).connect.call_one(plans[w], self.depth)
                    for w in self.plan.workers if w.side == "trainer"]
         rollouts = [w for w in self.plan.workers if w.side == "rollout"]
         handle_f = [self.rollouts.slice(worker=w.index).connect.call_one(
-            plans[w], sorted(ranges.get(w, ()))) for w in rollouts]
+            plans[w], sorted(ranges.get(w, ())), self.depth) for w in rollouts]
         for f in futures:
             f.get()
         handles = {(w, key): h for w, f in zip(rollouts, handle_f) for key, h in f.get().items()}
         self.num_handles, self._handles = len(handles), handles
-        for mesh, side in ((self.trainers, "trainer"), (self.rollouts, "rollout")):
-            futures = []
-            for w, p in plans.items():
-                if w.side == side:
-                    mine = {(wr.peer, (r.index % 2, wr.peer_offset, wr.nbytes)) for r in p.rounds
-                            for wr in r.writes}
-                    futures.append(mesh.slice(worker=w.index).set_peers.call_one(
-                        {k: handles[k] for k in mine}))
-            for f in futures:
-                f.get()
-        self._active = _active_steps(plans.values(), self.plan.num_rounds)
+        scheds = self._schedules = schedules(plans.values(), self.depth)
+        futures = []
+        for w, p in plans.items():
+            mesh = self.trainers if w.side == "trainer" else self.rollouts
+            mine = {(wr.peer, (r.index % self.depth, wr.peer_offset, wr.nbytes))
+                    for r in p.rounds for wr in r.writes}
+            futures.append(mesh.slice(worker=w.index).set_peers.call_one(
+                {k: handles[k] for k in mine}, scheds[w], self.trainers, self.rollouts,
+                self.timeout_s))
+        for f in futures:
+            f.get()
         self._dests = write_dests(plans.values())
+        self._active = _active_steps(plans.values())
         self.links = ({"configured": self.link_rate} if self.link_rate else
                       self._probe_links())
         egress = self.link_rate or self.links["trainer->rollout"]
@@ -273,13 +308,17 @@ class MeshTransfer:
     # -- one update -----------------------------------------------------------------------------
 
     def update(self, version: int) -> UpdateReport:
-        """Train step, transfer every round, verify every rollout parameter by checksum."""
+        """Train step, transfer every round, verify every rollout parameter by checksum.
+
+        Raises:
+            TransferError: a worker failed, died or stalled during the transfer.
+        """
         if self.plan is None:
             raise RuntimeError("call connect() before update()")
         t0 = time.perf_counter()
         self.trainers.train_step.call(version).get()
         t1 = time.perf_counter()
-        self._transfer()
+        self._transfer(version)
         t2 = time.perf_counter()
         span_f = [(side, mesh.timings.call()) for side, mesh in
                   (("trainer", self.trainers), ("rollout", self.rollouts))]
@@ -297,35 +336,56 @@ class MeshTransfer:
                             mismatched=tuple(bad), timing=update_timing(spans, self._dests),
                             ideal_s=self.ideal_s)
 
-    def _transfer(self) -> None:
-        # Two round arenas per worker. Round r+1's RECEIVE writes go to arena (r+1)%2 while the
-        # rollouts forward (EXTERNAL, INTERNAL) and then assemble round r out of arena r%2, so
-        # the trainers' links carry round r+1 while the rollouts' links carry round r. Arena
-        # (r+1)%2 was last read by assemble(r-1): send(r+1) is issued only after it returned.
-        # Actors take one message at a time, and RDMA writes land without the receiving actor's
-        # thread, so a send never waits on a forward or an assemble.
-        rounds = self.plan.num_rounds
+    def _sequence_rounds(self) -> None:
+        """The controller-sequenced baseline: ~4 controller round trips per round.
+
+        Round r+1's RECEIVE writes go to arena (r+1)%2 while the rollouts forward and assemble
+        round r out of arena r%2; send(r+1) is issued once assemble(r-1), the last reader of its
+        arena, returned. INTERNAL forwards what EXTERNAL brought, so it is issued only once every
+        rollout's EXTERNAL writes landed.
+        """
+        rounds, active = self.plan.num_rounds, self._active
         send = lambda r: (self.trainers.send.call(r)  # noqa: E731
-                          if r < rounds and (r, Stage.RECEIVE) in self._active else None)
+                          if r < rounds and (r, Stage.RECEIVE) in active else None)
         sending, assembling = send(0), None
         for r in range(rounds):
             if sending is not None:
-                sending.get()  # round r has landed
-            # EXTERNAL is queued behind assemble(r-1); INTERNAL forwards what EXTERNAL brought,
-            # so it is issued only once every rollout's EXTERNAL writes have landed.
+                sending.get()
             external = (self.rollouts.forward.call(r, Stage.EXTERNAL)
-                        if (r, Stage.EXTERNAL) in self._active else None)
+                        if (r, Stage.EXTERNAL) in active else None)
             if assembling is not None:
-                assembling.get()  # arena (r+1)%2 is free
+                assembling.get()
             sending = send(r + 1)
             if external is not None:
                 external.get()
-            if (r, Stage.INTERNAL) in self._active:
+            if (r, Stage.INTERNAL) in active:
                 self.rollouts.forward.call(r, Stage.INTERNAL).get()
-            assembling = self.rollouts.assemble.call(r) if (r, "assemble") in self._active \
-                else None
+            assembling = (self.rollouts.assemble.call(r) if (r, "assemble") in active
+                          else None)
         if assembling is not None:
             assembling.get()
+
+    def _transfer(self, version: int) -> None:
+        """One ``run_update`` per actor; returns once every actor ran all its rounds.
+
+        Raises:
+            TransferError: some worker failed, died or never finished (bounded wait).
+        """
+        if self.sequencing == "controller":
+            return self._sequence_rounds()
+        self._updates += 1
+        update = self._updates
+        # Rollouts first: they only wait for inputs, and the trainers' first writes should
+        # find them ready.
+        order = sorted(self.plan.workers, key=lambda w: w.side == "trainer")
+        calls = {w: (self.trainers if w.side == "trainer" else self.rollouts).slice(
+            worker=w.index).run_update.call_one(update) for w in order}
+        # Each actor bounds each of its waits by timeout_s; this is the backstop for an actor
+        # that neither finishes nor fails (a round can wait twice: inputs, then credits).
+        deadline = self.timeout_s * (2 * self.plan.num_rounds + 2)
+        errors = asyncio.run(_wait_all(calls, deadline))
+        if errors:
+            raise TransferError(_failure_message(version, errors, len(calls)))
 
 
 def _by_rank(values) -> list:
@@ -350,7 +410,7 @@ def _check_same_checkpoint(trainer_specs: list, rollout_specs: list) -> None:
                     f"load the same checkpoint: build both sides from the same model config")
 
 
-def _active_steps(plans, num_rounds: int) -> set:
+def _active_steps(plans) -> set:
     """(round, stage) pairs with at least one write, and (round, "assemble") with any copy."""
     active = set()
     for p in plans:
@@ -359,6 +419,62 @@ def _active_steps(plans, num_rounds: int) -> set:
             if r.assemble:
                 active.add((r.index, "assemble"))
     return active
+
+
+def _incoming_ranges(plans, depth: int) -> dict[WorkerId, set[tuple[int, int, int]]]:
+    """Per receiver, every distinct (arena r % depth, offset, nbytes) some peer writes into."""
+    out: dict[WorkerId, set] = {}
+    for plan in plans:
+        for rnd in plan.rounds:
+            for w in rnd.writes:
+                out.setdefault(w.peer, set()).add((rnd.index % depth, w.peer_offset, w.nbytes))
+    return out
+
+
+async def _wait_all(calls: dict, deadline_s: float) -> dict:
+    """Await every call; {worker: exception} of those that failed or did not finish in time.
+
+    After the first failure the others get ERROR_GRACE_S to report theirs (peers of a failed
+    worker abort at once; a dead proc is reported by Monarch after about 10 s).
+    """
+    tasks = {asyncio.ensure_future(_result(f)): w for w, f in calls.items()}
+    done, pending = await asyncio.wait(tasks, timeout=deadline_s,
+                                       return_when=asyncio.FIRST_EXCEPTION)
+    failed = any(t.exception() is not None for t in done)
+    if failed and pending:
+        more, pending = await asyncio.wait(pending, timeout=ERROR_GRACE_S)
+        done |= more
+    errors = {tasks[t]: t.exception() for t in done if t.exception() is not None}
+    for t in pending:
+        t.cancel()
+        errors[tasks[t]] = TimeoutError(
+            f"did not finish within {ERROR_GRACE_S if failed else deadline_s:g}s")
+    return errors
+
+
+async def _result(future):
+    return await future
+
+
+def _failure_message(version: int, errors: dict, num_workers: int) -> str:
+    """The root causes first (workers that failed themselves), then who was aborted."""
+    def cause(e: BaseException) -> BaseException:
+        return getattr(e, "exception", None) or e
+
+    def name(w: WorkerId) -> str:
+        return f"{w.side} {w.index}"
+
+    roots = {w: e for w, e in errors.items() if not isinstance(cause(e), UpdateAborted)}
+    aborted = sorted((w for w in errors if w not in roots), key=lambda w: (w.side, w.index))
+    lines = [f"update {version} failed on {len(errors)} of {num_workers} workers:"]
+    for w in sorted(roots, key=lambda w: (w.side, w.index)):
+        c = cause(roots[w])
+        text = " ".join(f"{type(c).__name__}: {c}".split())
+        lines.append(f"  {name(w)}: {text[:600]}")
+    if aborted:
+        lines.append(f"  aborted after that failure: {', '.join(name(w) for w in aborted)}")
+    lines.append("the meshes are in an unknown state: close this MeshTransfer and start again")
+    return "\n".join(lines)
 
 
 def _text(spec) -> str:

@@ -6,7 +6,7 @@ without any offset correction). Stages: trainers ``pack`` and ``receive`` (its R
 from issue until all landed); rollouts ``external`` and ``internal`` (their forwarding writes)
 and ``assemble``. Pure arithmetic here: no Monarch, no torch.
 
-Stall windows in this controller-driven synchronous mode (every worker stops computing for the
+Stall windows in the fully synchronous mode (every worker stops computing for the
 whole transfer, as in the paper's fully synchronous mode):
 
 - a trainer stalls from the update's first send (the earliest trainer span) until its own last

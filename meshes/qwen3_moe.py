@@ -37,9 +37,12 @@ class MoEConfig:
 SIZES = {
     "tiny": MoEConfig(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32, experts=8,
                       moe_intermediate=128, vocab=1000),
+    "medium": MoEConfig(hidden=256, layers=4, heads=8, kv_heads=2, head_dim=32, experts=8,
+                        moe_intermediate=256, vocab=4000),
     "small": MoEConfig(),
 }
-"""Named sizes: "tiny" (~1.3M elements, for tests), "small" (~200M, for benchmarks)."""
+"""Named sizes: "tiny" (~1.3M elements, for tests), "medium" (~9M, for the emulated cluster),
+"small" (~200M, for benchmarks)."""
 
 
 def checkpoint_spec(c: MoEConfig) -> CheckpointSpec:

@@ -2,6 +2,7 @@
 each; the controller runs verified updates over it, and teardown leaves nothing behind, also
 after a failure or Ctrl-C."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -60,14 +61,16 @@ def test_cluster_is_torn_down_after_an_error():
 def test_cluster_run_is_torn_down_on_ctrl_c():
     proc = subprocess.Popen([sys.executable, "-m", "controller.cluster", "run", "--hosts", "2",
                              "--link-mbit", "200", "--", "sleep", "120"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while not any("sleep 120" in p for p in subprocess.run(
                 ["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
             time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
+        # Ctrl-C in a terminal signals the whole foreground process group, the command too.
+        os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

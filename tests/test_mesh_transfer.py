@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from monarch.actor import ActorError
 
-from controller.driver import MeshTransfer
+from controller.driver import MeshTransfer, TransferError
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import LayoutError
+from weightbridge import LayoutError, Stage, WorkerId
 
 pytestmark = pytest.mark.mesh
 
@@ -82,6 +82,16 @@ def test_rollouts_are_bit_identical_to_their_loader_after_each_update(procs, tra
             report = mt.update(version)
             assert not report.mismatched, report.line()
             assert report.num_params > 0 and report.rdma_bytes > 0
+
+
+def test_the_controller_sequenced_baseline_is_bit_identical_too(procs):
+    with MeshTransfer(TrainerSpec.parse("nodes=2,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
+                      round_bytes=ROUND_BYTES, procs=procs, sequencing="controller") as mt:
+        mt.connect()
+        for version in (1, 2):
+            report = mt.update(version)
+            assert not report.mismatched, report.line()
 
 
 class SkipsExpertTrainer(TrainerActor):
@@ -164,8 +174,6 @@ def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stag
     import json
 
     from controller.__main__ import write_trace
-    from weightbridge import Stage
-
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
                       round_bytes=ROUND_BYTES, procs=procs) as mt:
@@ -181,10 +189,123 @@ def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stag
     events = json.loads(path.read_text())["traceEvents"]
     steps = [(e["pid"], e["tid"], e["cat"], e["args"]["round"]) for e in events
              if e["ph"] == "X" and e["cat"] != "stall"]
-    active = mt._active
-    want = {(0, t, s, r) for t in range(4) for r, st in active if st is Stage.RECEIVE
-            for s in ("pack", "receive")}
-    want |= {(1, j, st.value, r) for j in range(4) for r, st in active
-             if st in (Stage.EXTERNAL, Stage.INTERNAL)}
-    want |= {(1, j, "assemble", r) for j in range(4) for r, st in active if st == "assemble"}
+    want = set()
+    for w in mt.plan.workers:  # one event per step a worker's own plan gives it
+        pid = 0 if w.side == "trainer" else 1
+        for r in mt.plan.for_worker(w).rounds:
+            want |= {(pid, w.index, wr.stage.value, r.index) for wr in r.writes}
+            if w.side == "trainer" and r.pack:
+                want.add((0, w.index, "pack", r.index))
+            if w.side == "rollout" and r.assemble:
+                want.add((1, w.index, "assemble", r.index))
+    assert {s for _, _, s, _ in want} == {"pack", "receive", "external", "internal", "assemble"}
     assert len(steps) == len(set(steps)) and set(steps) == want
+
+
+def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_busy(procs):
+    """The actors sequence the rounds themselves; their spans (one host clock) must show the
+    data flow: a rollout forwards bytes only after the writes that brought them ended (each
+    forwarding write waits for exactly its own inputs), assembles only after every write into
+    it ended, and a writer writes round r into a peer's arena r % 2 only after that peer
+    finished round r - 2 (its forwards and its assemble)."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
+                      round_bytes=ROUND_BYTES, procs=procs) as mt:
+        mt.connect()
+        reports = [mt.update(v) for v in (1, 2)]
+        dests, scheds = mt._dests, mt._schedules
+    for report in reports:
+        assert not report.mismatched, report.line()
+        spans = report.timing.spans
+        ends = {(side, rank, stage, r): end for (side, rank), ss in spans.items()
+                for stage, r, _, end in ss}
+        landed: dict[tuple[int, int], int] = {}  # (rollout, round) -> last write into it ended
+        for (side, rank), ss in spans.items():
+            for stage, r, _, end in ss:
+                for j in dests.get((side, rank, r, stage), ()):
+                    landed[(j, r)] = max(landed.get((j, r), end), end)
+        done: dict[tuple[int, int], int] = {}  # (rollout, round) -> end of its last step
+        for (side, rank), ss in spans.items():
+            if side == "rollout":
+                for stage, r, _, end in ss:
+                    done[(rank, r)] = max(done.get((rank, r), end), end)
+        checked = {"forward": 0, "assemble": 0, "arena": 0}
+        for (side, rank), ss in spans.items():
+            for stage, r, start, end in ss:
+                if side == "rollout" and stage in ("external", "internal"):
+                    needs = scheds[WorkerId("rollout", rank)].needs[(r, Stage(stage))]
+                    inputs = [ends[(w.side, w.index, s.value, r)]
+                              for deps in needs for w, s in deps]
+                    assert start >= min(inputs) and end >= max(inputs), (rank, stage, r)
+                    checked["forward"] += 1
+                if side == "rollout" and stage == "assemble":
+                    assert start >= landed[(rank, r)], (rank, r)
+                    checked["assemble"] += 1
+                for j in dests.get((side, rank, r, stage), ()):
+                    if r >= 2:
+                        assert start >= done[(j, r - 2)], (side, rank, stage, r, j)
+                        checked["arena"] += 1
+        assert min(checked.values()) > 0, checked
+        stages = {(stage, r >= 2) for ss in spans.values() for stage, r, _, _ in ss}
+        assert {("receive", True), ("external", True), ("internal", True)} <= stages
+
+
+class FailsInRound1Rollout(RolloutActor):
+    """Rollout 1's assemble raises in round 1 (a kernel error, say)."""
+
+    def _assemble(self, r):
+        if self.index == 1 and r == 1:
+            raise OSError("rollout 1: assemble kernel failed")
+        super()._assemble(r)
+
+
+def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
+    import time
+
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      round_bytes=ROUND_BYTES, procs=(procs[0].slice(worker=slice(0, 2)),
+                                                      procs[1].slice(worker=slice(0, 2))),
+                      rollout_actor=FailsInRound1Rollout, timeout_s=60) as mt:
+        mt.connect()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError, match=r"update 1 failed(.|\n)*rollout 1: OSError: "
+                           r"rollout 1: assemble kernel failed(.|\n)*aborted after that "
+                           r"failure: .*trainer 0"):
+            mt.update(1)
+        # The peers were told to stop: nobody waited out the 60 s timeout.
+        assert time.monotonic() - t0 < 30
+
+
+class DiesInRound1Rollout(RolloutActor):
+    """Rollout 1's process exits in round 1 (an OOM kill, say)."""
+
+    def _assemble(self, r):
+        if self.index == 1 and r == 1:
+            os._exit(3)
+        super()._assemble(r)
+
+
+def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
+    import time
+
+    from controller.driver import ERROR_GRACE_S
+
+    before = _bootstrap_children()
+    timeout_s = 5
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      round_bytes=ROUND_BYTES, rollout_actor=DiesInRound1Rollout,
+                      timeout_s=timeout_s)
+    with mt:
+        mt.connect()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as failure:
+            mt.update(1)
+        elapsed = time.monotonic() - t0
+    message = str(failure.value)
+    # Monarch reports rollout 1 dead; a survivor's write into it or wait on it timed out.
+    assert "update 1 failed" in message and "\n  rollout 1: " in message, message
+    assert "into rollout 1" in message or "waited 5s" in message, message
+    assert elapsed < 2 * timeout_s + ERROR_GRACE_S + 10, elapsed
+    assert _bootstrap_children() - before == set()

@@ -287,12 +287,20 @@ def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeight
 def _in_memory_order(get: Callable[[], Params]) -> Callable[[], Params]:
     """The parameters as every later step sees them: views into another parameter's memory
     left out (written with it), transposed views in memory order."""
+    aliases = None
+
     def live():
+        nonlocal aliases
         params = get()
         if not isinstance(params, Mapping):
             return params  # _checked_params refuses it
+        params = dict(params)
+        if aliases is None:
+            # Decided on the engine's own tensors, before any probe load: a loader that assigns
+            # checkpoint tensors would make the probe's overlapping ring views look like aliases.
+            aliases = set(params) - set(without_aliases(params))
         return {n: memory_order(p) if isinstance(p, torch.Tensor) else p
-                for n, p in without_aliases(dict(params)).items()}
+                for n, p in params.items() if n not in aliases}
     return live
 
 
