@@ -31,6 +31,7 @@ from monarch.actor import Actor, concurrent_endpoint
 
 from meshes.forward import rank_forward
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
+from weightbridge.adapter_base import PeerFailed, gathered
 from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
 from weightbridge.monarch_transport import drop_all, register_ranges, wait_all, write
 from weightbridge.types import Placement
@@ -140,12 +141,8 @@ class MeshControl:
             try:
                 out.append(f.get(timeout=self.timeout_for(name)))
             except Exception as e:  # noqa: BLE001  (raised below, after every peer answered)
-                out.append(_Failed(e))
-        if not return_errors:
-            for r in out:
-                if isinstance(r, _Failed):
-                    raise r.error
-        return [r.error if isinstance(r, _Failed) else r for r in out]
+                out.append(PeerFailed(e))
+        return gathered(out, return_errors)
 
     def call_all(self, peers: list, name: str, *args) -> None:
         """Issue the call on every peer, then wait for all (they run in parallel)."""
@@ -154,10 +151,6 @@ class MeshControl:
     def engine_rank0s(self) -> list:
         return [self.engine(e)[0] for e in range(self.num_engines)]
 
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 class _AdapterActor(Actor):

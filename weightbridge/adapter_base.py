@@ -193,6 +193,23 @@ def plan_group(control, maps: GroupMaps, round_bytes: int, *, excluded=frozenset
     return plan
 
 
+class PeerFailed:
+    """A peer call's error, held among `gather`'s results until every peer has answered."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def gathered(out: list, return_errors: bool) -> list:
+    """`gather`'s results in peer order: raise the first peer's error, or, with
+    ``return_errors``, return the errors in place of results."""
+    if not return_errors:
+        for r in out:
+            if isinstance(r, PeerFailed):
+                raise r.error
+    return [r.error if isinstance(r, PeerFailed) else r for r in out]
+
+
 def _host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
     """Host staging memory for a worker whose arenas are ``like``'s; pinned next to a GPU."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=like.device.type == "cuda")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from weightbridge.adapter_base import PeerFailed, gathered
 from weightbridge.executor import Range
 from weightbridge.types import WorkerId
 
@@ -97,15 +98,11 @@ class LocalControl:
             try:
                 return getattr(p, name)(*args)
             except Exception as e:  # noqa: BLE001  (handed to the caller below)
-                return _Failed(e)
+                return PeerFailed(e)
 
         with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
             out = list(pool.map(call, peers))
-        if not return_errors:
-            for r in out:
-                if isinstance(r, _Failed):
-                    raise r.error
-        return [r.error if isinstance(r, _Failed) else r for r in out]
+        return gathered(out, return_errors)
 
     def call_all(self, peers: list, name: str, *args) -> None:
         for p in peers:
@@ -114,10 +111,6 @@ class LocalControl:
     def engine_rank0s(self) -> list:
         return [self.engine(e)[0] for e in range(self.num_engines)]
 
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 class LocalTransport:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import models
-from .trainer_group import SharedCheckpointDir, init_group, local
+from .trainer_group import SharedCheckpointDir, close_group, init_group, local
 
 _COLWISE = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj",
             "lm_head")
@@ -95,11 +95,7 @@ class DcpWorker:
 
     def close(self) -> None:
         """Remove the shared checkpoint directory and tear down the group if this worker made it."""
-        if dist.is_initialized():
-            dist.barrier()
-        self._dir.remove()
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
+        close_group(self._own_group, self._dir)
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from weightbridge import CheckpointSpec, TensorSpec
 
 from . import models
-from .trainer_group import SharedCheckpointDir, init_group, local
+from .trainer_group import SharedCheckpointDir, close_group, init_group, local
 
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight$")
 
@@ -154,11 +154,7 @@ class TitanWorker:
 
     def close(self) -> None:
         """Remove the shared checkpoint directory and tear down the group if this worker made it."""
-        if dist.is_initialized():
-            dist.barrier()
-        self._dir.remove()
-        if self._own_group and dist.is_initialized():
-            dist.destroy_process_group()
+        close_group(self._own_group, self._dir)
 
     # ----------------------------------------------------------------------------------------
 

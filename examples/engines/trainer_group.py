@@ -66,3 +66,13 @@ class SharedCheckpointDir:
     def remove(self) -> None:
         if self.rank == 0:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def close_group(own_group: bool, shared: SharedCheckpointDir) -> None:
+    """A trainer's teardown: wait for every rank, remove the shared checkpoint directory, and
+    destroy the process group if the worker created it."""
+    if dist.is_initialized():
+        dist.barrier()
+    shared.remove()
+    if own_group and dist.is_initialized():
+        dist.destroy_process_group()
