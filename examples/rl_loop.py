@@ -129,6 +129,11 @@ def _run(mode, trainers, rollouts, options, num_versions, generate_after_trainin
         trainer_thread.join(timeout=options.timeout_s * (num_versions + 2))
         if errors:
             raise errors[0]
+        if options.sender_staging and options.receiver_staging:
+            # Async: the versions go on landing in staging after send_weights returned; let
+            # them all land first, so the engines find only the newest (SS alone needs their
+            # polls to move a version at all).
+            trainers.slice(worker=0).finish.call_one().get()
     for t in engine_threads:
         t.start()
     trainer_thread.join(timeout=options.timeout_s * (num_versions + 2))
