@@ -234,3 +234,30 @@ def test_a_failed_probe_reaches_every_trainer_at_once_not_at_timeout():
     assert len(errors) == TRAINER_TP
     assert all("engine loader crashed" in str(e) for e in errors), errors
     assert any("trainer 0's connect failed" in str(e) for e in errors)
+
+
+def test_a_probe_longer_than_timeout_s_does_not_time_out_the_other_trainers():
+    """Probing grows with the model: trainer 1 waits for the plan past timeout_s while trainer
+    0 is still probing, and both connects succeed."""
+    options = AdapterOptions(timeout_s=0.5)
+    control, trainers, rollouts = _group(options)
+    shard, adapter = rollouts[0]
+    slow_calls = []
+
+    def slow(weights):
+        slow_calls.append(time.monotonic())
+        time.sleep(0.3)
+        shard.load_weights(weights)
+
+    adapter.load_weights = slow
+    start = time.monotonic()
+    _connect(trainers)
+    assert time.monotonic() - start > 2 * options.timeout_s  # the probe outlasted timeout_s
+    assert len(slow_calls) >= 3 and all(a.executor is not None for _, a in trainers)
+
+
+def test_a_trainer_waits_at_most_timeout_s_when_trainer_0_never_connects():
+    options = AdapterOptions(timeout_s=0.5)
+    control, trainers, rollouts = _group(options)
+    with pytest.raises(TimeoutError, match="trainer 0 is not probing or planning"):
+        trainers[1][1].connect()

@@ -35,6 +35,7 @@ class SenderAdapter(_Worker):
         self._done = 0  # newest version whose transfer finished
         self._connected = threading.Event()
         self._connect_error: str | None = None
+        self._planning = False  # rank 0, inside connect's probe and plan
         # Rank 0 only: the engines' staging slots (RS) and the sequencing thread (SS).
         self.slots: StagingSlots | None = None
         self._session_lock = threading.Lock()
@@ -65,6 +66,7 @@ class SenderAdapter(_Worker):
         its plan; the others wait for their plan. Moves no weights.
         """
         if self.worker.index == 0:
+            self._planning = True
             try:
                 self._maps, self.plan = setup_group(self.control, self.options.round_bytes)
             except Exception as e:
@@ -72,10 +74,21 @@ class SenderAdapter(_Worker):
                 self.control.gather(self.control.trainers()[1:], "_wb_connect_failed",
                                     f"{type(e).__name__}: {e}", return_errors=True)
                 raise
+            finally:
+                self._planning = False
             self.slots = StagingSlots(self.control.num_engines)
-        if not self._connected.wait(self.options.timeout_s):
-            raise TimeoutError(f"{self.worker}: no plan from trainer 0 within timeout_s; every "
-                               f"trainer must call connect()")
+        # Probing and planning grow with the model and may outlast timeout_s: wait on while
+        # trainer 0 says it is still at it (a dead or absent trainer 0 ends the wait).
+        while not self._connected.wait(self.options.timeout_s):
+            try:
+                planning = self.control.trainers()[0]._wb_planning()
+            except Exception as e:  # noqa: BLE001  (reported below)
+                planning = f"{type(e).__name__}: {e}"
+            if planning is not True:
+                why = "" if planning is False else f" (it did not answer: {planning})"
+                raise TimeoutError(f"{self.worker}: no plan from trainer 0 within timeout_s and "
+                                   f"trainer 0 is not probing or planning{why}; every trainer "
+                                   f"must call connect()")
         if self._connect_error is not None:
             raise RuntimeError(f"{self.worker}: trainer 0's connect failed, so this group has "
                                f"no plan: {self._connect_error}")
@@ -391,6 +404,9 @@ class SenderAdapter(_Worker):
         self.control.gather(others, "_wb_failed", version, message, return_errors=True)
 
     # -- called by rank 0 (endpoints on a mesh) -------------------------------------------------
+
+    def _wb_planning(self) -> bool:
+        return self._planning
 
     def _wb_connect_failed(self, message: str) -> None:
         self._connect_error = message
