@@ -34,7 +34,6 @@ from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge.adapter_base import PeerFailed, gathered
 from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
 from weightbridge.monarch_transport import drop_all, register_ranges, wait_all, write
-from weightbridge.types import Placement
 
 
 def checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
@@ -153,6 +152,16 @@ class MeshControl:
 
 
 
+def mesh_wiring(trainers, rollouts, topology: tuple[int, int, int],
+                options: AdapterOptions) -> dict:
+    """Keyword arguments that put a `SenderAdapter` / `ReceiverAdapter` on Monarch meshes: its
+    control plane and transport, both bounded by ``options.peer_timeout_s``, and the options.
+    ``topology`` is (trainers, engines, ranks per engine)."""
+    return {"control": MeshControl(trainers, rollouts, *topology,
+                                   timeout_s=options.peer_timeout_s),
+            "transport": MeshTransport(options.peer_timeout_s), "options": options}
+
+
 class _AdapterActor(Actor):
     adapter = None
 
@@ -177,10 +186,7 @@ class RLTrainer(_AdapterActor):
         self.shard = TrainerShard(SIZES[self.model], self.tp, rank, 1, 0)
         self.adapter = SenderAdapter(
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
-            rank=rank, control=MeshControl(trainers, rollouts, *topology,
-                                                timeout_s=options.peer_timeout_s),
-            transport=MeshTransport(options.peer_timeout_s), options=options,
-            placement=Placement("trainer"))
+            rank=rank, **mesh_wiring(trainers, rollouts, topology, options))
 
     @concurrent_endpoint
     async def connect(self) -> None:
@@ -219,10 +225,7 @@ class RLRollout(_AdapterActor):
         self.adapter = ReceiverAdapter(
             self.shard.params, self.shard.load_weights, checkpoint_spec(SIZES[self.model]),
             rank=rank, engine=rank // engine_size, engine_rank=self.rank_in_engine,
-            engine_size=engine_size,
-            control=MeshControl(trainers, rollouts, *topology,
-                                timeout_s=options.peer_timeout_s),
-            transport=MeshTransport(options.peer_timeout_s), options=options)
+            engine_size=engine_size, **mesh_wiring(trainers, rollouts, topology, options))
 
     def _step(self, seed: int) -> dict:
         start = time.monotonic()

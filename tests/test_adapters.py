@@ -44,7 +44,9 @@ def _reference(rank_in_engine: int) -> dict[int, dict[str, torch.Tensor]]:
 REFERENCE = {k: _reference(k) for k in range(ENGINE_TP)}
 
 
-def _group(options: AdapterOptions, hook=None):
+def _group(options: AdapterOptions, hook=None, receiver_cls=lambda rank: ReceiverAdapter):
+    """Trainers and engines on one LocalControl; ``receiver_cls(rank)`` picks each rollout's
+    adapter class (tests substitute faulty ones)."""
     control = LocalControl()
     trainers = []
     for i in range(TRAINER_TP):
@@ -58,7 +60,7 @@ def _group(options: AdapterOptions, hook=None):
         for k in range(ENGINE_TP):
             shard = RolloutShard(CONFIG, ENGINE_TP, k, 1, 0)
             shard.load_weights(CHECKPOINTS[0].items())
-            rollouts.append((shard, control.add(ReceiverAdapter(
+            rollouts.append((shard, control.add(receiver_cls(e * ENGINE_TP + k)(
                 shard.params, shard.load_weights, SPEC, rank=e * ENGINE_TP + k, engine=e,
                 engine_rank=k, engine_size=ENGINE_TP, control=control,
                 transport=control.transport, options=options, before_update_hook=hook))))

@@ -16,6 +16,7 @@ import torch
 
 from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERENCE, SPEC, \
     TRAINER_TP, _same
+from test_adapters import _group as adapters_group
 from meshes.qwen3_moe import RolloutShard, TrainerShard
 from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter, TransferFailed
 from weightbridge.adapters_local import LocalControl, WorkerGone
@@ -41,24 +42,8 @@ class DiesInSecondTransfer(ReceiverAdapter):
 
 
 def _group(options):
-    control = LocalControl()
-    trainers = []
-    for i in range(TRAINER_TP):
-        shard = TrainerShard(CONFIG, TRAINER_TP, i, 1, 0)
-        shard.load_weights(CHECKPOINTS[0].items())
-        trainers.append((shard, control.add(SenderAdapter(
-            shard.params, shard.load_weights, SPEC, rank=i, control=control,
-            transport=control.transport, options=options))))
-    rollouts = []
-    for j in range(ENGINES * ENGINE_TP):
-        shard = RolloutShard(CONFIG, ENGINE_TP, j % ENGINE_TP, 1, 0)
-        shard.load_weights(CHECKPOINTS[0].items())
-        cls = DiesInSecondTransfer if j == VICTIM else ReceiverAdapter
-        rollouts.append((shard, control.add(cls(
-            shard.params, shard.load_weights, SPEC, rank=j, engine=j // ENGINE_TP,
-            engine_rank=j % ENGINE_TP, engine_size=ENGINE_TP, control=control,
-            transport=control.transport, options=options))))
-    return control, trainers, rollouts
+    return adapters_group(options, receiver_cls=lambda rank: (
+        DiesInSecondTransfer if rank == VICTIM else ReceiverAdapter))
 
 
 def _connect(trainers):

@@ -21,9 +21,8 @@ import torch
 from monarch.actor import concurrent_endpoint
 
 from examples.engines import models
-from meshes.adapter_actors import MeshControl, MeshTransport, _AdapterActor
+from meshes.adapter_actors import _AdapterActor, mesh_wiring
 from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
-from weightbridge.types import Placement
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -51,10 +50,7 @@ class EngineTrainer(_AdapterActor):
         await asyncio.to_thread(self.worker.load_weights, models.checkpoint(self.model, 0).items())
         self.adapter = SenderAdapter(
             self.worker.params, self.worker.load_weights, models.checkpoint_spec(self.model),
-            rank=rank, control=MeshControl(trainers, rollouts, *topology,
-                                           timeout_s=options.peer_timeout_s),
-            transport=MeshTransport(options.peer_timeout_s), options=options,
-            placement=Placement("trainer"))
+            rank=rank, **mesh_wiring(trainers, rollouts, topology, options))
 
     @concurrent_endpoint
     async def connect(self) -> float:
@@ -108,9 +104,7 @@ class EngineRollout(_AdapterActor):
         self.adapter = ReceiverAdapter(
             self.worker.params, self.worker.load_weights, models.checkpoint_spec(self.model),
             rank=rank, engine=engine, engine_rank=engine_rank, engine_size=engine_size,
-            control=MeshControl(trainers, rollouts, *topology,
-                                timeout_s=options.peer_timeout_s),
-            transport=MeshTransport(options.peer_timeout_s), options=options)
+            **mesh_wiring(trainers, rollouts, topology, options))
 
     def _serve(self, version: int, timeout_s: float) -> list[int]:
         installed, end = [], time.monotonic() + timeout_s
