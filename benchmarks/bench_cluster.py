@@ -3,20 +3,23 @@
     .venv/bin/python benchmarks/bench_cluster.py            # needs root (network namespaces)
     .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
     .venv/bin/python benchmarks/bench_cluster.py --rollout-procs 2   # 2 procs per rollout node
-    .venv/bin/python benchmarks/bench_cluster.py --depth 3 --fifo-links
+    .venv/bin/python benchmarks/bench_cluster.py --depth 2 --model tiny --fifo-links
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
-hosts it needs, and runs WeightBridge (data flow, and controller-sequenced as it was before),
-broadcast and P2P on the same procs, model and links:
+hosts it needs, and runs WeightBridge (controller-sequenced, and with the data flow of
+`meshes/dataflow.py` as ``wb-dataflow``), broadcast and P2P on the same procs, model and links:
 
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
 
-``--rollout-procs 2`` makes every rollout node a TP2 engine of two procs on its host, so the
-INTERNAL stage (inside a node, unshaped loopback) runs too. ``--depth`` sets the round arenas
-per worker (2 as in the paper); ``--fifo-links`` queues control messages behind bulk data
-(controller/cluster.py: control priority).
+Defaults: the ``medium`` model (18 MB per replica, 30-40 rounds of 512 KiB, so pipeline fill
+and drain are a few percent, as for a real model) and 3 round arenas per worker (``--depth``):
+a control message costs 5-10 ms here against 80 ms rounds, and the third arena hides it, as
+two do where it costs microseconds. ``--rollout-procs 2`` makes every rollout node a TP2
+engine of two procs on its host, so the INTERNAL stage (inside a node, unshaped loopback) runs
+too; ``--fifo-links`` queues control messages behind bulk data (controller/cluster.py: control
+priority).
 
 Prints EWTT, AGST, the ideal EWTT of Eq. (1) from the configured rate and the ratios (the last
 update of each run; every update is verified bit-exact), and writes out/cluster/bench_cluster.csv,
@@ -31,6 +34,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,26 +53,37 @@ def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
                 f"engines=4,{node}") for n in (1, 2, 4)])
 
 
-MECHANISMS = ("weightbridge", "wb-controller", "broadcast", "p2p")
-"""wb-controller: WeightBridge with the controller sequencing every round (the previous design)."""
+MECHANISMS = ("weightbridge", "wb-dataflow", "broadcast", "p2p")
+"""wb-dataflow: WeightBridge with the actors sequencing the rounds (``sequencing="dataflow"``)."""
+
+
+@contextmanager
+def attached(addrs, tspec, rspec):
+    """(trainer procs, rollout procs) on the hosts one point needs: trainer nodes first, then
+    the rollout nodes engine by engine; stopped on exit."""
+    from controller.launch import attach_procs
+
+    owners = []
+    try:
+        t_owner, tp = attach_procs(addrs[:tspec.nodes], gpus=tspec.gpus, name="trainer")
+        owners.append(t_owner)
+        r_addrs = addrs[tspec.nodes:tspec.nodes + rspec.engines * rspec.nodes]
+        r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
+        owners.append(r_owner)
+        yield tp, rp
+    finally:
+        for o in owners:
+            o.stop().get(timeout=60)
 
 
 def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     from controller.baselines import Broadcast, p2p_plan
     from controller.driver import MeshTransfer
-    from controller.launch import attach_procs
     from meshes.spec import RolloutSpec, TrainerSpec
 
     tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
-    t_addrs = addrs[:tspec.nodes]
-    r_addrs = addrs[tspec.nodes:tspec.nodes + rspec.engines * rspec.nodes]
     rate = args.link_mbit * 1e6 / 8
-    owners = []
-    try:
-        t_owner, tp = attach_procs(t_addrs, gpus=tspec.gpus, name="trainer")
-        owners.append(t_owner)
-        r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
-        owners.append(r_owner)
+    with attached(addrs, tspec, rspec) as (tp, rp):
         results, ideal = {}, 0.0
         for mech in args.mechanisms:
             kw = dict(procs=(tp, rp), round_bytes=args.round_kib << 10, link_rate=rate)
@@ -78,7 +93,7 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                 runner = MeshTransfer(
                     tspec, rspec, args.model, depth=args.depth,
                     reroute=p2p_plan if mech == "p2p" else None,
-                    sequencing="controller" if mech == "wb-controller" else "dataflow", **kw)
+                    sequencing="dataflow" if mech == "wb-dataflow" else "controller", **kw)
             with runner:
                 if mech != "broadcast":
                     runner.connect()
@@ -90,9 +105,6 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                 raise SystemExit(f"{mech}: {bad[0].line()}")
             results[mech] = reports[-1]
         return {"ideal": ideal, **results}
-    finally:
-        for o in owners:
-            o.stop().get(timeout=60)
 
 
 def main() -> int:
@@ -100,10 +112,10 @@ def main() -> int:
     parser.add_argument("--link-mbit", type=float, default=50)
     parser.add_argument("--round-kib", type=int, default=512)
     parser.add_argument("--updates", type=int, default=2)
-    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--model", default="medium", help="a name in meshes.qwen3_moe.SIZES")
     parser.add_argument("--rollout-procs", type=int, default=1,
                         help="procs per rollout node (one TP engine per node)")
-    parser.add_argument("--depth", type=int, default=2, help="round arenas per worker")
+    parser.add_argument("--depth", type=int, default=3, help="round arenas per worker")
     parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS),
                         choices=MECHANISMS, help="weightbridge is always run (the reference)")
     parser.add_argument("--fifo-links", action="store_true",
@@ -152,13 +164,13 @@ def main() -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, OUT / "bench_cluster.png", args.link_mbit, args.mechanisms)
+    plot(rows, OUT / "bench_cluster.png", args.link_mbit, args.mechanisms, args.model)
     print(f"wrote {OUT}/bench_cluster.csv, bench_cluster.png, trace_weightbridge_4replicas.json "
           f"in {time.perf_counter() - t0:.0f}s")
     return 0
 
 
-def plot(rows, path: Path, mbit: float, mechanisms) -> None:
+def plot(rows, path: Path, mbit: float, mechanisms, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -179,7 +191,7 @@ def plot(rows, path: Path, mbit: float, mechanisms) -> None:
         ax.set_ylabel("EWTT (s)")
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(f"Emulated cluster, {mbit:g} Mbit/s host links, tiny model")
+    fig.suptitle(f"Emulated cluster, {mbit:g} Mbit/s host links, {model} model")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

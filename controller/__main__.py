@@ -42,6 +42,11 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=3, help="model versions to transfer")
     parser.add_argument("--model", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--round-kib", type=int, default=256, help="bytes per round buffer")
+    parser.add_argument("--depth", type=int, default=2,
+                        help="round arenas per worker (3 hides slow control messages)")
+    parser.add_argument("--sequencing", choices=("controller", "dataflow"), default="controller",
+                        help="who sequences the rounds: the controller, or the actors with "
+                             "peer notifications")
     parser.add_argument("--trace", metavar="PATH",
                         help="write the last update's per-rank, per-stage timeline here "
                              "(Chrome trace JSON; open in Perfetto)")
@@ -76,6 +81,8 @@ def mesh_run(args) -> int:
         trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
         trainer.validate(SIZES[args.model])
         rollout.validate(SIZES[args.model])
+        if args.depth < 2:
+            raise ValueError(f"--depth must be >= 2 round arenas per worker, got {args.depth}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -94,7 +101,7 @@ def mesh_run(args) -> int:
     t_stop = None
     rate = args.link_mbit * 1e6 / 8 if getattr(args, "link_mbit", None) else None
     mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10,
-                      procs=procs, link_rate=rate)
+                      procs=procs, link_rate=rate, depth=args.depth, sequencing=args.sequencing)
     try:
         with mt:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)

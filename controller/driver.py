@@ -1,4 +1,4 @@
-"""The single controller: owns both meshes, plans centrally, starts every update.
+"""The single controller: owns both meshes, plans centrally, drives every round of every update.
 
     controller                       trainer mesh (TrainerActor)      rollout mesh (RolloutActor)
     ----------                       ---------------------------      ---------------------------
@@ -7,20 +7,22 @@
     correspond + plan_transfer (pure, here)
     scatter WorkerPlans   ------->   tables + 2 arenas                tables + 2 arenas, register
                           <---------------------------------------   incoming ranges -> handles
-    hand out handles,     ------->   set_peers                        set_peers
-      Schedules, meshes
+    hand out handles      ------->   set_peers                        set_peers
     per update:  train_step(v) -->   load checkpoint v
-                 run_update(u) -->   per round r:                     per round r (once inputs
-                 (one call per        pack, [free(r-2)], RECEIVE ===>  landed): EXTERNAL, INTERNAL
-                  actor)              landed(r) -------------------->  ====> peers, landed(r),
-                                      <------------------------------  assemble r, free(r)
-                 wait for all    <--  done                            done
+      per round r, each step issued the moment its inputs are done:
+                 send(r)       -->   pack r, RDMA RECEIVE =========>  arena r%2
+                 forward(r, EXTERNAL), then INTERNAL  ------------->  RDMA to peers' arena r%2
+                 assemble(r)   ------------------------------------>  arena r%2 -> parameters
+                 send(r + 2) once assemble(r) returned everywhere (arena r%2 free again)
       checksums(v)            <------------------------------------  live vs own load_weights(v)
 
 Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes. The
-controller is off the per-round critical path: the actors sequence the rounds with one-way
-notifications to each other (`meshes/dataflow.py`); the controller waits, bounded, for every
-actor's ``run_update`` and turns any failure into one `TransferError`.
+controller does not sequence in lockstep: a trainer runs its sends one at a time in the order
+issued, so round r + 1's send already waits in the trainer's queue when round r's writes land;
+the rollouts forward and assemble concurrently, round r's forwards beside round r + 1's RECEIVE
+bytes. ``sequencing="dataflow"`` instead starts one ``run_update`` per actor and
+lets the actors sequence the rounds with one-way peer notifications (`meshes/dataflow.py`).
+Either way every wait is bounded and a failure becomes one `TransferError`.
 
 Typical usage::
 
@@ -50,15 +52,19 @@ from weightbridge.simulate import eq1
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
 PROBE_REPEATS = 3
-SEQUENCINGS = ("dataflow", "controller")
+SEQUENCINGS = ("controller", "dataflow")
 ERROR_GRACE_S = 15.0
 """After the first failure of an update, how long the controller keeps collecting the other
 workers' errors (a dead proc is reported after about 10 s) before it raises."""
 
 
+class _StepFailed(RuntimeError):
+    """A controller-sequenced step failed on some worker; says which round and step."""
+
+
 class TransferError(RuntimeError):
     """An update failed on some worker (a write timed out, a peer died or raised); the message
-    names the workers and what happened to each."""
+    names the failed step or workers and what happened."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,11 +125,13 @@ class MeshTransfer:
         reroute: A function applied to the plan before it is scattered (the P2P baseline in
             `controller.baselines` rewrites the forwarding stages this way).
         depth: Round arenas per worker (2, the paper's: round r + 2 is written into a peer
-            only once it freed round r). 3 or more hide the latency of that notification behind
-            a round, at the cost of one more round buffer per worker.
-        sequencing: ``"dataflow"`` (the actors run the rounds, one call per actor per update)
-            or ``"controller"`` (the controller issues every round's steps: the previous design,
-            kept as the baseline the data flow is measured against).
+            only once round r was assembled there). 3 or more hide the control latency of that
+            hand-over behind a round, at the cost of one more round buffer per worker: worth it
+            where a control message costs a sizable part of a round (docs/performance.md).
+        sequencing: ``"controller"`` (the controller issues every round's steps as their inputs
+            complete) or ``"dataflow"`` (one ``run_update`` per actor per update; the actors
+            sequence the rounds with peer ``landed`` / ``free`` notifications). Both move the
+            same bytes; on Monarch's TCP fallback the controller's is faster (docs/performance.md).
         timeout_s: Bound of every wait in an update: one RDMA write, one peer's notification.
             A dead or stuck worker makes `update` raise `TransferError` within about this long
             (plus ``ERROR_GRACE_S``), never hang.
@@ -133,7 +141,7 @@ class MeshTransfer:
                  round_bytes: int = 256 << 10, procs=None, trainer_actor=TrainerActor,
                  rollout_actor=RolloutActor, link_rate: float | None = None, reroute=None,
                  depth: int = 2, timeout_s: float = WRITE_TIMEOUT_S,
-                 sequencing: str = "dataflow"):
+                 sequencing: str = "controller"):
         if sequencing not in SEQUENCINGS:
             raise ValueError(f"sequencing must be one of {SEQUENCINGS}, got {sequencing!r}")
         if depth < 2:
@@ -336,43 +344,67 @@ class MeshTransfer:
                             mismatched=tuple(bad), timing=update_timing(spans, self._dests),
                             ideal_s=self.ideal_s)
 
-    def _sequence_rounds(self) -> None:
-        """The controller-sequenced baseline: ~4 controller round trips per round.
+    async def _sequence_rounds(self) -> None:
+        """Controller-sequenced rounds: every step of every round is issued as soon as its inputs
+        are done, not in lockstep.
 
-        Round r+1's RECEIVE writes go to arena (r+1)%2 while the rollouts forward and assemble
-        round r out of arena r%2; send(r+1) is issued once assemble(r-1), the last reader of its
-        arena, returned. INTERNAL forwards what EXTERNAL brought, so it is issued only once every
-        rollout's EXTERNAL writes landed.
+        Per round r: ``send(r)`` (trainers pack and write RECEIVE into arena r % depth) once
+        round r - depth was assembled everywhere (its arena is free again); then the rollouts'
+        EXTERNAL, then INTERNAL forwards, then ``assemble(r)``. Trainers run their sends one at a
+        time in the order issued, so round r + 1's send waits in the trainer's queue while round
+        r's writes are on the link and starts the moment they landed, if its arena was free by
+        then: with depth 2 that takes round r - 1's forwards and assemble plus three controller
+        round trips, which a third arena hides. Rollouts forward and assemble concurrently,
+        round r's forwards beside round r + 1's RECEIVE bytes.
         """
-        rounds, active = self.plan.num_rounds, self._active
-        send = lambda r: (self.trainers.send.call(r)  # noqa: E731
-                          if r < rounds and (r, Stage.RECEIVE) in active else None)
-        sending, assembling = send(0), None
-        for r in range(rounds):
-            if sending is not None:
-                sending.get()
-            external = (self.rollouts.forward.call(r, Stage.EXTERNAL)
-                        if (r, Stage.EXTERNAL) in active else None)
-            if assembling is not None:
-                assembling.get()
-            sending = send(r + 1)
-            if external is not None:
-                external.get()
-            if (r, Stage.INTERNAL) in active:
-                self.rollouts.forward.call(r, Stage.INTERNAL).get()
-            assembling = (self.rollouts.assemble.call(r) if (r, "assemble") in active
-                          else None)
-        if assembling is not None:
-            assembling.get()
+        depth, active = self.depth, self._active
+        rounds: list[asyncio.Future] = []
+
+        async def step(r: int, what: str, call) -> None:
+            try:
+                await call
+            except Exception as e:
+                cause = getattr(e, "exception", None) or e
+                text = " ".join(f"{type(cause).__name__}: {cause}".split())
+                raise _StepFailed(f"round {r}, {what}: {text[:600]}") from e
+
+        async def run(r: int) -> None:
+            if r >= depth:
+                await rounds[r - depth]
+            if (r, Stage.RECEIVE) in active:
+                await step(r, "trainers' send", self.trainers.send.call(r))
+            for stage in (Stage.EXTERNAL, Stage.INTERNAL):
+                if (r, stage) in active:
+                    await step(r, f"rollouts' {stage.value} forward",
+                               self.rollouts.forward.call(r, stage))
+            if (r, "assemble") in active:
+                await step(r, "rollouts' assemble", self.rollouts.assemble.call(r))
+
+        rounds.extend(asyncio.ensure_future(run(r)) for r in range(self.plan.num_rounds))
+        try:
+            await asyncio.gather(*rounds)
+        finally:
+            for task in rounds:
+                task.cancel()
 
     def _transfer(self, version: int) -> None:
-        """One ``run_update`` per actor; returns once every actor ran all its rounds.
+        """Every round of one update; returns once every rollout assembled its last round.
 
         Raises:
             TransferError: some worker failed, died or never finished (bounded wait).
         """
         if self.sequencing == "controller":
-            return self._sequence_rounds()
+            # Each write is bounded by timeout_s on the actors and Monarch reports a dead proc;
+            # this is the backstop for a step that neither finishes nor fails.
+            deadline = self.timeout_s * (self.plan.num_rounds + 2)
+            try:
+                asyncio.run(asyncio.wait_for(self._sequence_rounds(), deadline))
+            except (_StepFailed, asyncio.TimeoutError) as e:
+                what = str(e) or f"did not finish within {deadline:g}s"
+                raise TransferError(
+                    f"update {version} failed: {what}\nthe meshes are in an unknown state: "
+                    f"close this MeshTransfer and start again") from e
+            return
         self._updates += 1
         update = self._updates
         # Rollouts first: they only wait for inputs, and the trainers' first writes should

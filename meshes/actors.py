@@ -4,17 +4,23 @@ Each actor builds its own shard from (model name, mesh spec text, its rank in th
 its own ``load_weights`` for the controller, and at connect builds its copy tables and two round
 arenas once. Rollouts register the arena ranges peers write into as RDMA buffers and return the
 handles; the controller hands every writer the handles it needs, its `Schedule` and the two
-actor meshes. Per update the controller calls ``run_update`` once per actor, and the actors run
-every round themselves (`meshes/dataflow.py`): trainers pack and write RECEIVE; rollouts forward
-EXTERNAL, then INTERNAL, straight out of their receive arena, and assemble; each step starts when
-the peers that feed it said ``landed``, and a writer reuses a peer's arena only after ``free``.
+actor meshes.
 
-The actors are async: ``run_update`` is a ``@concurrent_endpoint`` whose round loops run in
-threads (they block on RDMA futures with ``.get()``; a rollout forwards each stage and
-assembles in loops of their own, so forwarding round r + 1 never waits for round r's last
-input), and the actor's event loop stays free to take the peers' ``landed`` / ``free`` /
-``abort`` messages meanwhile. Every other endpoint is a plain
-``@endpoint`` (one at a time, in order) and runs blocking work in a thread too.
+Per update, one of two ways (``MeshTransfer(sequencing=...)``):
+
+- controller-sequenced (the default): the controller calls ``send(r)`` on the trainers (pack,
+  RDMA RECEIVE), then ``forward(r, stage)`` and ``assemble(r)`` on the rollouts, each as soon as
+  its inputs are done. ``send`` is a plain ``@endpoint`` (one at a time, in the order issued, so
+  a queued send starts the moment the previous one's writes landed); ``forward`` and
+  ``assemble`` are ``@concurrent_endpoint`` so round r's forwards overlap round r + 1's;
+- data flow: one ``run_update`` per actor, and the actors run every round themselves
+  (`meshes/dataflow.py`): each step starts when the peers that feed it said ``landed``, and a
+  writer reuses a peer's arena only after ``free``. ``run_update`` is a ``@concurrent_endpoint``
+  whose round loops run in threads (a rollout forwards each stage and assembles in loops of
+  their own), so the event loop stays free to take the peers' ``landed`` / ``free`` /
+  ``abort`` messages meanwhile.
+
+Every other endpoint is a plain ``@endpoint`` and runs blocking work in a thread.
 
 Typical usage (see controller/driver.py)::
 
@@ -222,12 +228,7 @@ class _Worker(Actor):
                 break
             ready = self.inbox.wait_ready(update, r, pending, self.timeout_s)
         for peer, f in futures:
-            try:
-                f.get()
-            except Exception as e:
-                raise RuntimeError(f"{describe(self.me)}: the {stage.value} write of round {r} "
-                                   f"into {describe(peer)} failed ({e}); that worker died or "
-                                   f"its link stalled for {self.timeout_s:g}s") from e
+            self._landed(f, peer, r, stage)
         self.spans.append((stage.value, r, start, time.monotonic_ns()))
         acks = [(peer, self.notifier.landed(peer, update, r, stage)) for peer in targets]
         if stage is Stage.RECEIVE:
@@ -241,7 +242,22 @@ class _Worker(Actor):
                                 timeout_s=int(self.timeout_s)))
                    for peer, key, src in self.executor.writes(r, stage, self._arena(r))]
         for peer, f in futures:
-            f.get()
+            self._landed(f, peer, r, stage)
+
+    def _write_step(self, r: int, stage: Stage) -> None:
+        """Controller-sequenced: this worker's writes of (round r, stage), timed, if it has any
+        (the controller calls every worker of the mesh)."""
+        if self.schedule.outputs.get((r, stage)):
+            self._timed(stage.value, r, self._write_all, r, stage)
+
+    def _landed(self, future, peer: WorkerId, r: int, stage: Stage) -> None:
+        """Wait for one RDMA write; a failure names the peer, the round and the stage."""
+        try:
+            future.get()
+        except Exception as e:
+            raise RuntimeError(f"{describe(self.me)}: the {stage.value} write of round {r} "
+                               f"into {describe(peer)} failed ({e}); that worker died or "
+                               f"its link stalled for {self.timeout_s:g}s") from e
 
     def _delivered(self, stage: Stage) -> None:
         """Wait until a trainer's previous ``landed`` reached its peers.
@@ -313,13 +329,18 @@ class TrainerActor(_Worker):
 
     @endpoint
     async def send(self, r: int) -> None:
-        """Controller-sequenced rounds (the baseline of the data flow): pack round r and write
-        its RECEIVE stage; returns once it landed."""
+        """Controller-sequenced rounds: pack round r and write its RECEIVE stage; returns once it
+        landed. A plain endpoint: sends run one at a time in the order the controller issued
+        them, so the next round's send starts the moment this one's writes landed."""
         await asyncio.to_thread(self._send_one, r)
 
     def _send_one(self, r: int) -> None:
-        self._timed("pack", r, self.executor.pack, r, self._arena(r))
-        self._timed(Stage.RECEIVE.value, r, self._write_all, r, Stage.RECEIVE)
+        if self._packs(r):
+            self._timed("pack", r, self.executor.pack, r, self._arena(r))
+        self._write_step(r, Stage.RECEIVE)
+
+    def _packs(self, r: int) -> bool:
+        return r < self.executor.num_rounds and bool(self.executor.plan.rounds[r].pack)
 
     def _loops(self) -> list:
         return [self._send_rounds]
@@ -329,7 +350,7 @@ class TrainerActor(_Worker):
         # (done: this loop waits for its writes). Packing before waiting for the peers'
         # free(r - depth) hides the pack behind the rollouts' forwards.
         for r in range(self.schedule.num_rounds):
-            if r < self.executor.num_rounds and self.executor.plan.rounds[r].pack:
+            if self._packs(r):
                 self._timed("pack", r, self.executor.pack, r, self._arena(r))
             self._write(update, r, Stage.RECEIVE)
         self._delivered(Stage.RECEIVE)
@@ -384,25 +405,29 @@ class RolloutActor(_Worker):
                 self.inbox.wait_landed(update, r, e, s.inputs.get((r, e), ()), self.timeout_s)
             for e in self._forwarding:
                 self.inbox.wait_landed(update, r, e, (SELF,), self.timeout_s)
-            if r < self.executor.num_rounds and self.executor.plan.rounds[r].assemble:
+            if self._assembles(r):
                 self._timed("assemble", r, self._assemble, r)
             for writer in s.frees.get(r, ()):
                 self.notifier.freed(writer, update, r)
+
+    def _assembles(self, r: int) -> bool:
+        return r < self.executor.num_rounds and bool(self.executor.plan.rounds[r].assemble)
 
     def _assemble(self, r: int) -> None:
         """Receive arena of round r -> parameters (after every stage of round r landed)."""
         self.executor.assemble(r, self._arena(r))
 
-    @endpoint
+    @concurrent_endpoint
     async def forward(self, r: int, stage: Stage) -> None:
         """Controller-sequenced rounds: write this stage's bytes of round r; returns once they
-        landed."""
-        await asyncio.to_thread(self._timed, stage.value, r, self._write_all, r, stage)
+        landed. Concurrent: round r's forwards overlap round r + 1's, and assemble(r - 1)."""
+        await asyncio.to_thread(self._write_step, r, stage)
 
-    @endpoint
+    @concurrent_endpoint
     async def assemble(self, r: int) -> None:
         """Controller-sequenced rounds: the arena of round r -> parameters."""
-        await asyncio.to_thread(self._timed, "assemble", r, self._assemble, r)
+        if self._assembles(r):
+            await asyncio.to_thread(self._timed, "assemble", r, self._assemble, r)
 
     @endpoint
     async def probe_buffer(self, nbytes: int):

@@ -45,10 +45,11 @@ def test_controller_attaches_to_remote_workers_and_verifies_updates():
             w.wait(timeout=30)
 
 
-def test_attach_needs_both_sides_and_one_address_per_node():
+def test_attach_needs_both_sides_and_one_address_per_node_and_depth_two_arenas():
     base = [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
             "--rollout", "engines=2,nodes=1,gpus=1"]
     for extra, message in (
+            (["--depth", "1"], "--depth must be >= 2"),
             (["--attach-trainers", "tcp://127.0.0.1:1"], "go together"),
             (["--attach-trainers", "tcp://127.0.0.1:1,tcp://127.0.0.1:2",
               "--attach-rollouts", "tcp://127.0.0.1:3,tcp://127.0.0.1:4"], "nodes=1")):

@@ -84,10 +84,13 @@ def test_rollouts_are_bit_identical_to_their_loader_after_each_update(procs, tra
             assert report.num_params > 0 and report.rdma_bytes > 0
 
 
-def test_the_controller_sequenced_baseline_is_bit_identical_too(procs):
+@pytest.mark.parametrize("sequencing,depth", [("dataflow", 2), ("dataflow", 3),
+                                               ("controller", 3)])
+def test_the_data_flow_and_a_third_arena_are_bit_identical_too(procs, sequencing, depth):
     with MeshTransfer(TrainerSpec.parse("nodes=2,gpus=2,tp=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
-                      round_bytes=ROUND_BYTES, procs=procs, sequencing="controller") as mt:
+                      round_bytes=ROUND_BYTES, procs=procs, sequencing=sequencing,
+                      depth=depth) as mt:
         mt.connect()
         for version in (1, 2):
             report = mt.update(version)
@@ -202,15 +205,17 @@ def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stag
     assert len(steps) == len(set(steps)) and set(steps) == want
 
 
-def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_busy(procs):
-    """The actors sequence the rounds themselves; their spans (one host clock) must show the
-    data flow: a rollout forwards bytes only after the writes that brought them ended (each
-    forwarding write waits for exactly its own inputs), assembles only after every write into
-    it ended, and a writer writes round r into a peer's arena r % 2 only after that peer
-    finished round r - 2 (its forwards and its assemble)."""
+@pytest.mark.parametrize("sequencing", ["controller", "dataflow"])
+def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_busy(
+        procs, sequencing):
+    """The spans (one host clock) must show the data dependencies, whoever sequences the
+    rounds: a rollout forwards bytes only after the writes that brought them ended (the data
+    flow's forwarding writes wait for exactly their own inputs), assembles only after every
+    write into it ended, and a writer writes round r into a peer's arena r % 2 only after that
+    peer finished round r - 2 (its forwards and its assemble)."""
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
-                      round_bytes=ROUND_BYTES, procs=procs) as mt:
+                      round_bytes=ROUND_BYTES, procs=procs, sequencing=sequencing) as mt:
         mt.connect()
         reports = [mt.update(v) for v in (1, 2)]
         dests, scheds = mt._dests, mt._schedules
@@ -259,21 +264,29 @@ class FailsInRound1Rollout(RolloutActor):
         super()._assemble(r)
 
 
-def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
+FAILURE = {
+    "controller": r"update 1 failed: round 1, rollouts' assemble: .*OSError: rollout 1: "
+                  r"assemble kernel failed",
+    "dataflow": r"update 1 failed(.|\n)*rollout 1: OSError: rollout 1: assemble kernel "
+                r"failed(.|\n)*aborted after that failure: .*trainer 0",
+}
+
+
+@pytest.mark.parametrize("sequencing", ["controller", "dataflow"])
+def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs, sequencing):
     import time
 
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
                       round_bytes=ROUND_BYTES, procs=(procs[0].slice(worker=slice(0, 2)),
                                                       procs[1].slice(worker=slice(0, 2))),
-                      rollout_actor=FailsInRound1Rollout, timeout_s=60) as mt:
+                      rollout_actor=FailsInRound1Rollout, timeout_s=60,
+                      sequencing=sequencing) as mt:
         mt.connect()
         t0 = time.monotonic()
-        with pytest.raises(TransferError, match=r"update 1 failed(.|\n)*rollout 1: OSError: "
-                           r"rollout 1: assemble kernel failed(.|\n)*aborted after that "
-                           r"failure: .*trainer 0"):
+        with pytest.raises(TransferError, match=FAILURE[sequencing]):
             mt.update(1)
-        # The peers were told to stop: nobody waited out the 60 s timeout.
+        # Nobody waited out the 60 s timeout (data flow: the peers were told to stop).
         assert time.monotonic() - t0 < 30
 
 
@@ -286,7 +299,8 @@ class DiesInRound1Rollout(RolloutActor):
         super()._assemble(r)
 
 
-def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
+@pytest.mark.parametrize("sequencing", ["controller", "dataflow"])
+def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop(sequencing):
     import time
 
     from controller.driver import ERROR_GRACE_S
@@ -296,7 +310,7 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
                       round_bytes=ROUND_BYTES, rollout_actor=DiesInRound1Rollout,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, sequencing=sequencing)
     with mt:
         mt.connect()
         t0 = time.monotonic()
@@ -304,8 +318,12 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
             mt.update(1)
         elapsed = time.monotonic() - t0
     message = str(failure.value)
-    # Monarch reports rollout 1 dead; a survivor's write into it or wait on it timed out.
-    assert "update 1 failed" in message and "\n  rollout 1: " in message, message
-    assert "into rollout 1" in message or "waited 5s" in message, message
+    assert "update 1 failed" in message and "close this MeshTransfer" in message, message
+    # A write into rollout 1 or a wait on it timed out, or Monarch reported it dead (a call
+    # to it failed; the data flow also collects the other workers' errors).
+    assert ("into rollout 1" in message or "waited 5s" in message
+            or "rollout{'worker': 1/2}" in message), message
+    if sequencing == "dataflow":
+        assert "\n  rollout 1: " in message, message
     assert elapsed < 2 * timeout_s + ERROR_GRACE_S + 10, elapsed
     assert _bootstrap_children() - before == set()
