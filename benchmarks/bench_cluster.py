@@ -13,10 +13,10 @@ hosts it needs, and runs WeightBridge (controller-sequenced, and with the data f
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
 
-Defaults: the ``medium`` model (18 MB per replica, 30-40 rounds of 512 KiB, so pipeline fill
-and drain are a few percent, as for a real model) and 3 round arenas per worker (``--depth``):
-a control message costs 5-10 ms here against 80 ms rounds, and the third arena hides it, as
-two do where it costs microseconds. ``--rollout-procs 2`` makes every rollout node a TP2
+Defaults: the ``medium`` model (18 MB per replica, 36 rounds of up to 512 KiB, so pipeline
+fill and drain are a few percent, as for a real model) and 3 round arenas per worker
+(``--depth``): a control message costs 5-10 ms here against 80 ms rounds, and the third arena
+hides that latency (two suffice where it costs microseconds; docs/performance.md). ``--rollout-procs 2`` makes every rollout node a TP2
 engine of two procs on its host, so the INTERNAL stage (inside a node, unshaped loopback) runs
 too; ``--fifo-links`` queues control messages behind bulk data (controller/cluster.py: control
 priority).
