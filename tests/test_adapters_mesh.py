@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from meshprocs import proc_pair
+
 pytestmark = pytest.mark.mesh
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,21 +29,8 @@ NUM_VERSIONS = 3
 
 @pytest.fixture(scope="module")
 def procs():
-    from monarch.actor import this_host
-
-    from weightbridge.monarch_transport import configure_transport
-    configure_transport()
-    host = this_host()
-    tp = host.spawn_procs(per_host={"worker": rl_loop.TRAINER_TP}, name="trainer")
-    try:
-        rp = host.spawn_procs(per_host={"worker": rl_loop.ENGINES * rl_loop.ENGINE_TP},
-                              name="rollout")
-        try:
-            yield tp, rp
-        finally:
-            rp.stop().get(timeout=60)
-    finally:
-        tp.stop().get(timeout=60)
+    with proc_pair(rl_loop.TRAINER_TP, rl_loop.ENGINES * rl_loop.ENGINE_TP) as meshes:
+        yield meshes
 
 
 @pytest.mark.parametrize("mode", list(rl_loop.MODES))

@@ -17,7 +17,7 @@ import pytest
 from monarch.actor import concurrent_endpoint
 
 from meshes.adapter_actors import RLRollout, RLTrainer
-from test_mesh_transfer import _bootstrap_children
+from meshprocs import bootstrap_children, proc_pair
 from weightbridge.adapters import AdapterOptions
 from weightbridge.types import Stage
 
@@ -44,21 +44,13 @@ class DiesInSecondTransfer(RLRollout):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_rollout_proc_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
-    from monarch.actor import this_host
-
-    from weightbridge.monarch_transport import configure_transport
-    configure_transport()
     ss = rs = mode == "async"
     options = AdapterOptions(sender_staging=ss, receiver_staging=rs, timeout_s=TIMEOUT_S,
                              round_bytes=64 << 10)
-    before = _bootstrap_children()
-    meshes = []
-    try:
-        meshes.append(this_host().spawn_procs(per_host={"worker": TRAINER_TP}, name="trainer"))
-        meshes.append(this_host().spawn_procs(per_host={"worker": ENGINES * ENGINE_TP},
-                                              name="rollout"))
-        trainers = meshes[0].spawn("trainer_fc", RLTrainer, "tiny", TRAINER_TP)
-        rollouts = meshes[1].spawn("rollout_fc", DiesInSecondTransfer, "tiny", ENGINE_TP)
+    before = bootstrap_children()
+    with proc_pair(TRAINER_TP, ENGINES * ENGINE_TP) as (tp, rp):
+        trainers = tp.spawn("trainer_fc", RLTrainer, "tiny", TRAINER_TP)
+        rollouts = rp.spawn("rollout_fc", DiesInSecondTransfer, "tiny", ENGINE_TP)
         topology = (TRAINER_TP, ENGINES, ENGINE_TP)
         futures = [mesh.slice(worker=i).setup.call_one(i, trainers, rollouts, topology, options)
                    for mesh, n in ((trainers, TRAINER_TP), (rollouts, ENGINES * ENGINE_TP))
@@ -67,10 +59,7 @@ def test_a_rollout_proc_killed_mid_transfer_fails_closed_and_the_survivors_go_on
             f.get(timeout=120)
         trainers.connect.call().get(timeout=300)
         _check(_drive(trainers, rollouts, ss), ss)
-    finally:
-        for mesh in reversed(meshes):
-            mesh.stop().get(timeout=60)
-    assert _bootstrap_children() - before == set()
+    assert bootstrap_children() - before == set()
 
 
 def _drive(trainers, rollouts, ss: bool) -> dict:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import pytest
 from monarch.actor import ActorError
 
 from controller.driver import MeshTransfer, TransferError
+from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import LayoutError, Stage, WorkerId
@@ -26,42 +26,10 @@ pytestmark = pytest.mark.mesh
 ROUND_BYTES = 64 << 10  # tiny model: ~20 rounds, so both arenas alternate many times
 
 
-def _bootstrap_children() -> set[int]:
-    """Monarch proc processes descended from this test process."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if b"bootstrap_main" not in (entry / "cmdline").read_bytes():
-                continue
-            pid = int(entry.name)
-            while pid > 1:  # walk up to us, or to init
-                stat = (Path("/proc") / str(pid) / "stat").read_text()
-                pid = int(stat.rsplit(")", 1)[1].split()[1])
-                if pid == me:
-                    found.add(int(entry.name))
-                    break
-        except (OSError, ValueError, IndexError):
-            continue  # the process exited while we looked
-    return found
-
-
 @pytest.fixture(scope="module")
 def procs():
-    from monarch.actor import this_host
-
-    from weightbridge.monarch_transport import configure_transport
-
-    configure_transport()
-    meshes = []
-    try:
-        meshes.append(this_host().spawn_procs(per_host={"worker": 4}, name="trainer"))
-        meshes.append(this_host().spawn_procs(per_host={"worker": 4}, name="rollout"))
-        yield tuple(meshes)
-    finally:
-        for mesh in meshes:
-            mesh.stop().get(timeout=60)
+    with proc_pair(4, 4) as meshes:
+        yield meshes
 
 
 @pytest.mark.parametrize("trainer,rollout", [
@@ -109,16 +77,16 @@ class SkipsExpertTrainer(TrainerActor):
 
 
 def test_a_rollout_tensor_no_trainer_holds_fails_in_connect_and_meshes_stop():
-    before = _bootstrap_children()
+    before = bootstrap_children()
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,ep=2"),
                       RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
                       round_bytes=ROUND_BYTES, trainer_actor=SkipsExpertTrainer)
     with pytest.raises(LayoutError, match="experts.0"):
         with mt:
-            assert len(_bootstrap_children() - before) == 3
+            assert len(bootstrap_children() - before) == 3
             mt.connect()
     assert mt.plan is None  # failed while planning: no worker got a plan or a buffer
-    assert _bootstrap_children() - before == set()
+    assert bootstrap_children() - before == set()
 
 
 class OtherVocabTrainer(TrainerActor):
@@ -133,7 +101,7 @@ class OtherVocabTrainer(TrainerActor):
 
 
 def test_trainer_and_rollout_checkpoints_that_disagree_fail_in_connect_and_meshes_stop():
-    before = _bootstrap_children()
+    before = bootstrap_children()
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
                       round_bytes=ROUND_BYTES, trainer_actor=OtherVocabTrainer)
@@ -143,7 +111,7 @@ def test_trainer_and_rollout_checkpoints_that_disagree_fail_in_connect_and_meshe
         with mt:
             mt.connect()
     assert mt.plan is None and mt.num_handles == 0  # no plan, no buffer registered
-    assert _bootstrap_children() - before == set()
+    assert bootstrap_children() - before == set()
 
 
 class FailingLoaderRollout(RolloutActor):
@@ -159,7 +127,7 @@ class FailingLoaderRollout(RolloutActor):
 
 
 def test_a_worker_whose_load_weights_raises_fails_in_connect_and_meshes_stop():
-    before = _bootstrap_children()
+    before = bootstrap_children()
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=1,nodes=1,gpus=2,tp=2"), "tiny",
                       round_bytes=ROUND_BYTES, rollout_actor=FailingLoaderRollout)
@@ -169,7 +137,7 @@ def test_a_worker_whose_load_weights_raises_fails_in_connect_and_meshes_stop():
         with mt:
             mt.connect()
     assert mt.plan is None and mt.num_handles == 0
-    assert _bootstrap_children() - before == set()
+    assert bootstrap_children() - before == set()
 
 
 def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stage_round(
@@ -305,7 +273,7 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop(se
 
     from controller.driver import ERROR_GRACE_S
 
-    before = _bootstrap_children()
+    before = bootstrap_children()
     timeout_s = 5
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
@@ -326,4 +294,4 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop(se
     if sequencing == "dataflow":
         assert "\n  rollout 1: " in message, message
     assert elapsed < 2 * timeout_s + ERROR_GRACE_S + 10, elapsed
-    assert _bootstrap_children() - before == set()
+    assert bootstrap_children() - before == set()

@@ -10,6 +10,7 @@ torch.distributed keep process-global state.
 import pytest
 
 from examples.engines import transfer
+from meshprocs import proc_pair
 
 pytestmark = [pytest.mark.engines, pytest.mark.mesh]
 
@@ -26,20 +27,8 @@ TRAINERS, ENGINES, ENGINE_TP = 4, 2, 2
 
 @pytest.fixture
 def procs():
-    from monarch.actor import this_host
-
-    from weightbridge.monarch_transport import configure_transport
-    configure_transport()
-    host = this_host()
-    tp = host.spawn_procs(per_host={"worker": TRAINERS}, name="titan")
-    try:
-        rp = host.spawn_procs(per_host={"worker": ENGINES * ENGINE_TP}, name="vllm")
-        try:
-            yield tp, rp
-        finally:
-            rp.stop().get(timeout=60)
-    finally:
-        tp.stop().get(timeout=60)
+    with proc_pair(TRAINERS, ENGINES * ENGINE_TP, names=("titan", "vllm")) as meshes:
+        yield meshes
 
 
 @pytest.mark.parametrize("case", list(CASES))
