@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
-from weightbridge.adapters_local import LocalControl
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig
+from weightbridge.local_control import LocalControl
 
 CONFIG = SIZES["tiny"]
 SPEC = checkpoint_spec(CONFIG)
@@ -44,7 +44,7 @@ def _reference(rank_in_engine: int) -> dict[int, dict[str, torch.Tensor]]:
 REFERENCE = {k: _reference(k) for k in range(ENGINE_TP)}
 
 
-def _group(options: AdapterOptions, hook=None, receiver_cls=lambda rank: ReceiverAdapter):
+def _group(options: TransferConfig, hook=None, receiver_cls=lambda rank: ReceiverAdapter):
     """Trainers and engines on one LocalControl; ``receiver_cls(rank)`` picks each rollout's
     adapter class (tests substitute faulty ones)."""
     control = LocalControl()
@@ -54,7 +54,7 @@ def _group(options: AdapterOptions, hook=None, receiver_cls=lambda rank: Receive
         shard.load_weights(CHECKPOINTS[0].items())
         trainers.append((shard, control.add(SenderAdapter(
             shard.params, shard.load_weights, SPEC, rank=i, control=control,
-            transport=control.transport, options=options))))
+            transport=control.transport, config=options))))
     rollouts = []
     for e in range(ENGINES):
         for k in range(ENGINE_TP):
@@ -63,7 +63,7 @@ def _group(options: AdapterOptions, hook=None, receiver_cls=lambda rank: Receive
             rollouts.append((shard, control.add(receiver_cls(e * ENGINE_TP + k)(
                 shard.params, shard.load_weights, SPEC, rank=e * ENGINE_TP + k, engine=e,
                 engine_rank=k, engine_size=ENGINE_TP, control=control,
-                transport=control.transport, options=options, before_update_hook=hook))))
+                transport=control.transport, config=options, before_update_hook=hook))))
     return control, trainers, rollouts
 
 
@@ -72,7 +72,7 @@ def _same(params, want) -> bool:
                for n in want)
 
 
-def _run(options: AdapterOptions, num_versions: int = NUM_VERSIONS, *, hook=None):
+def _run(options: TransferConfig, num_versions: int = NUM_VERSIONS, *, hook=None):
     """Trainers send versions 1..n while the engines generate; returns the adapters and, per
     engine, the set of versions seen by its ranks at every step."""
     control, trainers, rollouts = _group(options, hook)
@@ -200,7 +200,7 @@ def test_every_mode_installs_bit_exact_versions_in_order_one_version_per_engine_
     ss, rs = MODES[mode]
     hooked = []
     control, trainers, rollouts, steps = _run(
-        AdapterOptions(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
+        TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
                        timeout_s=30), hook=hooked.append)
     for (engine, step), versions in steps.items():
         assert len(versions) == 1, f"engine {engine} ran step {step} with versions {versions}"
@@ -218,7 +218,7 @@ def test_every_mode_installs_bit_exact_versions_in_order_one_version_per_engine_
 @pytest.mark.parametrize("mode", list(MODES))
 def test_who_waits_for_whom_in_each_mode(mode):
     ss, rs = MODES[mode]
-    _, trainers, rollouts, _ = _run(AdapterOptions(sender_staging=ss, receiver_staging=rs,
+    _, trainers, rollouts, _ = _run(TransferConfig(sender_staging=ss, receiver_staging=rs,
                                                    round_bytes=96 << 10, timeout_s=30))
     installed = _installed(rollouts, "in_params")
     joins = [e for _, a in rollouts for e in a.events if e[1] == "join"]
@@ -242,7 +242,7 @@ def test_who_waits_for_whom_in_each_mode(mode):
 
 
 def test_sync_mode_raises_a_clear_timeout_when_rollouts_never_poll():
-    control, trainers, _ = _group(AdapterOptions(timeout_s=0.5, round_bytes=96 << 10))
+    control, trainers, _ = _group(TransferConfig(timeout_s=0.5, round_bytes=96 << 10))
     threads = [threading.Thread(target=a.connect) for _, a in trainers]
     for t in threads:
         t.start()
@@ -267,7 +267,7 @@ def test_sync_mode_raises_a_clear_timeout_when_rollouts_never_poll():
 @pytest.mark.parametrize("mode", ["ss", "rs", "async"])
 def test_a_rollout_that_stops_polling_does_not_block_the_trainers_and_gets_the_newest(mode):
     ss, rs = MODES[mode]
-    control, trainers, rollouts = _group(AdapterOptions(sender_staging=ss, receiver_staging=rs,
+    control, trainers, rollouts = _group(TransferConfig(sender_staging=ss, receiver_staging=rs,
                                                         round_bytes=96 << 10, timeout_s=30))
     threads = [threading.Thread(target=a.connect) for _, a in trainers]
     for t in threads:

@@ -18,8 +18,8 @@ from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERE
     TRAINER_TP, _same
 from test_adapters import _group as adapters_group
 from meshes.qwen3_moe import RolloutShard, TrainerShard
-from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter, TransferFailed
-from weightbridge.adapters_local import LocalControl, WorkerGone
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
+from weightbridge.local_control import LocalControl, WorkerGone
 from weightbridge.types import Stage
 
 VICTIM = 1  # rollout worker R1: engine 0, engine rank 1
@@ -31,14 +31,14 @@ class DiesInSecondTransfer(ReceiverAdapter):
 
     forwards = 0
 
-    def _wb_forward(self, r, stage):
+    def on_forward(self, r, stage):
         if stage is Stage.EXTERNAL:
             self.forwards += 1
             if self.forwards == self.executor.num_rounds + min(3, self.executor.num_rounds):
                 self.control.kill(self.worker)
-                self._wb_fail("killed")  # its own threads end with the process
+                self.on_fail("killed")  # its own threads end with the process
                 raise WorkerGone(f"{self.worker} died")
-        return super()._wb_forward(r, stage)
+        return super().on_forward(r, stage)
 
 
 def _group(options):
@@ -67,7 +67,7 @@ def _catch(errors, fn, *args):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
     ss, rs = MODES[mode]
-    options = AdapterOptions(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
+    options = TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
                              timeout_s=10)
     control, trainers, rollouts = _group(options)
     _connect(trainers)
@@ -179,7 +179,7 @@ def test_setup_probes_collective_loaders_at_once():
 
         trainers.append((shard, control.add(SenderAdapter(
             shard.params, load, SPEC, rank=i, control=control, transport=control.transport,
-            options=AdapterOptions(round_bytes=96 << 10, timeout_s=30)))))
+            config=TransferConfig(round_bytes=96 << 10, timeout_s=30)))))
     for j in range(ENGINE_TP):
         shard = RolloutShard(CONFIG, ENGINE_TP, j, 1, 0)
         control.add(ReceiverAdapter(shard.params, shard.load_weights, SPEC, rank=j, engine=0,
@@ -189,7 +189,7 @@ def test_setup_probes_collective_loaders_at_once():
     alone = threading.Barrier(TRAINER_TP, timeout=0.5)
     barrier_saved, barrier = barrier, alone
     with pytest.raises(threading.BrokenBarrierError):
-        control.trainers()[0]._wb_source_map()
+        trainers[0][1].on_source_map()
     barrier = barrier_saved
     calls[:] = [0] * TRAINER_TP
     _connect(trainers)
@@ -200,7 +200,7 @@ def test_setup_probes_collective_loaders_at_once():
 def test_a_failed_probe_reaches_every_trainer_at_once_not_at_timeout():
     """Trainer 0's connect fails (a rollout's load_weights raises): the other trainers' connect
     raise right away with the cause, instead of waiting timeout_s for a plan."""
-    options = AdapterOptions(timeout_s=60)
+    options = TransferConfig(timeout_s=60)
     control, trainers, rollouts = _group(options)
 
     def broken(weights):
@@ -224,7 +224,7 @@ def test_a_failed_probe_reaches_every_trainer_at_once_not_at_timeout():
 def test_a_probe_longer_than_timeout_s_does_not_time_out_the_other_trainers():
     """Probing grows with the model: trainer 1 waits for the plan past timeout_s while trainer
     0 is still probing, and both connects succeed."""
-    options = AdapterOptions(timeout_s=0.5)
+    options = TransferConfig(timeout_s=0.5)
     control, trainers, rollouts = _group(options)
     shard, adapter = rollouts[0]
     slow_calls = []
@@ -242,7 +242,7 @@ def test_a_probe_longer_than_timeout_s_does_not_time_out_the_other_trainers():
 
 
 def test_a_trainer_waits_at_most_timeout_s_when_trainer_0_never_connects():
-    options = AdapterOptions(timeout_s=0.5)
+    options = TransferConfig(timeout_s=0.5)
     control, trainers, rollouts = _group(options)
     with pytest.raises(TimeoutError, match="trainer 0 is not probing or planning"):
         trainers[1][1].connect()

@@ -10,8 +10,9 @@ Typical usage::
     smap.load(params, checkpoint)   # what load_weights does, replayed from the map
 """
 
-from weightbridge.adapters import AdapterOptions, ReceiverAdapter, SenderAdapter
+from weightbridge.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
 from weightbridge.boxcopy import CopyKernels, TorchCopyKernels, default_kernels
+from weightbridge.config import TransferConfig
 from weightbridge.correspond import correspond
 from weightbridge.cpu_kernels import CpuCopyKernels
 from weightbridge.errors import LayoutError
@@ -42,8 +43,21 @@ from weightbridge.types import (
     WorkerRound,
 )
 
+_MONARCH_NAMES = ("TransferGroup", "TransferAgent")
+"""Imported on first use: they need Monarch, which the planning and in-process paths do not."""
+
+
+def __getattr__(name: str):
+    if name in _MONARCH_NAMES:
+        from weightbridge import monarch_control
+
+        return getattr(monarch_control, name)
+    raise AttributeError(f"module 'weightbridge' has no attribute {name!r}")
+
+
 __all__ = [
-    "AdapterOptions",
+    "TransferAgent",
+    "TransferGroup",
     "BoxCopy",
     "BufferWrite",
     "CheckpointSpec",
@@ -66,6 +80,8 @@ __all__ = [
     "Stage",
     "TensorSpec",
     "TorchCopyKernels",
+    "TransferConfig",
+    "TransferFailed",
     "Transfer",
     "TransferPlan",
     "WorkerId",

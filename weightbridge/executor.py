@@ -1,14 +1,14 @@
-"""One worker's side of a plan across processes: arenas, copy tables, and the writes of a stage.
+"""One worker's side of a plan: round buffers (arenas), copy tables, and the writes of a stage.
 
-`run_plan_locally` runs every worker in one process; on a mesh each worker runs a
-`WorkerExecutor` and the controller sequences the steps (pack, each stage's writes, assemble).
+Every worker of every path runs a `WorkerExecutor` (built once, at connect); the round
+sequencer (`weightbridge.sequencer`) orders its steps (pack, each stage's writes, assemble).
 The executor is transport-free: it says which bytes of which arena go to which registered range
 of which peer (`writes`), and a transport moves them. Receivers register, once, every range some
 peer writes into (`incoming_ranges`, computed on the controller from all worker plans).
 
 Typical usage::
 
-    ex = WorkerExecutor(worker_plan, shard.params, CpuCopyKernels())   # once, at connect
+    ex = WorkerExecutor(worker_plan, shard.params, CpuCopyKernels(), depth=2)  # at connect
     ex.pack(r)                                                         # trainers, per round
     for peer, key, src in ex.writes(r, Stage.RECEIVE): ...             # src: a view of an arena
     ex.assemble(r)                                                     # rollouts, after the round
@@ -20,34 +20,39 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
+from weightbridge.boxcopy import CopyKernels, default_kernels
+from weightbridge.control import Range
 from weightbridge.types import Stage, WorkerId, WorkerPlan
 from weightbridge.views import memory_order
 
-Range = tuple[int, int, int]
-"""(arena parity, byte offset, nbytes) in a receiver's two round arenas."""
-
-
-def incoming_ranges(plans: Iterable[WorkerPlan]) -> dict[WorkerId, set[Range]]:
-    """Per receiving worker, every distinct arena range some peer writes into, over all rounds."""
+def incoming_ranges(plans: Iterable[WorkerPlan], depth: int = 2) -> dict[WorkerId, set[Range]]:
+    """Per receiving worker, every distinct (arena r % depth, offset, nbytes) some peer writes
+    into, over all rounds."""
     out: dict[WorkerId, set[Range]] = {}
     for plan in plans:
         for rnd in plan.rounds:
             for w in rnd.writes:
-                out.setdefault(w.peer, set()).add((rnd.index % 2, w.peer_offset, w.nbytes))
+                out.setdefault(w.peer, set()).add((rnd.index % depth, w.peer_offset, w.nbytes))
     return out
 
 
+def outgoing_ranges(plan: WorkerPlan, depth: int = 2) -> set[tuple[WorkerId, Range]]:
+    """(peer, range) of every write of one worker: the handles it needs."""
+    return {(w.peer, (r.index % depth, w.peer_offset, w.nbytes))
+            for r in plan.rounds for w in r.writes}
+
+
 class WorkerExecutor:
-    """A worker's two round arenas and copy tables, built once, reused for every version.
+    """A worker's ``depth`` round arenas and copy tables, built once, reused for every version.
 
     Parameters must stay the same tensor objects (update them in place): the tables point at
     their storage.
     """
 
     def __init__(self, plan: WorkerPlan, params: Mapping[str, torch.Tensor],
-                 kernels: CopyKernels | None = None):
-        self.plan, self.kernels = plan, kernels or TorchCopyKernels()
+                 kernels: CopyKernels | None = None, *, depth: int = 2):
+        assert depth >= 2, depth  # TransferConfig validates it
+        self.plan, self.depth = plan, depth
         tensors = []
         for spec in plan.params:
             t = params.get(spec.name)
@@ -64,9 +69,11 @@ class WorkerExecutor:
                                  f"any dim order; the executor writes parameters in place, so "
                                  f"pass a contiguous tensor (or a permuted view of one)")
             tensors.append(t)
-        device = tensors[0].device if tensors else torch.device("cpu")
-        self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=device)
-                       for _ in range(2)]
+        self.device = tensors[0].device if tensors else torch.device("cpu")
+        # Triton on CUDA, the vectorized torch path elsewhere: chosen by where the weights are.
+        self.kernels = kernels or default_kernels(self.device)
+        self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=self.device)
+                       for _ in range(depth)]
         self._pack = [self.kernels.build_table(r.pack, tensors) if r.pack else None
                       for r in plan.rounds]
         self._assemble = [self.kernels.build_table(r.assemble, tensors) if r.assemble else None
@@ -76,17 +83,21 @@ class WorkerExecutor:
     def num_rounds(self) -> int:
         return len(self.plan.rounds)
 
+    def arena(self, r: int) -> torch.Tensor:
+        """The round buffer of round r."""
+        return self.arenas[r % self.depth]
+
     def pack(self, r: int, buffer: torch.Tensor | None = None) -> None:
-        """Parameters -> arena r % 2 (trainers), or -> ``buffer`` (on the parameters' device)."""
+        """Parameters -> arena r % depth (trainers), or -> ``buffer`` (on the parameters'
+        device)."""
         if self._pack[r] is not None:
-            self.kernels.pack(self._pack[r], self.arenas[r % 2] if buffer is None else buffer)
+            self.kernels.pack(self._pack[r], self.arena(r) if buffer is None else buffer)
 
     def assemble(self, r: int, buffer: torch.Tensor | None = None) -> None:
-        """Arena r % 2 (or ``buffer``, on the parameters' device) -> parameters (rollouts,
+        """Arena r % depth (or ``buffer``, on the parameters' device) -> parameters (rollouts,
         after the round's last stage has landed)."""
         if self._assemble[r] is not None:
-            self.kernels.assemble(self._assemble[r],
-                                  self.arenas[r % 2] if buffer is None else buffer)
+            self.kernels.assemble(self._assemble[r], self.arena(r) if buffer is None else buffer)
 
     def round_nbytes(self, r: int) -> tuple[int, int]:
         """(packed, assembled) bytes of round r: what a staging buffer keeps of the round."""
@@ -96,8 +107,9 @@ class WorkerExecutor:
     def writes(self, r: int, stage: Stage, buffer: torch.Tensor | None = None
                ) -> Iterator[tuple[WorkerId, Range, torch.Tensor]]:
         """(peer, peer's registered range, source bytes) of every write of round r's stage;
-        the bytes are read from arena r % 2, or from ``buffer`` (a staged copy of it)."""
-        arena = self.arenas[r % 2] if buffer is None else buffer
+        the bytes are read from arena r % depth, or from ``buffer`` (a staged copy of it)."""
+        arena = self.arena(r) if buffer is None else buffer
         for w in self.plan.rounds[r].writes:
             if w.stage is stage:
-                yield w.peer, (r % 2, w.peer_offset, w.nbytes), arena[w.offset:w.offset + w.nbytes]
+                yield (w.peer, (r % self.depth, w.peer_offset, w.nbytes),
+                       arena[w.offset:w.offset + w.nbytes])

@@ -1,8 +1,9 @@
 """Run a plan in one process: the reference executor for tests and mesh-free simulations.
 
-It does exactly what the mesh executor does, minus the network: one `WorkerExecutor` per worker
-(copy tables and two round arenas, built once); per round, trainers pack, each stage's writes
-copy bytes between arenas (standing in for RDMA writes), and rollouts assemble.
+It runs exactly what a mesh runs, minus the network: one `TransferWorker` per worker (copy
+tables and round buffers, built once) on a `LocalControl`, and the same connect and round
+sequencer as every other path (`weightbridge.session`); each write is a copy between round
+buffers, standing in for an RDMA write.
 
 Typical usage::
 
@@ -18,14 +19,20 @@ from typing import Mapping, Sequence
 import torch
 
 from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
-from weightbridge.executor import WorkerExecutor
+from weightbridge.config import TransferConfig
+from weightbridge.control import PeerCall
+from weightbridge.local_control import LocalControl
 from weightbridge.plan import TransferPlan
-from weightbridge.plan_route import STAGES
+from weightbridge.session import ConnectedGroup, run_update
+from weightbridge.executor import incoming_ranges, outgoing_ranges
+from weightbridge.sequencer import active_steps
+from weightbridge.types import Placement
+from weightbridge.worker import TransferWorker
 
 
 def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, torch.Tensor]],
                      rollout_params: Sequence[Mapping[str, torch.Tensor]], *,
-                     kernels: CopyKernels | None = None) -> None:
+                     kernels: CopyKernels | None = None, depth: int = 2) -> None:
     """Move the trainers' parameter bytes into the rollouts' parameters as ``plan`` says.
 
     Args:
@@ -36,10 +43,12 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
 
     Keyword Args:
         kernels: Pack/assemble implementation; `TorchCopyKernels` when None.
+        depth: Round buffers per worker (`TransferConfig.depth`).
 
     Raises:
         ValueError: wrong number of workers, or a parameter missing or of another shape/dtype.
     """
+    config = TransferConfig(round_bytes=plan.round_bytes, depth=depth)
     kernels = kernels or TorchCopyKernels()
     for side, given, want in (("trainer", trainer_params, plan.trainers),
                               ("rollout", rollout_params, plan.rollouts)):
@@ -50,18 +59,25 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
     # is written back at the end.
     shadows = [{name: (t if t.is_contiguous() else t.contiguous()) for name, t in p.items()}
                for p in list(trainer_params) + list(rollout_params)]
-    executors = {w: WorkerExecutor(plan.for_worker(w), params, kernels)
-                 for w, params in zip(plan.workers, shadows)}
-    for r in range(plan.num_rounds):
-        for ex in executors.values():
-            ex.pack(r)
-        for stage in STAGES:  # a stage's writes read bytes that earlier stages delivered
-            for ex in executors.values():
-                for peer, (parity, offset, nbytes), src in ex.writes(r, stage):
-                    executors[peer].arenas[parity][offset:offset + nbytes].copy_(src)
-        for ex in executors.values():
-            ex.assemble(r)
+    control = LocalControl()
+    for w, params in zip(plan.workers, shadows):
+        control.add(TransferWorker(w.side, params, _no_loader, None, rank=w.index,
+                                   placement=Placement(w.side), transport=control.transport,
+                                   config=config, kernels=kernels))
+    # The plan is given: hand it out as connect would after planning (no probe).
+    plans = {w: plan.for_worker(w) for w in plan.workers}
+    ranges = incoming_ranges(plans.values(), depth)
+    for w in plan.workers:
+        control.call([w], PeerCall.SETUP, plans[w], sorted(ranges.get(w, ())))
+        control.call([w], PeerCall.SET_PEERS, dict.fromkeys(outgoing_ranges(plans[w], depth)))
+    rollouts = tuple(w for w in plan.workers if w.side == "rollout")
+    run_update(control, ConnectedGroup(plan=plan, active=active_steps(plans.values()),
+                                       live_rollouts=rollouts, num_handles=0, depth=depth))
     for params, shadow in zip(rollout_params, shadows[len(trainer_params):]):
         for name, target in params.items():
             if shadow[name] is not target:
                 target.copy_(shadow[name])
+
+
+def _no_loader(weights) -> None:
+    raise AssertionError("run_plan_locally never probes: the plan is given")

@@ -5,28 +5,41 @@ See `weightbridge.adapters` for the whole picture and docs/integration.md for th
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from weightbridge.adapter_base import AdapterOptions, TransferFailed, _host_buffer, _Worker
+from weightbridge.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.boxcopy import CopyKernels
+from weightbridge.config import TransferConfig
+from weightbridge.control import PeerCall, engine_workers
 from weightbridge.coordination import EngineCoordinator, Relay, WorkerVersions
-from weightbridge.types import Placement, Stage
+from weightbridge.types import Placement, WorkerId
+
+SEQUENCER = WorkerId("trainer", 0)
+"""The rank-0 sender: it sequences every transfer of an adapter group."""
 
 
-class ReceiverAdapter(_Worker):
+class ReceiverAdapter(AdapterWorker):
     """A rollout worker's side: `poll_requests()` between inference steps."""
 
     side = "rollout"
 
     def __init__(self, params, load_weights, spec, *, rank: int, engine: int, engine_rank: int,
-                 engine_size: int, control, transport, options: AdapterOptions = AdapterOptions(),
+                 engine_size: int, control, transport, config: TransferConfig = TransferConfig(),
                  placement: Placement | None = None, before_update_hook=None,
                  kernels: CopyKernels | None = None):
         super().__init__(params, load_weights, spec, rank=rank,
                          placement=placement or Placement(f"rollout-e{engine}", engine=engine),
-                         control=control, transport=transport, options=options, kernels=kernels)
+                         control=control, transport=transport, config=config, kernels=kernels)
         if self.placement.engine != engine:
             raise ValueError(f"placement {self.placement} is not in engine {engine}")
+        if not 0 <= engine_rank < engine_size or rank != engine * engine_size + engine_rank:
+            raise ValueError(f"rollout worker {rank} is given engine {engine}, engine_rank "
+                             f"{engine_rank}, engine_size {engine_size}: rollout ranks are "
+                             f"numbered engine by engine, rank = engine * engine_size + "
+                             f"engine_rank, with 0 <= engine_rank < engine_size")
+        self.engine_size = engine_size
         self.engine, self.engine_rank = engine, engine_rank
         self.before_update_hook = before_update_hook
         self.versions = WorkerVersions()
@@ -62,14 +75,13 @@ class ReceiverAdapter(_Worker):
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
             claim = None
-            if self.options.receiver_staging:
-                seq = self.control.sequencer()
-                claim = lambda: seq._wb_claim(self.engine)  # noqa: E731
+            if self.config.receiver_staging:
+                claim = lambda: self._call_one(SEQUENCER, PeerCall.CLAIM, self.engine)  # noqa: E731
             with self.cond:
                 relay = self.coordinator.decide(step, claim=claim)
-            if relay is not None:
-                for peer in self.control.engine(self.engine):  # acked before this step runs
-                    peer._wb_relay(relay)
+            if relay is not None:  # acked by every rank of the engine before this step runs
+                self.control.call(engine_workers(self.control, self.engine), PeerCall.RELAY,
+                                  relay)
         with self.cond:
             due = self.versions.due(step)
         if due is None:
@@ -78,16 +90,16 @@ class ReceiverAdapter(_Worker):
             self.before_update_hook(due.version)
         if due.slot is None:
             self._log(("join", due.version))
-            self.control.sequencer()._wb_join(self.worker)
+            self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
             with self.cond:
                 # Rank 0 needs up to timeout_s to find a lost worker, then re-plans and
                 # re-sends; meanwhile this worker's parameters may hold part of the update.
                 if not self.cond.wait_for(
                         lambda: self._session_done >= due.version or self._failure,
-                        timeout=3 * self.options.timeout_s):
+                        timeout=3 * self.config.timeout_s):
                     raise TimeoutError(
                         f"{self.worker}: the transfer of version {due.version} did not finish "
-                        f"within 3 x timeout_s={self.options.timeout_s}s; the parameters may "
+                        f"within 3 x timeout_s={self.config.timeout_s}s; the parameters may "
                         f"hold part of it: run no inference step with them, and reconnect")
                 self._check_failed()
                 version = self._session_done
@@ -108,18 +120,43 @@ class ReceiverAdapter(_Worker):
         with self.cond:
             self.versions.done(Relay(version, due.at_step, due.slot))
         self._log(("installed", version))
-        self.control.engine(self.engine)[0]._wb_installed(self.engine_rank, version)
+        self._call_one(engine_workers(self.control, self.engine)[0], PeerCall.INSTALLED,
+                       self.engine_rank, version)
         return version
+
+    def wait_for_version(self, version: int, *, timeout_s: float | None = None,
+                         poll_interval_s: float = 0.005) -> int:
+        """Poll until the parameters hold ``version`` or newer; returns the version installed.
+
+        Call it on every worker of the engine, as `poll_requests` (it is a loop of polls, so
+        every rank of the engine installs at the same step). For a rollout that must not run
+        a step on older weights, e.g. before its first generation.
+
+        Raises:
+            TimeoutError: ``version`` was not installed within ``timeout_s`` (default: 3 x the
+                group's ``timeout_s``).
+            TransferFailed: as `poll_requests`.
+        """
+        limit = 3 * self.config.timeout_s if timeout_s is None else timeout_s
+        end = time.monotonic() + limit
+        while self.version < version:
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.worker}: version {version} was not installed within "
+                                   f"{limit:g}s (it holds {self.version}); is the trainer "
+                                   f"sending it (send_weights({version}))?")
+            if self.poll_requests() is None:
+                time.sleep(poll_interval_s)
+        return self.version
 
     # -- called by peers (endpoints on a mesh) --------------------------------------------------
 
-    def _wb_setup(self, plan, ranges=(), generation: int = 0) -> dict:
+    def on_setup(self, plan, ranges=(), generation: int = 0) -> dict:
         """Build tables, arenas and staging slots (numbers ``2 * generation`` and the next);
         register ``ranges`` (the arena ranges peers write into) with the transport and return
         their handles. Called again after a re-plan: an install under way keeps its slot."""
+        handles = super().on_setup(plan, ranges, generation)
         with self.cond:
-            self._setup(plan)
-            if self.options.receiver_staging:
+            if self.config.receiver_staging:
                 arena = self.executor.arenas[0]
                 # Install copies a staged round here first (H2D on GPUs): the arenas may be
                 # receiving the next version meanwhile.
@@ -127,38 +164,32 @@ class ReceiverAdapter(_Worker):
                                for r in range(self.executor.num_rounds)), default=0)
                 install_buf = torch.empty(largest, dtype=torch.uint8, device=arena.device)
                 for s in (2 * generation, 2 * generation + 1):
-                    self._slots[s] = (_host_buffer(self._offsets[-1], arena), self.executor,
+                    self._slots[s] = (host_buffer(self._offsets[-1], arena), self.executor,
                                       self._offsets, install_buf)
-        return self.transport.register(self.executor.arenas, ranges)
+        return handles
 
-    def _wb_set_peers(self, handles: dict) -> None:
-        self.transport.set_peers(handles)
-
-    def _wb_offer(self, version: int) -> None:
+    def on_offer(self, version: int) -> None:
         with self.cond:
             self.coordinator.offer(version)
 
-    def _wb_relay(self, relay: Relay) -> None:
+    def on_relay(self, relay: Relay) -> None:
         with self.cond:
             self.versions.relay(relay)
 
-    def _wb_installed(self, engine_rank: int, version: int) -> None:
+    def on_installed(self, engine_rank: int, version: int) -> None:
         with self.cond:
             self.coordinator.installed(engine_rank, version)
 
-    def _wb_forward(self, r: int, stage: Stage) -> None:
-        self._issue(r, stage)
-
-    def _wb_land(self, r: int, slots: dict[int, int]) -> None:
+    def on_land(self, r: int, slots: dict[int, int] | None = None) -> None:
         """Round r landed (every stage): into the parameters, or into this engine's slot."""
-        slot = slots.get(self.engine)
+        slot = (slots or {}).get(self.engine)
         if slot is None:
-            self.executor.assemble(r)  # straight into the parameters (this worker waits)
+            super().on_land(r)  # straight into the parameters (this worker waits)
         else:
             n = self._offsets[r + 1] - self._offsets[r]
-            self._staged_view(self._slots[slot][0], r).copy_(self.executor.arenas[r % 2][:n])
+            self._staged_view(self._slots[slot][0], r).copy_(self.executor.arena(r)[:n])
 
-    def _wb_fail(self, message: str) -> None:
+    def on_fail(self, message: str) -> None:
         """Rank 0: this worker's engine lost a worker and is out of the group."""
         with self.cond:
             self._failure = message
@@ -168,7 +199,7 @@ class ReceiverAdapter(_Worker):
         if self._failure is not None:
             raise TransferFailed(f"{self.worker} (engine {self.engine}): {self._failure}")
 
-    def _wb_session_done(self, version: int) -> None:
+    def on_session_done(self, version: int) -> None:
         self._log(("in_params", version))  # the last round was assembled into the parameters
         with self.cond:
             self._session_done = version

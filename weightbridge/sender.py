@@ -11,24 +11,28 @@ import time
 
 import torch
 
-from weightbridge.adapter_base import (FORWARD_STAGES, AdapterOptions, TransferFailed,
-                                       _host_buffer, _Worker, plan_group, setup_group)
+from weightbridge.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.boxcopy import CopyKernels
+from weightbridge.config import TransferConfig
+from weightbridge.control import PeerCall, engine_workers, rollouts, trainers
 from weightbridge.coordination import SenderStage, StagingSlots
+from weightbridge.session import connect_group, plan_group, run_update
 from weightbridge.types import Placement, Stage, WorkerId
 
+TRAINER_0 = WorkerId("trainer", 0)
 
-class SenderAdapter(_Worker):
+
+class SenderAdapter(AdapterWorker):
     """A trainer worker's side: `connect` once, `send_weights(version)` after each step."""
 
     side = "trainer"
 
     def __init__(self, params, load_weights, spec, *, rank: int, control, transport,
-                 options: AdapterOptions = AdapterOptions(), placement: Placement | None = None,
+                 config: TransferConfig = TransferConfig(), placement: Placement | None = None,
                  kernels: CopyKernels | None = None):
         super().__init__(params, load_weights, spec, rank=rank,
                          placement=placement or Placement("trainer"), control=control,
-                         transport=transport, options=options, kernels=kernels)
+                         transport=transport, config=config, kernels=kernels)
         self.stage = SenderStage()
         self._staging: torch.Tensor | None = None
         self._ready = 0  # non-SS: the version this trainer waits in send_weights with
@@ -48,6 +52,7 @@ class SenderAdapter(_Worker):
         # Rank 0 only: the group's source maps (re-planning), the engines lost so far, and
         # why the group can no longer send (None while it can).
         self._maps = None
+        self.group = None
         self.plan = None
         """Rank 0, once connected: the `TransferPlan` in force (its ``summary()`` is the byte
         accounting); replaced when a lost engine is planned out."""
@@ -68,20 +73,21 @@ class SenderAdapter(_Worker):
         if self.worker.index == 0:
             self._planning = True
             try:
-                self._maps, self.plan = setup_group(self.control, self.options.round_bytes)
+                self._maps, self.group = connect_group(self.control, self.config)
+                self.plan = self.group.plan
             except Exception as e:
                 # The other trainers wait for a plan: tell them now rather than at timeout.
-                self.control.gather(self.control.trainers()[1:], "_wb_connect_failed",
-                                    f"{type(e).__name__}: {e}", return_errors=True)
+                self.control.call(trainers(self.control)[1:], PeerCall.CONNECT_FAILED,
+                                  f"{type(e).__name__}: {e}", return_errors=True)
                 raise
             finally:
                 self._planning = False
             self.slots = StagingSlots(self.control.num_engines)
         # Probing and planning grow with the model and may outlast timeout_s: wait on while
         # trainer 0 says it is still at it (a dead or absent trainer 0 ends the wait).
-        while not self._connected.wait(self.options.timeout_s):
+        while not self._connected.wait(self.config.timeout_s):
             try:
-                planning = self.control.trainers()[0]._wb_planning()
+                planning = self._call_one(TRAINER_0, PeerCall.PLANNING)
             except Exception as e:  # noqa: BLE001  (reported below)
                 planning = f"{type(e).__name__}: {e}"
             if planning is not True:
@@ -112,7 +118,7 @@ class SenderAdapter(_Worker):
             raise RuntimeError("call connect() before send_weights()")
         if self._broken is not None:
             raise TransferFailed(self._broken)
-        if self.options.sender_staging:
+        if self.config.sender_staging:
             self._stage(version)
             if self.worker.index == 0:
                 self._kick()
@@ -131,9 +137,9 @@ class SenderAdapter(_Worker):
         with self.cond:
             # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
             if not self.cond.wait_for(lambda: self._done >= version or version in self._failures,
-                                      timeout=3 * self.options.timeout_s):
+                                      timeout=3 * self.config.timeout_s):
                 raise TimeoutError(f"{self.worker}: the transfer of version {version} did not "
-                                   f"finish within 3 x timeout_s={self.options.timeout_s}s; "
+                                   f"finish within 3 x timeout_s={self.config.timeout_s}s; "
                                    f"is trainer 0 still running?")
             if version in self._failures:
                 raise TransferFailed(self._failures.pop(version))
@@ -146,13 +152,13 @@ class SenderAdapter(_Worker):
             self._wait(lambda: not self.stage.busy,
                        "the previous transfer did not release the staging buffer")
             if self._staging is None:
-                self._staging = _host_buffer(self._offsets[-1], self.executor.arenas[0])
+                self._staging = host_buffer(self._offsets[-1], self.executor.arenas[0])
             for r in range(self.executor.num_rounds):
                 # Pack on the device into a round arena (free: with SS the transfer reads the
                 # staging copy), then copy to host memory (D2H on GPUs).
                 self.executor.pack(r)
                 view = self._staged_view(self._staging, r)
-                view.copy_(self.executor.arenas[r % 2][:view.numel()])
+                view.copy_(self.executor.arena(r)[:view.numel()])
             self.stage.stage(version)
             self._log(("staged", version))
             # Released: logged under the lock the sequencer reads `pending` with, so before any
@@ -178,34 +184,33 @@ class SenderAdapter(_Worker):
         (each superseding the last) and the transfer carries the newest one once all joined.
         """
         try:
-            trainers = self.control.trainers()
+            ts = trainers(self.control)
             while True:
                 with self._kick_lock:
-                    first = self._wb_pending()
+                    first = self.on_pending()
                     if first is None:
                         self._thread = None
                         return
-                if not self.options.receiver_staging:
+                if not self.config.receiver_staging:
                     self._gather(first, deadline=False)
                 # Every trainer stages each version; wait until they hold the same one.
-                self._poll_until(lambda: len({t._wb_pending() for t in trainers}) == 1,
-                                 "the trainers did not stage the same version")
-                version = self._wb_pending()
+                self._poll_until(
+                    lambda: len(set(self.control.call(ts, PeerCall.PENDING))) == 1,
+                    "the trainers did not stage the same version")
+                version = self.on_pending()
                 # Pin every staging buffer on that version; if one moved on meanwhile, retry.
                 started = []
-                for t in trainers:
-                    if not t._wb_stage_start(version):
+                for t in ts:
+                    if not self._call_one(t, PeerCall.STAGE_START, version):
                         break
                     started.append(t)
-                if len(started) < len(trainers):
-                    for t in started:
-                        t._wb_stage_cancel()
+                if len(started) < len(ts):
+                    self.control.call(started, PeerCall.STAGE_CANCEL)
                     continue
                 try:
                     self._run_session(version)
                 finally:
-                    for t in trainers:
-                        t._wb_stage_finish()
+                    self.control.call(ts, PeerCall.STAGE_FINISH)
         except BaseException as e:  # surfaced by the next send_weights / wait_idle
             self.error = e
             with self._kick_lock:
@@ -221,41 +226,29 @@ class SenderAdapter(_Worker):
     def wait_idle(self) -> None:
         """Rank 0, SS modes: wait until every staged version was transferred (end of a run)."""
         # A lost rollout takes up to timeout_s to find, then a re-plan: 3 x, as send_weights.
-        end = time.monotonic() + 3 * self.options.timeout_s
+        end = time.monotonic() + 3 * self.config.timeout_s
         while self._thread is not None:
             if time.monotonic() > end:
                 raise TimeoutError(f"{self.worker}: staged versions were not all transferred "
-                                   f"within 3 x timeout_s={self.options.timeout_s}s")
-            time.sleep(getattr(self.control, "poll_interval_s", 0.0005))
+                                   f"within 3 x timeout_s={self.config.timeout_s}s")
+            time.sleep(getattr(self.control, "poll_interval_s", self.poll_interval_s))
         self._raise_background_error()
 
     # -- the transfer (rank 0) ------------------------------------------------------------------
 
-    def _each(self, peers: list, name: str, *args) -> None:
-        """The same call on every peer, all issued before any is awaited where the control
-        plane can (``call_all``); a stage's calls never depend on each other."""
-        call_all = getattr(self.control, "call_all", None)
-        if call_all is not None:
-            call_all(peers, name, *args)
-        else:
-            for p in peers:
-                getattr(p, name)(*args)
+    def _live(self) -> list[WorkerId]:
+        """Every rollout worker of an engine not lost."""
+        size = self.control.engine_size
+        return [w for w in rollouts(self.control) if w.index // size not in self.failed_engines]
 
-    def _live(self) -> list[tuple[int, object]]:
-        """(rollout index, peer) of every rollout worker of an engine not lost."""
-        size = len(self.control.receivers()) // self.control.num_engines
-        return [(j, x) for j, x in enumerate(self.control.receivers())
-                if j // size not in self.failed_engines]
-
-    def _live_rank0s(self) -> list:
-        return [r0 for e, r0 in enumerate(self.control.engine_rank0s())
+    def _live_rank0s(self) -> list[WorkerId]:
+        return [engine_workers(self.control, e)[0] for e in range(self.control.num_engines)
                 if e not in self.failed_engines]
 
     def _gather(self, version: int, *, deadline: bool = True) -> None:
         """RS off: offer ``version`` to every engine and wait until every rollout joined."""
-        for r0 in self._live_rank0s():
-            r0._wb_offer(version)
-        want = {WorkerId("rollout", j) for j, _ in self._live()}
+        self.control.call(self._live_rank0s(), PeerCall.OFFER, version)
+        want = set(self._live())
         self._poll_until(lambda: want <= self._joined,
                          f"rollout workers {sorted(str(w) for w in want - self._joined)} did "
                          f"not poll_requests() for version {version}; in sync and SS modes "
@@ -277,11 +270,10 @@ class SenderAdapter(_Worker):
                 self._on_failure(version, e, moved[0])
 
     def _session(self, version: int, moved: list, release: bool) -> None:
-        control, mode = self.control, self.options.mode
-        trainers = control.trainers()
-        receivers = [x for _, x in self._live()]
+        control, mode = self.control, self.config.mode
+        ts = trainers(control)
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
-            self._poll_until(lambda: all(t._wb_ready() >= version for t in trainers),
+            self._poll_until(lambda: min(control.call(ts, PeerCall.READY)) >= version,
                              f"not every trainer called send_weights({version})")
         if mode.receiver_staging:
             with self._slots_lock:
@@ -293,27 +285,17 @@ class SenderAdapter(_Worker):
             with self.cond:
                 self._session_joined, self._joined = self._joined, set()
         moved[0] = True
-        # TODO(perf): overlap round r's landing with round r+1's send, as the controller
-        # path does (the two arenas allow it).
-        for r in range(self.executor.num_rounds):
-            self._each(trainers, "_wb_send_round", r)
-            for stage in FORWARD_STAGES:
-                self._each(receivers, "_wb_forward", r, stage)
-            self._each(receivers, "_wb_land", r, slots)
+        run_update(control, self.group, slots=slots)  # the rounds, sequenced from here
         if mode.receiver_staging:
             with self._slots_lock:
                 self.slots.complete(version)
-            if release:
-                for t in trainers:  # landed: the trainers go on before any install
-                    t._wb_transferred(version)
-            for r0 in self._live_rank0s():
-                r0._wb_offer(version)
+            if release:  # landed: the trainers go on before any install
+                control.call(ts, PeerCall.TRANSFERRED, version)
+            control.call(self._live_rank0s(), PeerCall.OFFER, version)
         else:
-            for x in receivers:
-                x._wb_session_done(version)
-            if release:
-                for t in trainers:  # in every rollout's parameters
-                    t._wb_transferred(version)
+            control.call(list(self.group.live_rollouts), PeerCall.SESSION_DONE, version)
+            if release:  # in every rollout's parameters
+                control.call(ts, PeerCall.TRANSFERRED, version)
 
     # -- failures (rank 0) ----------------------------------------------------------------------
 
@@ -322,11 +304,11 @@ class SenderAdapter(_Worker):
         engines, re-plan over the others, re-send ``version`` where the trainers still hold
         it, tell every trainer; raise `TransferFailed`. Anything else is raised unchanged (the
         group is closed if bytes had moved: no engine's state is known)."""
-        control, mode = self.control, self.options.mode
+        control, mode = self.control, self.config.mode
         live = self._live()
-        answers = control.gather([x for _, x in live], "_wb_ping", return_errors=True)
-        gone = [j for (j, _), a in zip(live, answers) if a is not True]
-        size = len(control.receivers()) // control.num_engines
+        answers = control.call(live, PeerCall.PING, return_errors=True)
+        gone = [w.index for w, a in zip(live, answers) if a is not True]
+        size = control.engine_size
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if not gone:
             if moved:
@@ -345,9 +327,8 @@ class SenderAdapter(_Worker):
                 f"excluded from this transfer group: nothing more is sent to it and its other "
                 f"workers' poll_requests() raise. To use it again, restart its workers and "
                 f"build a new group (new adapters, connect()).")
-        orphans = [control.receivers()[j] for j in range(len(control.receivers()))
-                   if j // size in lost and j not in gone]
-        control.gather(orphans, "_wb_fail", what, return_errors=True)
+        orphans = [w for w in rollouts(control) if w.index // size in lost and w.index not in gone]
+        control.call(orphans, PeerCall.FAIL, what, return_errors=True)
         if not survivors:
             self._broken = what + " No engine is left."
             self._tell_trainers(version, self._broken)
@@ -380,9 +361,9 @@ class SenderAdapter(_Worker):
     def _rejoin(self, moved: bool) -> None:
         """RS off: the surviving rollouts that had joined the failed transfer still wait in
         poll_requests() for a version; count them in for the next transfer."""
-        if self.options.receiver_staging or not moved:
+        if self.config.receiver_staging or not moved:
             return  # before the bytes moved, `_joined` still holds who joined
-        live = {WorkerId("rollout", j) for j, _ in self._live()}
+        live = set(self._live())
         with self.cond:
             self._joined = self._joined | (self._session_joined & live)
 
@@ -390,46 +371,45 @@ class SenderAdapter(_Worker):
         """Plan again from the source maps of connect, leaving the lost engines out; set the
         trainers and surviving rollouts up on it (new tables, arenas and handles)."""
         control = self.control
-        size = len(control.receivers()) // control.num_engines
-        excluded = {j for j in range(len(control.receivers()))
-                    if j // size in self.failed_engines}
+        size = control.engine_size
+        excluded = frozenset(w.index for w in rollouts(control)
+                             if w.index // size in self.failed_engines)
         self._generation += 1
         with self._slots_lock:  # a version landing when it failed never completes
             self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
-        self.plan = plan_group(control, self._maps, self.options.round_bytes, excluded=excluded,
-                   generation=self._generation)
+        self.group = plan_group(control, self._maps, self.config, excluded=excluded,
+                                generation=self._generation)
+        self.plan = self.group.plan
 
     def _tell_trainers(self, version: int, message: str) -> None:
-        others = self.control.trainers()[1:]
-        self.control.gather(others, "_wb_failed", version, message, return_errors=True)
+        others = trainers(self.control)[1:]
+        self.control.call(others, PeerCall.FAILED, version, message, return_errors=True)
 
     # -- called by rank 0 (endpoints on a mesh) -------------------------------------------------
 
-    def _wb_planning(self) -> bool:
+    def on_planning(self) -> bool:
         return self._planning
 
-    def _wb_connect_failed(self, message: str) -> None:
+    def on_connect_failed(self, message: str) -> None:
         self._connect_error = message
         self._connected.set()
 
-    def _wb_setup(self, plan, ranges=(), generation: int = 0) -> dict:
-        with self.cond:  # a re-plan: not while this trainer stages (SS)
-            self._setup(plan)
-            self._staging = None  # the old copy is laid out for the old plan
-        return {}
+    def _setup(self, plan) -> None:
+        super()._setup(plan)
+        self._staging = None  # the old copy is laid out for the old plan
 
-    def _wb_set_peers(self, handles: dict) -> None:
-        self.transport.set_peers(handles)
+    def on_set_peers(self, handles: dict) -> None:
+        super().on_set_peers(handles)
         self._connected.set()
 
-    def _wb_ready(self) -> int:
+    def on_ready(self) -> int:
         return self._ready
 
-    def _wb_pending(self) -> int | None:
+    def on_pending(self) -> int | None:
         with self.cond:
             return self.stage.pending
 
-    def _wb_stage_start(self, version: int) -> bool:
+    def on_stage_start(self, version: int) -> bool:
         """Pin the staging buffer if it holds ``version`` (False: it moved on)."""
         with self.cond:
             if self.stage.pending != version:
@@ -437,42 +417,40 @@ class SenderAdapter(_Worker):
             self.stage.start()
             return True
 
-    def _wb_stage_cancel(self) -> None:
+    def on_stage_cancel(self) -> None:
         with self.cond:
             self.stage.cancel()
             self.cond.notify_all()
 
-    def _wb_stage_finish(self) -> None:
+    def on_stage_finish(self) -> None:
         with self.cond:
             self.stage.finish()
             self.cond.notify_all()
 
-    def _wb_send_round(self, r: int) -> None:
-        if self.options.sender_staging:
-            buf = self._staged_view(self._staging, r)
-            self._issue(r, Stage.RECEIVE, buf)
+    def on_send_round(self, r: int) -> None:
+        if self.config.sender_staging:  # the staged copy of this round, packed at send_weights
+            self._write(r, Stage.RECEIVE, self._staged_view(self._staging, r))
         else:
-            self.executor.pack(r)
-            self._issue(r, Stage.RECEIVE)
+            super().on_send_round(r)
 
-    def _wb_failed(self, version: int, message: str) -> None:
+    def on_failed(self, version: int, message: str) -> None:
         """Rank 0 lost a rollout worker while moving ``version``: send_weights raises."""
         with self.cond:
             self._failures[version] = message
             self.cond.notify_all()
 
-    def _wb_transferred(self, version: int) -> None:
-        if not self.options.sender_staging:
+    def on_transferred(self, version: int) -> None:
+        if not self.config.sender_staging:
             self._log(("released", version))
         with self.cond:
             self._done = max(self._done, version)
             self.cond.notify_all()
 
-    def _wb_join(self, worker: WorkerId) -> None:
+    def on_join(self, worker: WorkerId) -> None:
         with self.cond:
             self._joined.add(worker)
             self.cond.notify_all()
 
-    def _wb_claim(self, engine: int):
+    def on_claim(self, engine: int):
         with self._slots_lock:  # a slot being filled holds no landed version: never claimed
             return self.slots.claim(engine)

@@ -1,0 +1,72 @@
+"""`TransferConfig`: the one validated set of knobs every path shares.
+
+The controller (`controller.MeshTransfer`), the adapters (`SenderAdapter`, `ReceiverAdapter`)
+and the in-process path (`run_plan_locally`) all take it; one object describes one transfer
+group, so every worker of the group must be given an equal one.
+
+Typical usage::
+
+    config = TransferConfig(round_bytes=8 << 20, depth=2, timeout_s=60,
+                            sender_staging=True, receiver_staging=False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from weightbridge.coordination import Mode
+
+DEFAULT_ROUND_BYTES = 8 << 20
+"""Chosen from `benchmarks/round_size.py` (docs/performance.md, "Round size"): per-round fixed
+costs (a control message per step, one pack and one assemble launch) dominate rounds under a
+few MB; much bigger rounds only lengthen the pipeline fill and the round buffers."""
+PEER_SHARE = 0.8
+"""`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferConfig:
+    """Round size, pipeline depth, timeouts and the synchronization mode of one transfer group.
+
+    Example: ``TransferConfig(round_bytes=1 << 20, depth=3, sender_staging=True)`` is the SS
+    mode with 1 MiB rounds and three round buffers per worker.
+    """
+
+    round_bytes: int = DEFAULT_ROUND_BYTES
+    """Round buffer capacity per worker (the planner packs at most this much per link end)."""
+    depth: int = 2
+    """Round buffers per worker: round r uses buffer r % depth, so round r + depth may enter a
+    worker only once round r was assembled there (2 in the paper; 3 hides a control round
+    trip per round where control messages are slow against a round)."""
+    timeout_s: float = 60.0
+    """Longest wait for a peer (a write, a peer's answer, a rollout that stops polling); a lost
+    worker surfaces within about this long."""
+    sender_staging: bool = False
+    """SS: `send_weights` returns once the trainer's bytes are in host memory."""
+    receiver_staging: bool = False
+    """RS: bytes land in host staging while rollouts generate; installed at a later poll."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.round_bytes, bool) or not isinstance(self.round_bytes, int) \
+                or self.round_bytes < 1:
+            raise ValueError(f"round_bytes must be a positive int (bytes per round buffer), "
+                             f"got {self.round_bytes!r}")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 2:
+            raise ValueError(f"depth must be an int >= 2 (round buffers per worker: one fills "
+                             f"while another drains), got {self.depth!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got "
+                             f"{self.timeout_s!r}")
+
+    @property
+    def mode(self) -> Mode:
+        """SYNC, SS, RS or ASYNC, from the two staging switches."""
+        return Mode.from_flags(sender_staging=self.sender_staging,
+                               receiver_staging=self.receiver_staging)
+
+    @property
+    def peer_timeout_s(self) -> float:
+        """How long one write or call to a peer may take before the peer counts as lost:
+        ``PEER_SHARE`` of ``timeout_s``, leaving the rest to find which worker is gone and
+        re-plan without its engine."""
+        return PEER_SHARE * self.timeout_s

@@ -1,0 +1,157 @@
+"""The two protocols a transfer group runs on: the control plane and the transport.
+
+    ControlPlane  one worker's (or the controller's) calls on other workers: `PeerCall`s,
+                  issued to many workers at once and awaited together (small messages)
+    Transport     one worker's one-sided writes of round-buffer bytes into registered
+                  ranges of a peer's round buffers (bulk bytes)
+
+Every call a worker makes on another is a `PeerCall`, a declared enum; the worker object that
+serves it implements the handler ``on_<value>`` (`weightbridge.worker.TransferWorker` and the
+adapters). Implementations: `weightbridge.local_control` (direct calls and copies in one
+process: tests, demos) and `weightbridge.monarch_control` (actor endpoints and Monarch RDMA).
+
+Typical usage (inside the library)::
+
+    maps = control.call(workers(control), PeerCall.SOURCE_MAP)        # all at once
+    await control.call_async(trainers(control), PeerCall.SEND_ROUND, r)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Mapping, Protocol, Sequence
+
+from weightbridge.types import WorkerId
+
+Range = tuple[int, int, int]
+"""(round buffer index, byte offset, nbytes) in a receiver's round buffers."""
+
+
+class PeerCall(enum.Enum):
+    """Every call one worker of a group makes on another; served by ``on_<value>``."""
+
+    # Any worker (`TransferWorker`): connect and the rounds of an update.
+    SOURCE_MAP = "source_map"
+    PING = "ping"
+    SETUP = "setup"
+    SET_PEERS = "set_peers"
+    SEND_ROUND = "send_round"
+    FORWARD = "forward"
+    LAND = "land"
+    # The sequencing trainer (rank 0) and the other trainers (`SenderAdapter`).
+    PLANNING = "planning"
+    CONNECT_FAILED = "connect_failed"
+    READY = "ready"
+    PENDING = "pending"
+    STAGE_START = "stage_start"
+    STAGE_CANCEL = "stage_cancel"
+    STAGE_FINISH = "stage_finish"
+    FAILED = "failed"
+    TRANSFERRED = "transferred"
+    JOIN = "join"
+    CLAIM = "claim"
+    # Rollout workers (`ReceiverAdapter`).
+    OFFER = "offer"
+    RELAY = "relay"
+    INSTALLED = "installed"
+    FAIL = "fail"
+    SESSION_DONE = "session_done"
+
+    @property
+    def unbounded(self) -> bool:
+        """Calls that may take longer than a peer timeout: probing and building tables grow
+        with the model."""
+        return self in (PeerCall.SOURCE_MAP, PeerCall.SETUP)
+
+    def serve(self, target: Any, *args) -> Any:
+        """Run this call on the worker object ``target`` (its ``on_<value>`` handler)."""
+        handler = getattr(target, f"on_{self.value}", None)
+        if handler is None:
+            raise TypeError(f"{type(target).__name__} does not serve {self}: a transfer group "
+                            f"mixes worker kinds (trainer calls sent to a rollout, or a "
+                            f"controller worker in an adapter group)")
+        return handler(*args)
+
+
+class ControlPlane(Protocol):
+    """Where the workers of one group are, and how to call them.
+
+    Trainer i is ``WorkerId("trainer", i)``; rollout worker j is ``WorkerId("rollout", j)``,
+    rank ``j % engine_size`` of engine ``j // engine_size``.
+    """
+
+    num_trainers: int
+    num_engines: int
+    engine_size: int
+
+    def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
+                  *, return_errors: bool = False) -> list:
+        """Issue ``call`` with ``args[i]`` on ``peers[i]``, all at once, wait for all, return
+        the results in order.
+
+        Raises the first peer's error once all have answered; with ``return_errors`` the errors
+        are returned in place of results instead. Calls other than `PeerCall.unbounded` ones
+        are bounded by the plane's peer timeout.
+        """
+        ...
+
+    def call(self, peers: Sequence[WorkerId], call: PeerCall, *args,
+             return_errors: bool = False) -> list:
+        """`call_each` with the same arguments for every peer."""
+        ...
+
+    async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
+        """`call`, awaited (the round sequencer issues many steps at once)."""
+        ...
+
+
+class Transport(Protocol):
+    """One worker's data plane: register its incoming ranges, write into its peers' ones."""
+
+    def register(self, arenas: Sequence, ranges: Sequence[Range]) -> Mapping[Range, Any]:
+        """Expose ``ranges`` of this worker's round buffers to writers; returns a picklable
+        handle per range (replaces the ranges of an earlier plan)."""
+        ...
+
+    def set_peers(self, handles: Mapping[tuple[WorkerId, Range], Any]) -> None:
+        """The handles of every peer range this worker writes into."""
+        ...
+
+    def write(self, peer: WorkerId, key: Range, src) -> Any:
+        """Start writing the bytes ``src`` into ``peer``'s range ``key``; returns a future."""
+        ...
+
+    def wait(self, futures: Sequence) -> None:
+        """Block until every write landed (raises a failed write's error)."""
+        ...
+
+
+def trainers(control: ControlPlane) -> list[WorkerId]:
+    return [WorkerId("trainer", i) for i in range(control.num_trainers)]
+
+
+def rollouts(control: ControlPlane) -> list[WorkerId]:
+    return [WorkerId("rollout", j) for j in range(control.num_engines * control.engine_size)]
+
+
+def engine_workers(control: ControlPlane, engine: int) -> list[WorkerId]:
+    """The rollout workers of one engine, engine rank 0 first."""
+    size = control.engine_size
+    return [WorkerId("rollout", j) for j in range(engine * size, (engine + 1) * size)]
+
+
+class PeerFailed:
+    """A peer call's error, held among a `call`'s results until every peer has answered."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def gathered(out: list, return_errors: bool) -> list:
+    """`ControlPlane.call`'s results in peer order: raise the first peer's error, or, with
+    ``return_errors``, return the errors in place of results."""
+    if not return_errors:
+        for r in out:
+            if isinstance(r, PeerFailed):
+                raise r.error
+    return [r.error if isinstance(r, PeerFailed) else r for r in out]

@@ -1,0 +1,274 @@
+"""Monarch integration: any actor gains weight transfer without being rewritten.
+
+The library's peer calls never go through the user's actors. `TransferGroup.spawn` puts one
+`TransferAgent` (an async actor with a single concurrent endpoint) on every proc of the
+trainer and rollout proc meshes; the user's actor, sync or async, builds its worker through
+the group handle, which registers it in its process, where the agent of that process serves
+it. So a sync actor blocked in ``send_weights`` or ``poll_requests`` still serves its peers
+(a sync actor handles one message at a time, and Monarch refuses an actor that mixes sync and
+async endpoints, so the library could not add an endpoint to it), and no mesh axis needs a
+particular name: the agents' meshes are flattened, and worker i is the proc of flat rank i.
+
+    controller (your RL loop)                          each trainer / rollout proc
+    -------------------------                          ---------------------------
+    group = TransferGroup.spawn(tprocs, rprocs,        TransferAgent (the library's)
+                                engine_size=2, config=...)
+    trainers.setup.call(group)  --------------------->  self.wb = group.sender(params, load, spec)
+    trainers.connect.call()     --------------------->  self.wb.connect()
+    per step: trainers.step.call(v) ----------------->  ...; self.wb.send_weights(v)
+    rollouts.generate.call()    --------------------->  self.wb.poll_requests(); ...
+    group.close()
+
+Typical usage: docs/integration.md; `tests/test_monarch_integration.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Sequence
+
+from monarch.actor import Actor, concurrent_endpoint, current_rank
+
+from weightbridge.config import TransferConfig
+from weightbridge.control import PeerCall, PeerFailed, gathered
+from weightbridge.monarch_transport import drop_all, register_ranges, wait_all, write
+from weightbridge.types import Placement, WorkerId
+
+AXIS = "weightbridge_rank"
+"""The one axis of the flattened agent meshes."""
+REGISTER_WAIT_S = 600.0
+"""How long an agent waits for its proc's worker to be built (a peer may probe first)."""
+
+_registry: dict[str, object] = {}
+_registered = threading.Condition()
+
+
+def _register(group: str, worker) -> None:
+    with _registered:
+        if group in _registry:
+            raise ValueError(f"this process already has a worker in transfer group {group!r}: "
+                             f"build one worker per process and group (group.sender() or "
+                             f"group.receiver() once per rank)")
+        _registry[group] = worker
+        _registered.notify_all()
+
+
+def _lookup(group: str, timeout_s: float):
+    with _registered:
+        if not _registered.wait_for(lambda: group in _registry, timeout=timeout_s):
+            raise TimeoutError(f"no worker of transfer group {group!r} was built in this "
+                               f"process within {timeout_s:g}s: every rank must call "
+                               f"group.sender(...) or group.receiver(...)")
+        return _registry[group]
+
+
+class MeshTransport:
+    """Monarch RDMA behind the `weightbridge.control.Transport` calls."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = max(1, int(timeout_s))
+        self.peers: dict = {}
+        self.registered: dict = {}
+
+    def register(self, arenas, ranges) -> dict:
+        """Register this worker's incoming ranges; after a re-plan, deregister the old plan's
+        (its arenas are no longer written: the failed transfer's writes ended or timed out)."""
+        self.release()
+        self.registered = register_ranges(arenas, ranges)
+        return self.registered
+
+    def release(self) -> None:
+        if self.registered:
+            drop_all(self.registered)
+        self.registered = {}
+
+    def set_peers(self, handles: dict) -> None:
+        self.peers = handles
+
+    def write(self, peer, key, src):
+        return write(self.peers[(peer, key)], src, timeout_s=self.timeout_s)
+
+    def wait(self, futures) -> None:
+        wait_all(futures)
+
+
+class TransferAgent(Actor):
+    """Serves the `PeerCall`s of the workers built in its proc (one per transfer group)."""
+
+    def __init__(self):
+        self._senders: dict[str, ThreadPoolExecutor] = {}
+
+    @concurrent_endpoint
+    async def serve(self, group: str, call: PeerCall, *args):
+        """Run ``call`` on this proc's worker of ``group``. Concurrent: a worker serves its
+        peers while its own thread is inside send_weights or poll_requests. A trainer's sends
+        run one at a time in arrival order (one thread), so a queued send starts the moment
+        the previous one's writes landed."""
+        worker = await asyncio.to_thread(_lookup, group, REGISTER_WAIT_S)
+        if call is PeerCall.SEND_ROUND:
+            pool = self._senders.setdefault(group, ThreadPoolExecutor(1, "weightbridge-send"))
+            return await asyncio.wrap_future(pool.submit(call.serve, worker, *args))
+        return await asyncio.to_thread(call.serve, worker, *args)
+
+    @concurrent_endpoint
+    async def release(self, group: str) -> None:
+        """Forget this proc's worker of ``group`` and deregister its RDMA buffers."""
+        with _registered:
+            worker = _registry.pop(group, None)
+        pool = self._senders.pop(group, None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        release = getattr(getattr(worker, "transport", None), "release", None)
+        if release is not None:
+            await asyncio.to_thread(release)
+
+
+class MeshControl:
+    """A `weightbridge.control.ControlPlane` over the agents of one group."""
+
+    poll_interval_s = 0.01
+    """Waits on remote state poll it over endpoint calls: at most 100 calls a second."""
+
+    def __init__(self, group: "TransferGroup"):
+        self.group = group
+        self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
+        self.engine_size = group.engine_size
+        self._meshes = {"trainer": group.trainer_agents, "rollout": group.rollout_agents}
+
+    def _timeout(self, call: PeerCall) -> float | None:
+        if call.unbounded:
+            return None
+        # A trainer's sends queue behind each other, up to depth of them.
+        config = self.group.config
+        return config.timeout_s * (config.depth if call is PeerCall.SEND_ROUND else 1)
+
+    def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
+        agent = self._meshes[peer.side].slice(**{AXIS: peer.index})
+        return agent.serve.call_one(self.group.name, call, *args)
+
+    def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
+                  *, return_errors: bool = False) -> list:
+        futures = [self._issue(p, call, a) for p, a in zip(peers, args)]
+        out = []
+        for f in futures:
+            try:
+                out.append(f.get(timeout=self._timeout(call)))
+            except Exception as e:  # noqa: BLE001  (raised below, after every peer answered)
+                out.append(PeerFailed(e))
+        return gathered(out, return_errors)
+
+    def call(self, peers: Sequence[WorkerId], call: PeerCall, *args,
+             return_errors: bool = False) -> list:
+        return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
+
+    async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
+        futures = [self._issue(p, call, args) for p in peers]  # all issued before any wait
+        timeout = self._timeout(call)
+        return [await asyncio.wait_for(_awaited(f), timeout) for f in futures]
+
+
+async def _awaited(future):
+    return await future
+
+
+@dataclass(frozen=True)
+class TransferGroup:
+    """A picklable handle on one transfer group's agents: pass it to your actors.
+
+    Build it with `TransferGroup.spawn` in the controller; inside each actor, build that
+    rank's worker with `sender` / `receiver` (adapters) or `worker` (controller-driven).
+    """
+
+    name: str
+    trainer_agents: object
+    rollout_agents: object
+    num_trainers: int
+    num_engines: int
+    engine_size: int
+    config: TransferConfig
+
+    @classmethod
+    def spawn(cls, trainer_procs, rollout_procs, *, engine_size: int,
+              config: TransferConfig = TransferConfig(), name: str | None = None
+              ) -> "TransferGroup":
+        """Spawn the agents on every proc of both meshes (any axis names: each mesh is taken
+        in its flat rank order). Rollout proc j is rank ``j % engine_size`` of engine
+        ``j // engine_size``.
+
+        Raises:
+            ValueError: an engine size that does not divide the rollout procs, or a config
+                that is not a `TransferConfig`.
+        """
+        if not isinstance(config, TransferConfig):
+            raise ValueError(f"config must be a weightbridge.TransferConfig, got "
+                             f"{type(config).__name__}")
+        num_rollouts = _size(rollout_procs)
+        if engine_size < 1 or num_rollouts % engine_size:
+            raise ValueError(f"engine_size={engine_size} must divide the {num_rollouts} rollout "
+                             f"procs (engines are consecutive runs of ranks)")
+        name = name or f"wb-{uuid.uuid4().hex[:8]}"
+        agents = [procs.spawn(f"{name}-{side}", TransferAgent).flatten(AXIS)
+                  for side, procs in (("trainer", trainer_procs), ("rollout", rollout_procs))]
+        return cls(name=name, trainer_agents=agents[0], rollout_agents=agents[1],
+                   num_trainers=_size(trainer_procs), num_engines=num_rollouts // engine_size,
+                   engine_size=engine_size, config=config)
+
+    def close(self) -> None:
+        """Release every worker of the group (RDMA buffers, references to parameters) and
+        stop the agents. The procs and your actors stay."""
+        for agents in (self.trainer_agents, self.rollout_agents):
+            agents.release.call(self.name).get(timeout=60)
+            agents.stop().get(timeout=60)
+
+    # -- inside an actor: this rank's worker ---------------------------------------------------
+
+    def _wiring(self) -> dict:
+        return {"control": MeshControl(self),
+                "transport": MeshTransport(self.config.peer_timeout_s), "config": self.config}
+
+    def sender(self, params, load_weights, spec, *, placement: Placement | None = None,
+               kernels=None):
+        """This trainer rank's `SenderAdapter` (rank: this actor's flat rank in its mesh)."""
+        from weightbridge.sender import SenderAdapter
+
+        worker = SenderAdapter(params, load_weights, spec, rank=current_rank().rank,
+                               placement=placement, kernels=kernels, **self._wiring())
+        _register(self.name, worker)
+        return worker
+
+    def receiver(self, params, load_weights, spec, *, placement: Placement | None = None,
+                 before_update_hook=None, kernels=None):
+        """This rollout rank's `ReceiverAdapter`; its engine and engine rank follow from its
+        flat rank and ``engine_size``."""
+        from weightbridge.receiver import ReceiverAdapter
+
+        rank = current_rank().rank
+        worker = ReceiverAdapter(params, load_weights, spec, rank=rank,
+                                 engine=rank // self.engine_size,
+                                 engine_rank=rank % self.engine_size,
+                                 engine_size=self.engine_size, placement=placement,
+                                 before_update_hook=before_update_hook, kernels=kernels,
+                                 **self._wiring())
+        _register(self.name, worker)
+        return worker
+
+    def worker(self, side: str, params, load_weights, spec, *, placement: Placement,
+               kernels=None):
+        """This rank's plain `TransferWorker`, for a group a controller drives (`MeshTransfer`,
+        `controller_steps`)."""
+        from weightbridge.worker import TransferWorker
+
+        wiring = self._wiring()
+        del wiring["control"]
+        worker = TransferWorker(side, params, load_weights, spec, rank=current_rank().rank,
+                                placement=placement, kernels=kernels, **wiring)
+        _register(self.name, worker)
+        return worker
+
+
+def _size(mesh) -> int:
+    return int(mesh.size())

@@ -1,0 +1,101 @@
+"""The round sequencer: one update's rounds, every step issued the moment its inputs are done.
+
+Used by every path: the controller (`controller.MeshTransfer`), the rank-0 sender of the
+adapters, and the in-process `run_plan_locally`. What a step does is the `RoundSteps` it is
+given; the order is decided here, and only here::
+
+    send(r)         trainers pack round r into buffer r % depth and write its RECEIVE bytes;
+                    issued once round r - depth has landed on every rollout (buffer free
+                    again) and send(r - 1) was issued (a trainer serves its sends in order)
+    forward(r, s)   rollouts write the EXTERNAL, then the INTERNAL bytes of round r, once the
+                    stage before has landed
+    land(r)         rollouts assemble round r into their parameters (or a staging slot)
+
+Rounds overlap: round r's forwards run beside round r + 1's RECEIVE bytes, and with depth 3
+round r + 2's writes need not wait for round r's hand-over. Every step that fails becomes one
+`StepFailed` naming the round and the step; the other steps are cancelled.
+
+Typical usage::
+
+    asyncio.run(run_rounds(steps, active_steps(worker_plans), num_rounds, depth=2))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterable, Protocol
+
+from weightbridge.types import Stage, WorkerPlan
+
+FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
+LAND = "land"
+
+
+class StepFailed(RuntimeError):
+    """A step of the sequencer failed on some worker; the message names the round and step."""
+
+
+class RoundSteps(Protocol):
+    """What each step of a round runs, on every worker that has a part in it."""
+
+    async def send(self, r: int) -> None: ...
+
+    async def forward(self, r: int, stage: Stage) -> None: ...
+
+    async def land(self, r: int) -> None: ...
+
+
+def active_steps(plans: Iterable[WorkerPlan]) -> frozenset:
+    """(round, stage) pairs with at least one write, and (round, "land") where any worker
+    assembles: the steps worth a control message."""
+    active = set()
+    for p in plans:
+        for r in p.rounds:
+            active |= {(r.index, w.stage) for w in r.writes}
+            if r.assemble:
+                active.add((r.index, LAND))
+    return frozenset(active)
+
+
+async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, depth: int) -> None:
+    """Run every round of one update; returns once the last round has landed everywhere.
+
+    Raises:
+        StepFailed: a step raised (the first failure; the other steps are cancelled).
+    """
+    assert depth >= 2, depth  # TransferConfig validates it
+    landed: list[asyncio.Future] = []
+    sent_issued: list[asyncio.Event] = [asyncio.Event() for _ in range(num_rounds)]
+
+    async def step(r: int, what: str, coro) -> None:
+        try:
+            await coro
+        except Exception as e:
+            cause = getattr(e, "exception", None) or e  # a Monarch error wraps the actor's
+            text = " ".join(f"{type(cause).__name__}: {cause}".split())
+            raise StepFailed(f"round {r}, {what}: {text[:600]}") from e
+
+    async def run(r: int) -> None:
+        if r >= depth:
+            await landed[r - depth]
+        if r > 0:
+            await sent_issued[r - 1].wait()
+        if (r, Stage.RECEIVE) in active:
+            send = asyncio.ensure_future(step(r, "trainers' send", steps.send(r)))
+            await asyncio.sleep(0)  # the send is issued before the next round's
+            sent_issued[r].set()
+            await send
+        else:
+            sent_issued[r].set()
+        for stage in FORWARD_STAGES:
+            if (r, stage) in active:
+                await step(r, f"rollouts' {stage.value} forward", steps.forward(r, stage))
+        if (r, LAND) in active:
+            await step(r, "rollouts' land", steps.land(r))
+
+    landed.extend(asyncio.ensure_future(run(r)) for r in range(num_rounds))
+    try:
+        await asyncio.gather(*landed)
+    finally:
+        for task in landed:
+            task.cancel()

@@ -1,0 +1,170 @@
+"""Connect and update, once, for every path: the controller, the adapters' rank-0 sender and
+any driver of a `ControlPlane`.
+
+    connect_group(control, config)
+        every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec)
+        same checkpoint everywhere? (LayoutError otherwise, before any buffer exists)
+        plan_transfer -> WorkerPlans -> incoming ranges per receiver
+        rollouts: SETUP -> handles;  trainers: SETUP;  everyone: SET_PEERS (its handles)
+    run_update(control, group)
+        the round sequencer (`weightbridge.sequencer`) over SEND_ROUND / FORWARD / LAND
+
+Probing and planning happen once per group; `plan_group` alone re-plans from the kept maps
+(a lost engine left out) without probing again.
+
+Typical usage::
+
+    group = connect_group(control, TransferConfig())
+    run_update(control, group)           # per version, after the trainers' step
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+from weightbridge.config import TransferConfig
+from weightbridge.control import ControlPlane, PeerCall, rollouts, trainers
+from weightbridge.errors import LayoutError
+from weightbridge.executor import incoming_ranges, outgoing_ranges
+from weightbridge.plan import TransferPlan, plan_transfer
+from weightbridge.sequencer import active_steps, run_rounds
+from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMaps:
+    """What probing found: kept to re-plan without probing again (a probe overwrites a
+    worker's parameters for a moment: not while it generates)."""
+
+    trainers: tuple[tuple[SourceMap, Placement], ...]
+    rollouts: tuple[tuple[SourceMap, Placement], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectedGroup:
+    """A group after connect: the plan in force and what the sequencer needs of it."""
+
+    plan: TransferPlan
+    active: frozenset
+    """(round, stage) and (round, "land") steps some worker has a part in."""
+    live_rollouts: tuple[WorkerId, ...]
+    """The rollout workers the plan routes bytes to (all, unless engines were left out)."""
+    num_handles: int
+    """Registered receive ranges, over all rollouts."""
+    depth: int
+
+
+def probe_group(control: ControlPlane) -> GroupMaps:
+    """Probe every worker at once and check that they all read the same checkpoint.
+
+    All at once: a real engine's load_weights may be collective over its ranks (a DCP load
+    over the trainers), so probing one rank after another would deadlock.
+
+    Raises:
+        LayoutError: two workers read different checkpoints.
+    """
+    ts, rs = trainers(control), rollouts(control)
+    found = control.call(ts + rs, PeerCall.SOURCE_MAP)
+    check_same_checkpoint([spec for _, _, spec in found[:len(ts)]],
+                          [spec for _, _, spec in found[len(ts):]])
+    pairs = tuple((smap, placement) for smap, placement, _ in found)
+    return GroupMaps(pairs[:len(ts)], pairs[len(ts):])
+
+
+def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,
+               excluded: frozenset[int] = frozenset(), generation: int = 0,
+               reroute: Callable[[TransferPlan], TransferPlan] | None = None
+               ) -> ConnectedGroup:
+    """Plan from ``maps`` and set every worker up on it: buffers, registered ranges, handles.
+
+    Rollout workers whose index is in ``excluded`` get an empty source map, so no byte is
+    routed to or through them, and they are not called. ``generation`` numbers the receivers'
+    staging slots (a re-plan keeps a slot an engine is installing from). ``reroute`` rewrites
+    the plan before it is handed out (the same-data-plane P2P ablation).
+    """
+    rollout_maps = [(dataclasses.replace(m, pieces=(), unsourced=(), unused=()), p)
+                    if j in excluded else (m, p) for j, (m, p) in enumerate(maps.rollouts)]
+    plan = plan_transfer(list(maps.trainers), rollout_maps, round_bytes=config.round_bytes)
+    if reroute is not None:
+        plan = reroute(plan)
+    plans = {w: plan.for_worker(w) for w in plan.workers}
+    ranges = incoming_ranges(plans.values(), config.depth)
+    live = [w for w in rollouts(control) if w.index not in excluded]
+    found = control.call_each(live, PeerCall.SETUP, [
+        (plans[w], sorted(ranges.get(w, ())), generation) for w in live])
+    handles = {(w, key): h for w, hs in zip(live, found) for key, h in hs.items()}
+    ts = trainers(control)
+    control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
+    everyone = live + ts
+    # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
+    control.call_each(everyone, PeerCall.SET_PEERS, [
+        ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
+        for w in everyone])
+    return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
+                          live_rollouts=tuple(live), num_handles=len(handles),
+                          depth=config.depth)
+
+
+def connect_group(control: ControlPlane, config: TransferConfig, *,
+                  reroute: Callable[[TransferPlan], TransferPlan] | None = None
+                  ) -> tuple[GroupMaps, ConnectedGroup]:
+    """Probe every worker, plan once, set everyone up. Moves no weights."""
+    maps = probe_group(control)
+    return maps, plan_group(control, maps, config, reroute=reroute)
+
+
+class ControlSteps:
+    """The sequencer's steps as `PeerCall`s on every worker taking part."""
+
+    def __init__(self, control: ControlPlane, group: ConnectedGroup,
+                 slots: Mapping[int, int] | None = None):
+        self.control, self.slots = control, dict(slots or {})
+        self.trainers, self.rollouts = trainers(control), list(group.live_rollouts)
+
+    async def send(self, r: int) -> None:
+        await self.control.call_async(self.trainers, PeerCall.SEND_ROUND, r)
+
+    async def forward(self, r: int, stage: Stage) -> None:
+        await self.control.call_async(self.rollouts, PeerCall.FORWARD, r, stage)
+
+    async def land(self, r: int) -> None:
+        await self.control.call_async(self.rollouts, PeerCall.LAND, r, self.slots)
+
+
+def run_update(control: ControlPlane, group: ConnectedGroup, *,
+               slots: Mapping[int, int] | None = None, deadline_s: float | None = None) -> None:
+    """Move one version: every round, sequenced; returns once the last round landed.
+
+    ``slots``: engine -> the staging slot its rollouts land into (receiver staging); engines
+    not in it assemble into their parameters.
+
+    Raises:
+        StepFailed: a step failed on some worker (names the round and the step).
+        asyncio.TimeoutError: the whole update outlasted ``deadline_s``.
+    """
+    steps = ControlSteps(control, group, slots)
+    rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth)
+    asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
+
+
+def check_same_checkpoint(trainer_specs: Sequence[CheckpointSpec],
+                          rollout_specs: Sequence[CheckpointSpec]) -> None:
+    """Every worker must read the same checkpoint: source-map regions are coordinates in it.
+
+    Without this, a trainer of a bigger vocabulary (say) would hold every row a rollout needs,
+    and the plan would silently move rows of a tensor the rollout does not have.
+    """
+    want = trainer_specs[0]
+    for side, specs in (("trainer", trainer_specs), ("rollout", rollout_specs)):
+        for i, spec in enumerate(specs):
+            diff = want.differences(spec, ("trainer 0", f"{side} {i}"))
+            if diff:
+                more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+                raise LayoutError(
+                    f"trainer worker 0 and {side} worker {i} load different checkpoints: "
+                    f"{len(diff)} tensors differ: {'; '.join(diff[:4])}{more}. Every worker "
+                    f"must load the same checkpoint: build both sides from the same model "
+                    f"config")

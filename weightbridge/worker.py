@@ -1,0 +1,161 @@
+"""`TransferWorker`: one worker's part of a transfer group, whatever drives the group.
+
+It holds the worker's parameters, its own ``load_weights`` and its data plane, and serves the
+`PeerCall`s of connect and of the rounds: probe itself, build its executor and round buffers
+from its `WorkerPlan`, take its peers' handles, and per round pack and write (trainers),
+forward and land (rollouts). The adapters (`SenderAdapter`, `ReceiverAdapter`) extend it with
+the version protocol; the controller's actors use it as it is (the controller sequences).
+
+Typical usage (a worker of a controller-driven group; connect and the rounds call it)::
+
+    worker = TransferWorker("rollout", params, load_weights, spec, rank=j,
+                            placement=Placement("rollout-h0", engine=0),
+                            transport=transport, config=TransferConfig())
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from typing import Callable, Iterable, Mapping
+
+import torch
+
+from weightbridge.boxcopy import CopyKernels
+from weightbridge.config import TransferConfig
+from weightbridge.control import Range, Transport
+from weightbridge.executor import WorkerExecutor
+from weightbridge.probe import extract_source_map
+from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, WorkerPlan
+
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+SIDES = ("trainer", "rollout")
+MAX_SPANS = 1 << 16
+"""Spans kept for `take_spans` (older ones are dropped: a group nobody reads must not grow)."""
+_SEQ = itertools.count()
+"""Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+
+
+class TransferWorker:
+    """One worker of a transfer group: its parameters, executor and transport.
+
+    Args:
+        side: "trainer" or "rollout".
+        params: Parameter name -> tensor; updated in place (rollouts), read (trainers).
+        load_weights: The worker's own loader (probed at connect).
+        spec: The checkpoint ``load_weights`` reads.
+
+    Keyword Args:
+        rank: This worker's index among the group's trainers or rollout workers.
+        placement: Its planning node (host) and, for rollouts, its engine.
+        transport: Its data plane (`weightbridge.control.Transport`).
+        config: The group's `TransferConfig`.
+        kernels: Pack/assemble implementation; by default chosen from the parameters' device
+            (Triton on CUDA, the vectorized torch path elsewhere).
+    """
+
+    def __init__(self, side: str, params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
+                 spec: CheckpointSpec, *, rank: int, placement: Placement, transport: Transport,
+                 config: TransferConfig, kernels: CopyKernels | None = None):
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        if not isinstance(config, TransferConfig):
+            raise ValueError(f"config must be a weightbridge.TransferConfig, got "
+                             f"{type(config).__name__}")
+        if not params:
+            raise ValueError(f"{side} {rank} has no parameters: pass the name -> tensor mapping "
+                             f"its load_weights fills")
+        self.side = side
+        self.params, self.load_weights, self.spec = dict(params), load_weights, spec
+        self.worker, self.placement = WorkerId(side, rank), placement
+        self.transport, self.config, self.kernels = transport, config, kernels
+        self.executor: WorkerExecutor | None = None
+        self.cond = threading.Condition()
+        self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
+        """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
+        self.events: list[tuple[int, str, int]] = []
+        """(sequence number, what, version): what this worker did, ordered process-wide."""
+
+    def _log(self, event: tuple[str, int]) -> None:
+        self.events.append((next(_SEQ), *event))
+
+    def take_spans(self) -> list[tuple[str, int, int, int]]:
+        """The spans recorded since the last call (and forget them)."""
+        out = list(self.spans)
+        self.spans.clear()
+        return out
+
+    def _timed(self, what: str, r: int, fn, *args) -> None:
+        start = time.monotonic_ns()
+        fn(*args)
+        self.spans.append((what, r, start, time.monotonic_ns()))
+
+    # -- connect ------------------------------------------------------------------------------
+
+    def on_source_map(self) -> tuple[SourceMap, Placement, CheckpointSpec]:
+        """Probe this worker's own load_weights; the parameters are restored afterwards."""
+        saved = {n: p.detach().clone() for n, p in self.params.items()}
+        try:
+            smap = extract_source_map(self.params, self.load_weights, self.spec)
+        finally:
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(saved[n])
+        return smap, self.placement, self.spec
+
+    def on_ping(self) -> bool:
+        """Asked who is still there after a transfer failed."""
+        return True
+
+    def on_setup(self, plan: WorkerPlan, ranges: list[Range] = (), generation: int = 0
+                 ) -> dict:
+        """Build the copy tables and round buffers of ``plan``; register ``ranges`` (the buffer
+        ranges peers write into) and return their handles."""
+        if plan.worker != self.worker:
+            raise ValueError(f"{self.worker} was handed the plan of {plan.worker}; the control "
+                             f"plane must address workers by their rank in the group")
+        with self.cond:  # a re-plan: not while a trainer stages (SS)
+            self._setup(plan)
+        return dict(self.transport.register(self.executor.arenas, list(ranges)))
+
+    def _setup(self, plan: WorkerPlan) -> None:
+        self.executor = WorkerExecutor(plan, self.params, self.kernels, depth=self.config.depth)
+
+    def on_set_peers(self, handles: Mapping) -> None:
+        self.transport.set_peers(handles)
+
+    # -- the rounds of an update --------------------------------------------------------------
+
+    def on_send_round(self, r: int) -> None:
+        """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
+        they landed)."""
+        if self.executor.plan.rounds[r].pack:
+            self._timed("pack", r, self.executor.pack, r)
+        self._write(r, Stage.RECEIVE)
+
+    def on_forward(self, r: int, stage: Stage) -> None:
+        """Rollouts: write this stage's bytes of round r (they arrived in an earlier stage)."""
+        self._write(r, stage)
+
+    def on_land(self, r: int, slots: Mapping[int, int] | None = None) -> None:
+        """Rollouts: round r landed (every stage): assemble it into the parameters."""
+        if self.executor.plan.rounds[r].assemble:
+            self._timed("assemble", r, self.executor.assemble, r)
+
+    def _write(self, r: int, stage: Stage, buffer: torch.Tensor | None = None) -> None:
+        writes = list(self.executor.writes(r, stage, buffer))
+        if writes:
+            self._timed(stage.value, r, self._write_all, r, stage, writes)
+
+    def _write_all(self, r: int, stage: Stage, writes: list) -> None:
+        futures = [(peer, self.transport.write(peer, key, src)) for peer, key, src in writes]
+        for peer, f in futures:  # a failure names the peer, the round and the stage
+            try:
+                self.transport.wait([f])
+            except Exception as e:
+                raise RuntimeError(
+                    f"{self.worker}: the {stage.value} write of round {r} into {peer} failed "
+                    f"({type(e).__name__}: {e}); that worker died or its link stalled for "
+                    f"{self.config.peer_timeout_s:g}s") from e
