@@ -4,6 +4,7 @@
     python -m controller --trainer "nodes=1,gpus=4,tp=2,ep=2" \
         --rollout "engines=2,nodes=1,gpus=2,tp=2" --updates 3 --model tiny
     python -m controller --updates 2 --trace /tmp/update.json  # + timeline of the last update
+    python -m controller --workers my_pkg.models:factory ...   # any model: a worker factory
     python -m controller --local                               # in-process demo, no meshes
     python -m controller --attach-trainers tcp://t0:4444 \
         --attach-rollouts tcp://r0:4444,tcp://r1:4444 ...       # workers on other hosts
@@ -28,7 +29,7 @@ import time
 import torch
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond,
+from weightbridge import (CpuCopyKernels, LayoutError, Placement, TransferConfig, correspond,
                           extract_source_map, plan_transfer, run_plan_locally)
 
 DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
@@ -40,13 +41,18 @@ def main() -> None:
     parser.add_argument("--trainer", default=DEFAULT_TRAINER, help="trainer mesh spec")
     parser.add_argument("--rollout", default=DEFAULT_ROLLOUT, help="rollout mesh spec")
     parser.add_argument("--updates", type=int, default=3, help="model versions to transfer")
-    parser.add_argument("--model", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--round-kib", type=int, default=256, help="bytes per round buffer")
+    parser.add_argument("--model", choices=sorted(SIZES), default="tiny",
+                        help="the demo model's size (meshes.workers)")
+    parser.add_argument("--workers", metavar="MODULE:FACTORY",
+                        help="a worker factory to run instead of the demo model: "
+                             "factory(side, spec, rank) -> weightbridge.WorkerParts")
+    parser.add_argument("--round-kib", type=int,
+                        help=f"KiB per round buffer (default "
+                             f"{TransferConfig().round_bytes >> 10})")
     parser.add_argument("--depth", type=int, default=2,
                         help="round arenas per worker (3 hides slow control messages)")
-    parser.add_argument("--sequencing", choices=("controller", "dataflow"), default="controller",
-                        help="who sequences the rounds: the controller, or the actors with "
-                             "peer notifications")
+    parser.add_argument("--timeout", type=float, default=TransferConfig().timeout_s,
+                        help="seconds within which a lost or stalled worker fails an update")
     parser.add_argument("--trace", metavar="PATH",
                         help="write the last update's per-rank, per-stage timeline here "
                              "(Chrome trace JSON; open in Perfetto)")
@@ -79,10 +85,9 @@ def mesh_run(args) -> int:
 
     try:
         trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
-        trainer.validate(SIZES[args.model])
-        rollout.validate(SIZES[args.model])
-        if args.depth < 2:
-            raise ValueError(f"--depth must be >= 2 round arenas per worker, got {args.depth}")
+        config = transfer_config(args)
+        workers = args.workers or args.model
+        MeshTransfer(trainer, rollout, workers, config=config)  # validates; spawns nothing
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -93,15 +98,12 @@ def mesh_run(args) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    spec = checkpoint_spec(SIZES[args.model])
-    print(f"model {args.model}: {len(spec)} tensors, {spec.numel:,} elements; trainer "
-          f"[{args.trainer}] {trainer.num_workers} procs, rollout [{args.rollout}] "
-          f"{rollout.num_workers} procs", flush=True)
+    print(f"workers {workers}: trainer [{args.trainer}] {trainer.num_workers} procs, rollout "
+          f"[{args.rollout}] {rollout.num_workers} procs; {config}", flush=True)
     failed = False
     t_stop = None
     rate = args.link_mbit * 1e6 / 8 if getattr(args, "link_mbit", None) else None
-    mt = MeshTransfer(trainer, rollout, args.model, round_bytes=args.round_kib << 10,
-                      procs=procs, link_rate=rate, depth=args.depth, sequencing=args.sequencing)
+    mt = MeshTransfer(trainer, rollout, workers, config=config, procs=procs, link_rate=rate)
     try:
         with mt:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
@@ -128,6 +130,20 @@ def mesh_run(args) -> int:
         if t_stop is not None:
             print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
     return 1 if failed else 0
+
+
+def transfer_config(args) -> TransferConfig:
+    """The CLI's flags as a validated `TransferConfig` (raises ValueError naming the flag)."""
+    if args.round_kib is not None and args.round_kib < 1:
+        raise ValueError(f"--round-kib must be a positive number of KiB, got {args.round_kib}")
+    if args.updates < 1:
+        raise ValueError(f"--updates must be at least 1, got {args.updates}")
+    if getattr(args, "link_mbit", None) is not None and not args.link_mbit > 0:
+        raise ValueError(f"--link-mbit must be positive, got {args.link_mbit}")
+    if args.depth < 2:
+        raise ValueError(f"--depth must be >= 2 round arenas per worker, got {args.depth}")
+    round_bytes = {} if args.round_kib is None else {"round_bytes": args.round_kib << 10}
+    return TransferConfig(depth=args.depth, timeout_s=args.timeout, **round_bytes)
 
 
 def cluster_run(args) -> int:
@@ -223,7 +239,7 @@ def local_demo(args) -> None:
     plan = plan_transfer([(m, Placement("trainer-node")) for m in maps[:4]],
                          [(m, Placement(f"rollout-node{i // 2}", engine=i // 2))
                           for i, m in enumerate(maps[4:])],
-                         round_bytes=args.round_kib << 10)
+                         round_bytes=(args.round_kib or 256) << 10)
     print(plan.summary())
 
     gen = torch.Generator().manual_seed(0)

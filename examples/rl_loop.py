@@ -3,11 +3,13 @@
     python examples/rl_loop.py                  # all four modes, 3 versions each
     python examples/rl_loop.py --mode async --versions 5
 
-The trainers (one mesh, TP2) run ``train_and_send(v)`` for v = 1..N: a stand-in optimizer step,
-then ``send_weights(v)``. Each rollout engine (TP2; two engines) loops ``step()`` on a thread of
-its own: ``poll_requests()``, then a forward pass. Nothing else synchronizes them: the adapters'
-own messages (rank-0 sender -> rank 0 of each engine -> its ranks) decide when each engine
-installs what. Per mode it prints:
+The trainers (one mesh, TP2) and the rollout ranks are plain sync actors
+(`meshes.adapter_actors`) that build their adapters through a `weightbridge.TransferGroup`
+spawned over both proc meshes. The trainers run ``train_and_send(v)`` for v = 1..N: a stand-in
+optimizer step, then ``send_weights(v)``. Each rollout engine (TP2; two engines) loops
+``step()`` on a thread of its own: ``poll_requests()``, then a forward pass. Nothing else
+synchronizes them: the adapters' own messages (rank-0 sender -> rank 0 of each engine -> its
+ranks) decide when each engine installs what. Per mode it prints:
 
 - AGST per update: the time the trainers spent in ``send_weights`` plus the time the rollouts
   spent in ``poll_requests`` (stalls), divided by the number of workers and of updates;
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from monarch.actor import this_host
 
 from meshes.adapter_actors import RLRollout, RLTrainer
-from weightbridge.adapters import AdapterOptions
+from weightbridge import TransferConfig, TransferGroup
 from weightbridge.monarch_transport import configure_transport
 
 MODES = {"sync": (False, False), "ss": (True, False), "rs": (False, True), "async": (True, True)}
@@ -62,34 +64,46 @@ class LoopReport:
 def run_loop(mode: str, procs, *, num_versions: int = 3, model: str = "tiny",
              timeout_s: float = 30.0, round_bytes: int = 256 << 10,
              generate_after_training: bool = False) -> LoopReport:
-    """One RL run in ``mode`` on (trainer procs, rollout procs): fresh actors, stopped after.
+    """One RL run in ``mode`` on (trainer procs, rollout procs): a fresh transfer group and
+    fresh actors, closed and stopped after (the procs stay the caller's; any axis names).
 
     ``generate_after_training``: the engines start polling only once every send_weights has
     returned (a rollout that stops polling; sync mode then times out).
     """
     ss, rs = MODES[mode]
-    options = AdapterOptions(sender_staging=ss, receiver_staging=rs, timeout_s=timeout_s,
-                             round_bytes=round_bytes)
+    config = TransferConfig(sender_staging=ss, receiver_staging=rs, timeout_s=timeout_s,
+                            round_bytes=round_bytes)
     tp, rp = procs
-    trainers = tp.spawn(f"trainer_{mode}", RLTrainer, model, TRAINER_TP)
-    rollouts = rp.spawn(f"rollout_{mode}", RLRollout, model, ENGINE_TP)
+    if tp.size() != TRAINER_TP or rp.size() != ENGINES * ENGINE_TP:
+        raise ValueError(f"run_loop needs {TRAINER_TP} trainer procs and {ENGINES * ENGINE_TP} "
+                         f"rollout procs ({ENGINES} engines of TP{ENGINE_TP}), got {tp.size()} "
+                         f"and {rp.size()}")
+    group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
+    trainers = rollouts = None
     try:
-        return _run(mode, trainers, rollouts, options, num_versions, generate_after_training)
+        trainers = tp.spawn(f"trainer_{mode}", RLTrainer, model, TRAINER_TP)
+        rollouts = rp.spawn(f"rollout_{mode}", RLRollout, model, ENGINE_TP)
+        return _run(mode, group, trainers, rollouts, config, num_versions,
+                    generate_after_training)
     finally:
-        trainers.stop().get(timeout=60)
-        rollouts.stop().get(timeout=60)
+        try:
+            group.close()
+        finally:
+            for mesh in (trainers, rollouts):
+                if mesh is not None:
+                    mesh.stop().get(timeout=60)
 
 
-def _run(mode, trainers, rollouts, options, num_versions, generate_after_training
+def _run(mode, group, trainers, rollouts, config, num_versions, generate_after_training
          ) -> LoopReport:
     t0 = time.monotonic()
-    topology = (TRAINER_TP, ENGINES, ENGINE_TP)
-    futures = [mesh.slice(worker=i).setup.call_one(i, trainers, rollouts, topology, options)
-               for mesh, n in ((trainers, TRAINER_TP), (rollouts, ENGINES * ENGINE_TP))
-               for i in range(n)]
-    for f in futures:
+    # On the whole meshes: each actor's rank in the group is its flat rank in its mesh.
+    setups = [trainers.setup.call(group), rollouts.setup.call(group)]
+    for f in setups:
         f.get()
     trainers.connect.call().get()
+    # Flat views, whatever the procs' axes are called: engine e is ranks [e * TP, (e + 1) * TP).
+    flat_rollouts = rollouts.flatten("rank")
 
     sent = [0]          # newest version whose send_weights returned on every trainer
     trainer_stall = [0.0]
@@ -107,7 +121,7 @@ def _run(mode, trainers, rollouts, options, num_versions, generate_after_trainin
             errors.append(e)
 
     def generate(engine: int):
-        ranks = rollouts.slice(worker=slice(engine * ENGINE_TP, (engine + 1) * ENGINE_TP))
+        ranks = flat_rollouts.slice(rank=slice(engine * ENGINE_TP, (engine + 1) * ENGINE_TP))
         seed = 0
         try:
             while not stop.is_set():
@@ -126,24 +140,24 @@ def _run(mode, trainers, rollouts, options, num_versions, generate_after_trainin
     engine_threads = [threading.Thread(target=generate, args=(e,)) for e in range(ENGINES)]
     trainer_thread.start()
     if generate_after_training:
-        trainer_thread.join(timeout=options.timeout_s * (num_versions + 2))
+        trainer_thread.join(timeout=config.timeout_s * (num_versions + 2))
         if errors:
             raise errors[0]
-        if options.sender_staging and options.receiver_staging:
+        if config.sender_staging and config.receiver_staging:
             # Async: the versions go on landing in staging after send_weights returned; let
             # them all land first, so the engines find only the newest (SS alone needs their
             # polls to move a version at all).
-            trainers.slice(worker=0).finish.call_one().get()
+            trainers.finish.call().get()
     for t in engine_threads:
         t.start()
-    trainer_thread.join(timeout=options.timeout_s * (num_versions + 2))
+    trainer_thread.join(timeout=config.timeout_s * (num_versions + 2))
     for t in engine_threads:
-        t.join(timeout=options.timeout_s * 2)
+        t.join(timeout=config.timeout_s * 2)
     stop.set()
     if errors:
         raise errors[0]
     # SS: every staged version was transferred (raises an error of the background transfer).
-    trainers.slice(worker=0).finish.call_one().get()
+    trainers.finish.call().get()
     if trainer_thread.is_alive() or any(t.is_alive() for t in engine_threads):
         raise TimeoutError(f"{mode}: the RL loop did not finish")
 
@@ -172,14 +186,17 @@ def main() -> None:
     args = parser.parse_args()
     configure_transport()  # before spawning: children read the config at start-up
     host = this_host()
-    tp = host.spawn_procs(per_host={"worker": TRAINER_TP}, name="trainer")
-    rp = host.spawn_procs(per_host={"worker": ENGINES * ENGINE_TP}, name="rollout")
+    # Any axis names: the transfer group and the loop take each mesh in its flat rank order.
+    tp = host.spawn_procs(per_host={"gpus": TRAINER_TP}, name="trainer")
     try:
-        for mode in (MODES if args.mode == "all" else [args.mode]):
-            print(run_loop(mode, (tp, rp), num_versions=args.versions).line(), flush=True)
+        rp = host.spawn_procs(per_host={"replica": ENGINES, "gpus": ENGINE_TP}, name="rollout")
+        try:
+            for mode in (MODES if args.mode == "all" else [args.mode]):
+                print(run_loop(mode, (tp, rp), num_versions=args.versions).line(), flush=True)
+        finally:
+            rp.stop().get(timeout=60)
     finally:
         tp.stop().get(timeout=60)
-        rp.stop().get(timeout=60)
     print("meshes stopped")
 
 

@@ -1,11 +1,13 @@
 """Proc meshes for the mesh tests: a trainer and a rollout proc mesh on this host.
 
-    with proc_pair(4, 4) as (trainer_procs, rollout_procs):
+    with proc_pair(4, 4) as (trainer_procs, rollout_procs):          # one "worker" axis each
         ...
+    with proc_meshes(("trainer", {"gpus": 2}), ("rollout", {"replica": 2, "tp": 2})) as (t, r):
+        ...                                                          # any axes
 
-One ``worker`` axis each; the RDMA transport is configured before anything spawns (the
-children read it at start-up), and both meshes are stopped on exit, also when the test fails.
-`bootstrap_children` lists the proc processes a test left behind.
+The RDMA transport is configured before anything spawns (the children read it at start-up),
+and every mesh is stopped on exit, also when the test fails. `bootstrap_children` lists the
+proc processes a test left behind.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from pathlib import Path
 
 
 @contextmanager
-def proc_pair(trainers: int, rollouts: int, names: tuple[str, str] = ("trainer", "rollout")):
-    """(trainer procs, rollout procs) of ``trainers`` and ``rollouts`` workers."""
+def proc_meshes(*specs: tuple[str, dict[str, int]]):
+    """One proc mesh per (name, per_host axes) in ``specs``, in order; those spawned before a
+    failing spawn are stopped too."""
     from monarch.actor import this_host
 
     from weightbridge.monarch_transport import configure_transport
@@ -25,12 +28,25 @@ def proc_pair(trainers: int, rollouts: int, names: tuple[str, str] = ("trainer",
     configure_transport()
     meshes = []
     try:
-        for workers, name in zip((trainers, rollouts), names):
-            meshes.append(this_host().spawn_procs(per_host={"worker": workers}, name=name))
+        for name, per_host in specs:
+            meshes.append(this_host().spawn_procs(per_host=dict(per_host), name=name))
         yield tuple(meshes)
     finally:
-        for mesh in reversed(meshes):
-            mesh.stop().get(timeout=60)
+        errors = []
+        for mesh in reversed(meshes):  # a mesh that fails to stop does not keep the others
+            try:
+                mesh.stop().get(timeout=60)
+            except Exception as e:  # noqa: BLE001  (raised below, once all were stopped)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+@contextmanager
+def proc_pair(trainers: int, rollouts: int, names: tuple[str, str] = ("trainer", "rollout")):
+    """(trainer procs, rollout procs) of ``trainers`` and ``rollouts`` workers."""
+    with proc_meshes((names[0], {"worker": trainers}), (names[1], {"worker": rollouts})) as pair:
+        yield pair
 
 
 def bootstrap_children() -> set[int]:

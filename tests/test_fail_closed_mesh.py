@@ -1,24 +1,25 @@
 """Fail closed on real Monarch meshes: a rollout process that dies in the middle of a transfer.
 
 Trainer TP2 -> two TP2 engines (`meshes/adapter_actors.py`, as in `examples/rl_loop.py`) on
-proc meshes of their own; rollout worker R1 (engine 0) calls ``os._exit`` at the third round
-of the second transfer. Checked: trainer 0 raises a `TransferFailed` naming R1, engine 0 and
+proc meshes of their own, one `TransferGroup` over both; rollout worker R1 (engine 0) calls
+``os._exit`` at the third round of the second transfer (its adapter's ``on_forward``, which
+the group's agent runs for trainer 0's sequencer). Checked: trainer 0 raises a `TransferFailed` naming R1, engine 0 and
 version 2 within a bound of ``timeout_s``; engine 1 runs one version per step, bit-exact at
 every install, and ends on the last version (the next ``send_weights`` goes on with it);
 engine 0's steps fail; every proc is gone afterwards.
 """
 
-import asyncio
 import os
 import threading
 import time
 
 import pytest
-from monarch.actor import concurrent_endpoint
+from monarch.actor import current_rank
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshprocs import bootstrap_children, proc_pair
-from weightbridge.adapters import AdapterOptions
+from weightbridge import ReceiverAdapter, TransferConfig, TransferGroup
+from weightbridge.monarch_control import _register
 from weightbridge.types import Stage
 
 pytestmark = pytest.mark.mesh
@@ -27,35 +28,51 @@ TRAINER_TP, ENGINES, ENGINE_TP = 2, 2, 2
 VICTIM, LAST, TIMEOUT_S = 1, 3, 10.0
 
 
-class DiesInSecondTransfer(RLRollout):
+class DiesInSecondTransfer(ReceiverAdapter):
     """Rollout worker VICTIM's process exits at round 3 of the second transfer."""
 
     forwards = 0
 
-    @concurrent_endpoint
-    async def wb(self, name: str, *args):
-        if (name == "_wb_forward" and args[1] == Stage.EXTERNAL
-                and self.adapter.worker.index == VICTIM):
+    def on_forward(self, r: int, stage: Stage) -> None:
+        if stage == Stage.EXTERNAL and self.worker.index == VICTIM:
             self.forwards += 1
-            if self.forwards == self.adapter.executor.num_rounds + 3:
+            if self.forwards == self.executor.num_rounds + 3:
                 os._exit(1)
-        return await asyncio.to_thread(getattr(self.adapter, name), *args)
+        super().on_forward(r, stage)
+
+
+class FaultyRollout(RLRollout):
+    """`RLRollout` whose adapter is a `DiesInSecondTransfer`.
+
+    ``group.receiver`` always builds a plain `ReceiverAdapter`, so this builds the worker as
+    it does (same rank, engine and wiring) and registers it in this process's slot of the
+    group, where the group's agent serves the peer calls on it.
+    """
+
+    def _receiver(self, group, params, load_weights, spec):
+        rank = current_rank().rank
+        worker = DiesInSecondTransfer(
+            params, load_weights, spec, rank=rank, engine=rank // group.engine_size,
+            engine_rank=rank % group.engine_size, engine_size=group.engine_size,
+            **group._wiring())
+        _register(group.name, worker)
+        return worker
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_rollout_proc_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
     ss = rs = mode == "async"
-    options = AdapterOptions(sender_staging=ss, receiver_staging=rs, timeout_s=TIMEOUT_S,
-                             round_bytes=64 << 10)
+    config = TransferConfig(sender_staging=ss, receiver_staging=rs, timeout_s=TIMEOUT_S,
+                            round_bytes=64 << 10)
     before = bootstrap_children()
     with proc_pair(TRAINER_TP, ENGINES * ENGINE_TP) as (tp, rp):
+        # No group.close(): the victim's proc is gone, and stopping the procs (proc_pair)
+        # ends the agents and the actors with them.
+        group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
         trainers = tp.spawn("trainer_fc", RLTrainer, "tiny", TRAINER_TP)
-        rollouts = rp.spawn("rollout_fc", DiesInSecondTransfer, "tiny", ENGINE_TP)
-        topology = (TRAINER_TP, ENGINES, ENGINE_TP)
-        futures = [mesh.slice(worker=i).setup.call_one(i, trainers, rollouts, topology, options)
-                   for mesh, n in ((trainers, TRAINER_TP), (rollouts, ENGINES * ENGINE_TP))
-                   for i in range(n)]
-        for f in futures:
+        rollouts = rp.spawn("rollout_fc", FaultyRollout, "tiny", ENGINE_TP)
+        setups = [trainers.setup.call(group), rollouts.setup.call(group)]
+        for f in setups:
             f.get(timeout=120)
         trainers.connect.call().get(timeout=300)
         _check(_drive(trainers, rollouts, ss), ss)
@@ -70,7 +87,8 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
     stop = threading.Event()
 
     def generate(engine: int):
-        ranks = rollouts.slice(worker=slice(engine * ENGINE_TP, (engine + 1) * ENGINE_TP))
+        ranks = rollouts.flatten("rank").slice(
+            rank=slice(engine * ENGINE_TP, (engine + 1) * ENGINE_TP))
         seed = 0
         try:
             while not stop.is_set():
@@ -91,7 +109,7 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
             try:
                 trainers.train_and_send.call(v).get(timeout=6 * TIMEOUT_S)
                 if ss:  # one transfer at a time: the second one carries version 2
-                    trainers.slice(worker=0).finish.call_one().get(timeout=6 * TIMEOUT_S)
+                    trainers.finish.call().get(timeout=6 * TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  (the error under test)
                 failures.append((v, str(e), time.monotonic() - start))
         for t in threads:

@@ -20,6 +20,7 @@ from weightbridge.local import run_plan_locally
 from weightbridge.plan import TransferPlan, plan_transfer
 from weightbridge.probe import extract_source_map
 from weightbridge.simulate import simulate
+from weightbridge.worker import TransferWorker, WorkerParts
 from weightbridge.types import (
     BoxCopy,
     BufferWrite,
@@ -84,7 +85,9 @@ __all__ = [
     "TransferFailed",
     "Transfer",
     "TransferPlan",
+    "TransferWorker",
     "WorkerId",
+    "WorkerParts",
     "WorkerPlan",
     "WorkerRound",
     "correspond",

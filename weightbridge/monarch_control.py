@@ -190,6 +190,8 @@ class TransferGroup:
     num_engines: int
     engine_size: int
     config: TransferConfig
+    spawned: tuple = ()
+    """The agent actor meshes as spawned (what `close` stops)."""
 
     @classmethod
     def spawn(cls, trainer_procs, rollout_procs, *, engine_size: int,
@@ -211,16 +213,17 @@ class TransferGroup:
             raise ValueError(f"engine_size={engine_size} must divide the {num_rollouts} rollout "
                              f"procs (engines are consecutive runs of ranks)")
         name = name or f"wb-{uuid.uuid4().hex[:8]}"
-        agents = [procs.spawn(f"{name}-{side}", TransferAgent).flatten(AXIS)
-                  for side, procs in (("trainer", trainer_procs), ("rollout", rollout_procs))]
-        return cls(name=name, trainer_agents=agents[0], rollout_agents=agents[1],
-                   num_trainers=_size(trainer_procs), num_engines=num_rollouts // engine_size,
-                   engine_size=engine_size, config=config)
+        spawned = tuple(procs.spawn(f"{name}-{side}", TransferAgent) for side, procs in
+                        (("trainer", trainer_procs), ("rollout", rollout_procs)))
+        return cls(name=name, trainer_agents=spawned[0].flatten(AXIS),
+                   rollout_agents=spawned[1].flatten(AXIS), num_trainers=_size(trainer_procs),
+                   num_engines=num_rollouts // engine_size, engine_size=engine_size,
+                   config=config, spawned=spawned)
 
     def close(self) -> None:
         """Release every worker of the group (RDMA buffers, references to parameters) and
         stop the agents. The procs and your actors stay."""
-        for agents in (self.trainer_agents, self.rollout_agents):
+        for agents in self.spawned:
             agents.release.call(self.name).get(timeout=60)
             agents.stop().get(timeout=60)
 
@@ -231,23 +234,24 @@ class TransferGroup:
                 "transport": MeshTransport(self.config.peer_timeout_s), "config": self.config}
 
     def sender(self, params, load_weights, spec, *, placement: Placement | None = None,
-               kernels=None):
-        """This trainer rank's `SenderAdapter` (rank: this actor's flat rank in its mesh)."""
+               kernels=None, cls=None):
+        """This trainer rank's `SenderAdapter` (or ``cls``, a subclass); its rank is this
+        actor's flat rank in its mesh."""
         from weightbridge.sender import SenderAdapter
 
-        worker = SenderAdapter(params, load_weights, spec, rank=current_rank().rank,
+        worker = (cls or SenderAdapter)(params, load_weights, spec, rank=current_rank().rank,
                                placement=placement, kernels=kernels, **self._wiring())
         _register(self.name, worker)
         return worker
 
     def receiver(self, params, load_weights, spec, *, placement: Placement | None = None,
-                 before_update_hook=None, kernels=None):
-        """This rollout rank's `ReceiverAdapter`; its engine and engine rank follow from its
-        flat rank and ``engine_size``."""
+                 before_update_hook=None, kernels=None, cls=None):
+        """This rollout rank's `ReceiverAdapter` (or ``cls``, a subclass); its engine and
+        engine rank follow from its flat rank and ``engine_size``."""
         from weightbridge.receiver import ReceiverAdapter
 
         rank = current_rank().rank
-        worker = ReceiverAdapter(params, load_weights, spec, rank=rank,
+        worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,
                                  engine=rank // self.engine_size,
                                  engine_rank=rank % self.engine_size,
                                  engine_size=self.engine_size, placement=placement,
@@ -257,15 +261,16 @@ class TransferGroup:
         return worker
 
     def worker(self, side: str, params, load_weights, spec, *, placement: Placement,
-               kernels=None):
-        """This rank's plain `TransferWorker`, for a group a controller drives (`MeshTransfer`,
-        `controller_steps`)."""
+               kernels=None, cls=None):
+        """This rank's plain `TransferWorker` (or ``cls``, a subclass), for a group a
+        controller drives (`controller.MeshTransfer`)."""
         from weightbridge.worker import TransferWorker
 
         wiring = self._wiring()
         del wiring["control"]
-        worker = TransferWorker(side, params, load_weights, spec, rank=current_rank().rank,
-                                placement=placement, kernels=kernels, **wiring)
+        worker = (cls or TransferWorker)(side, params, load_weights, spec,
+                                         rank=current_rank().rank, placement=placement,
+                                         kernels=kernels, **wiring)
         _register(self.name, worker)
         return worker
 

@@ -19,6 +19,7 @@ import collections
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -31,11 +32,45 @@ from weightbridge.probe import extract_source_map
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, WorkerPlan
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
 SIDES = ("trainer", "rollout")
 MAX_SPANS = 1 << 16
 """Spans kept for `take_spans` (older ones are dropped: a group nobody reads must not grow)."""
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerParts:
+    """What a worker factory builds for one rank: its model, its loader and the checkpoint.
+
+    A controller-driven run (`python -m controller --workers module:factory`) calls
+    ``factory(side, spec, rank)`` in each actor, ``side`` "trainer" or "rollout", ``spec`` that
+    side's mesh spec (`meshes.spec.TrainerSpec` / `RolloutSpec`), ``rank`` the worker's flat
+    rank. The controller probes ``load_weights``, has trainers run ``train_step(v)`` before
+    update v, and checks each rollout against a second build of its rank loading
+    ``checkpoint(v)``.
+
+    Example (a one-tensor model, every rank holding all of it)::
+
+        def factory(side, spec, rank):
+            w = torch.zeros(4, 4, dtype=torch.bfloat16)
+            ckpt = lambda v, names=None: [("w", torch.full((4, 4), v, dtype=torch.bfloat16))]
+            return WorkerParts(params={"w": w}, load_weights=lambda kv: [w.copy_(t) for _, t in kv],
+                               spec=CheckpointSpec.from_tensors(dict(ckpt(0))), checkpoint=ckpt)
+    """
+
+    params: Mapping[str, torch.Tensor]
+    """Parameter name -> tensor, as ``load_weights`` fills it."""
+    load_weights: LoadWeights
+    """The rank's own loader: (checkpoint name, tensor) pairs in, parameters filled."""
+    spec: CheckpointSpec
+    """The checkpoint ``load_weights`` reads (names, shapes, dtypes)."""
+    checkpoint: Checkpoint
+    """``checkpoint(version, names=None)``: the (name, tensor) pairs of that version (only
+    ``names`` where given); what trainers load and rollouts are checked against."""
+    train_step: Callable[[int], None] | None = None
+    """Trainers: make the parameters those of ``version`` (default: load ``checkpoint(v)``)."""
 
 
 class TransferWorker:
@@ -72,6 +107,8 @@ class TransferWorker:
         self.worker, self.placement = WorkerId(side, rank), placement
         self.transport, self.config, self.kernels = transport, config, kernels
         self.executor: WorkerExecutor | None = None
+        self.source_map: SourceMap | None = None
+        """What the probe found (set by `on_source_map`)."""
         self.cond = threading.Condition()
         self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
@@ -99,6 +136,7 @@ class TransferWorker:
         saved = {n: p.detach().clone() for n, p in self.params.items()}
         try:
             smap = extract_source_map(self.params, self.load_weights, self.spec)
+            self.source_map = smap
         finally:
             with torch.no_grad():
                 for n, p in self.params.items():

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from examples.engines import models
-from weightbridge.adapters import AdapterOptions
+from weightbridge.config import TransferConfig
 
 TIMEOUT_S = 300.0
 
@@ -74,28 +74,32 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
     """Spawn the actors on (trainer procs, rollout procs), connect, run ``updates`` updates,
     and stop the actors (the procs stay the caller's)."""
     from examples.engines.actors import EngineRollout, EngineTrainer
+    from weightbridge.monarch_control import TransferGroup
 
     if model not in models.MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {models.MODELS}")
     tprocs, rprocs = procs
-    num_trainers, num_rollouts = tprocs.size(), rprocs.size()
+    num_rollouts = rprocs.size()
     if num_rollouts != engines * engine_tp:
         raise ValueError(f"{num_rollouts} rollout procs for {engines} engines of TP "
                          f"{engine_tp}; spawn engines * engine_tp procs")
     trainer_port, *engine_ports = free_ports(1 + engines)
-    options = AdapterOptions(timeout_s=TIMEOUT_S, round_bytes=round_bytes)
-    trainers = tprocs.spawn("titan", EngineTrainer, model, trainer, trainer_port)
-    rollouts = rprocs.spawn("vllm", EngineRollout, model, engine_tp, expert_parallel,
-                            engine_ports)
+    config = TransferConfig(timeout_s=TIMEOUT_S, round_bytes=round_bytes)
+    group = TransferGroup.spawn(tprocs, rprocs, engine_size=engine_tp, config=config)
+    meshes = []
     try:
-        topology = (num_trainers, engines, engine_tp)
-        futures = [mesh.slice(worker=i).setup.call_one(i, trainers, rollouts, topology, options)
-                   for mesh, n in ((trainers, num_trainers), (rollouts, num_rollouts))
-                   for i in range(n)]
-        for f in futures:
+        trainers = tprocs.spawn("titan", EngineTrainer, model, trainer, trainer_port)
+        meshes.append(trainers)
+        rollouts = rprocs.spawn("vllm", EngineRollout, model, engine_tp, expert_parallel,
+                                engine_ports)
+        meshes.append(rollouts)
+        # Both sides at once, on the whole meshes: building an engine is collective over its
+        # ranks, and each actor's rank in the group is its flat rank in its mesh.
+        setups = [trainers.setup.call(group), rollouts.setup.call(group)]
+        for f in setups:
             f.get()
         connect_s = max(trainers.connect.call().get().values())
-        summary = trainers.slice(worker=0).plan_summary.call_one().get()
+        summary = next(s for s in trainers.plan_summary.call().get().values() if s is not None)
         send_s, mismatched, checked = [], [], 0
         for v in range(1, updates + 1):
             served = rollouts.serve.call(v, TIMEOUT_S)
@@ -108,11 +112,14 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
             mismatched.append(bad)
         return EnginesReport(summary, connect_s, send_s, checked, mismatched)
     finally:
-        for mesh in (trainers, rollouts):
-            try:
-                mesh.close.call().get(timeout=60)
-            finally:
-                mesh.stop().get(timeout=60)
+        try:
+            group.close()
+        finally:
+            for mesh in meshes:
+                try:
+                    mesh.close.call().get(timeout=60)
+                finally:
+                    mesh.stop().get(timeout=60)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,55 @@
+"""The demo model as worker factories: what `python -m controller` runs by default.
+
+A worker factory builds one rank's `weightbridge.WorkerParts` from (side, mesh spec, rank);
+the controller runs any factory named by import path (``--workers module:factory``). These
+build the Qwen3-MoE-shaped model of `meshes.qwen3_moe` at each named size: trainers in the
+Megatron-like or FSDP layout of their `TrainerSpec`, rollouts in the inference layout of their
+`RolloutSpec`, and a deterministic checkpoint per version (one generator seed per tensor and
+version, so no worker materializes more than it reads).
+
+Typical usage::
+
+    parts = tiny("rollout", RolloutSpec.parse("engines=2,gpus=2,tp=2"), rank=3)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable, Iterator
+
+import torch
+
+from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
+from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import WorkerParts
+
+
+def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint of ``version``; ``names`` restricts it to the tensors a worker reads."""
+    wanted = None if names is None else set(names)
+    for i, t in enumerate(checkpoint_spec(config).tensors):
+        if wanted is None or t.name in wanted:
+            gen = torch.Generator().manual_seed(version * 1_000_003 + i)
+            yield t.name, torch.randn(t.shape, generator=gen).to(torch.bfloat16)
+
+
+def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int) -> WorkerParts:
+    """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`)."""
+    config = SIZES[size]
+    spec.validate(config)
+    if side == "trainer":
+        shard = spec.shard(config, rank)
+    else:
+        c = spec.coords(rank)
+        shard = RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"])
+    return WorkerParts(params=shard.params, load_weights=shard.load_weights,
+                       spec=checkpoint_spec(config),
+                       checkpoint=functools.partial(checkpoint, config))
+
+
+tiny = functools.partial(qwen3_moe, "tiny")
+medium = functools.partial(qwen3_moe, "medium")
+small = functools.partial(qwen3_moe, "small")
+FACTORIES = {name: f"meshes.workers:{name}" for name in SIZES}
+"""Demo model name -> its factory's import path."""
