@@ -7,8 +7,8 @@
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
-hosts it needs, and runs WeightBridge (controller-sequenced, and with the data flow of
-`meshes/dataflow.py` as ``wb-dataflow``), broadcast and P2P on the same procs, model and links:
+hosts it needs, and runs WeightBridge, broadcast and P2P (`controller/baselines.py`) on the
+same procs, model and links (broadcast's head in one more proc on the first trainer host):
 
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
@@ -53,14 +53,14 @@ def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
                 f"engines=4,{node}") for n in (1, 2, 4)])
 
 
-MECHANISMS = ("weightbridge", "wb-dataflow", "broadcast", "p2p")
-"""wb-dataflow: WeightBridge with the actors sequencing the rounds (``sequencing="dataflow"``)."""
+MECHANISMS = ("weightbridge", "broadcast", "p2p")
 
 
 @contextmanager
-def attached(addrs, tspec, rspec):
+def attached(addrs, tspec, rspec, *, head: bool = False):
     """(trainer procs, rollout procs) on the hosts one point needs: trainer nodes first, then
-    the rollout nodes engine by engine; stopped on exit."""
+    the rollout nodes engine by engine; with ``head``, a third item: one proc on the first
+    trainer host (the broadcast head's). Stopped on exit."""
     from controller.launch import attach_procs
 
     owners = []
@@ -70,7 +70,12 @@ def attached(addrs, tspec, rspec):
         r_addrs = addrs[tspec.nodes:tspec.nodes + rspec.engines * rspec.nodes]
         r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
         owners.append(r_owner)
-        yield tp, rp
+        if not head:
+            yield tp, rp
+            return
+        h_owner, hp = attach_procs(addrs[:1], gpus=1, name="bcast_head")
+        owners.append(h_owner)
+        yield tp, rp, hp
     finally:
         for o in owners:
             o.stop().get(timeout=60)
@@ -80,20 +85,20 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     from controller.baselines import Broadcast, p2p_plan
     from controller.driver import MeshTransfer
     from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge import TransferConfig
 
     tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
     rate = args.link_mbit * 1e6 / 8
-    with attached(addrs, tspec, rspec) as (tp, rp):
+    config = TransferConfig(round_bytes=args.round_kib << 10, depth=args.depth)
+    with attached(addrs, tspec, rspec, head="broadcast" in args.mechanisms) as procs:
         results, ideal = {}, 0.0
         for mech in args.mechanisms:
-            kw = dict(procs=(tp, rp), round_bytes=args.round_kib << 10, link_rate=rate)
+            kw = dict(procs=procs[:2], config=config, link_rate=rate)
             if mech == "broadcast":
-                runner = Broadcast(tspec, rspec, args.model, **kw)
+                runner = Broadcast(tspec, rspec, args.model, head_procs=procs[2], **kw)
             else:
-                runner = MeshTransfer(
-                    tspec, rspec, args.model, depth=args.depth,
-                    reroute=p2p_plan if mech == "p2p" else None,
-                    sequencing="dataflow" if mech == "wb-dataflow" else "controller", **kw)
+                runner = MeshTransfer(tspec, rspec, args.model,
+                                      reroute=p2p_plan if mech == "p2p" else None, **kw)
             with runner:
                 if mech != "broadcast":
                     runner.connect()

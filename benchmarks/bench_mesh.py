@@ -22,6 +22,7 @@ from monarch.actor import this_host
 from controller.driver import MeshTransfer
 from meshes.qwen3_moe import SIZES, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import TransferConfig
 from weightbridge.monarch_transport import configure_transport
 
 TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
@@ -34,7 +35,8 @@ LAYOUTS = {
 def run_layout(label: str, rollout: str, args, procs) -> bool:
     """Connect one layout on the shared procs and run the updates; False on a mismatch."""
     with MeshTransfer(TrainerSpec.parse(TRAINER), RolloutSpec.parse(rollout), args.model,
-                      round_bytes=args.round_mib << 20, procs=procs) as mt:
+                      config=TransferConfig(round_bytes=args.round_mib << 20),
+                      procs=procs) as mt:
         t0 = time.perf_counter()
         plan = mt.connect()
         links = ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in mt.links.items())

@@ -1,10 +1,11 @@
 """A/B of WeightBridge variants on the emulated cluster: median EWTT / ideal over many updates.
 
-    .venv/bin/python benchmarks/cluster_ab.py                       # the six points, 3 variants
+    .venv/bin/python benchmarks/cluster_ab.py                       # the six points, 2 variants
     .venv/bin/python benchmarks/cluster_ab.py --points "replicas=4" --model tiny \
-        --variants controller:2:512 controller:3:512 dataflow:3:512 --reps 3
+        --variants 2:512 3:512 3:256 --reps 3
 
-A variant is ``sequencing:depth:round_kib``. Per point the controller attaches to the hosts
+A variant is ``depth:round_kib`` (`weightbridge.TransferConfig`'s ``depth`` and
+``round_bytes``). Per point the controller attaches to the hosts
 once, then runs every variant ``--reps`` times, interleaved (A B C A B C ...: a slow spell of
 this shared machine hits every variant alike), ``--updates`` updates each; the first update of
 each run is a warm-up. Prints one line per run and the median, min and max EWTT / ideal per
@@ -26,16 +27,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_cluster import attached, configs  # noqa: E402
 from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason  # noqa: E402
 
-DEFAULT_VARIANTS = ("controller:2:512", "controller:3:512", "dataflow:2:512")
+DEFAULT_VARIANTS = ("2:512", "3:512")
 
 
-def parse_variant(text: str) -> tuple[str, int, int]:
+def parse_variant(text: str):
+    """``depth:round_kib`` -> its `TransferConfig`.
+
+    Raises:
+        ValueError: not two numbers, or numbers `TransferConfig` refuses.
+    """
+    from weightbridge import TransferConfig
+
     parts = text.split(":")
-    if len(parts) != 3 or parts[0] not in ("controller", "dataflow") or not all(
-            p.isdigit() for p in parts[1:]):
-        raise ValueError(f"variant {text!r} is not sequencing:depth:round_kib, e.g. "
-                         f"controller:3:512 or dataflow:2:256")
-    return parts[0], int(parts[1]), int(parts[2])
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"variant {text!r} is not depth:round_kib, e.g. 3:512 or 2:256")
+    return TransferConfig(depth=int(parts[0]), round_bytes=int(parts[1]) << 10)
 
 
 def run_point(addrs, tspec_text: str, rspec_text: str, args) -> dict[str, list[float]]:
@@ -48,10 +54,9 @@ def run_point(addrs, tspec_text: str, rspec_text: str, args) -> dict[str, list[f
     with attached(addrs, tspec, rspec) as procs:
         for rep in range(args.reps):
             for variant in args.variants:
-                sequencing, depth, kib = parse_variant(variant)
-                with MeshTransfer(tspec, rspec, args.model, procs=procs, round_bytes=kib << 10,
-                                  link_rate=args.link_mbit * 1e6 / 8, depth=depth,
-                                  sequencing=sequencing) as mt:
+                with MeshTransfer(tspec, rspec, args.model, procs=procs,
+                                  config=parse_variant(variant),
+                                  link_rate=args.link_mbit * 1e6 / 8) as mt:
                     plan = mt.connect()
                     got = []
                     for version in range(1, args.updates + 1):
@@ -69,7 +74,7 @@ def run_point(addrs, tspec_text: str, rspec_text: str, args) -> dict[str, list[f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                        help="sequencing:depth:round_kib")
+                        help="depth:round_kib")
     parser.add_argument("--points", nargs="+", default=None,
                         help='e.g. "replicas=4" "trainer nodes=1" (default: all six)')
     parser.add_argument("--model", default="medium")

@@ -4,13 +4,17 @@
   that holds it. It is WeightBridge's own plan with the forwarding stages rewritten: each
   EXTERNAL or INTERNAL write of a segment becomes a RECEIVE write of the same bytes from the
   trainer that sent that segment, into the same place of the receiver's round buffer. So a
-  trainer sends its bytes once per rollout worker that needs them, and `MeshTransfer` runs it
-  unchanged (``MeshTransfer(..., reroute=p2p_plan)``). A segment has one sending trainer, so each
-  piece comes from a single owner.
+  trainer sends its bytes once per rollout worker that needs them (and packs them once: a
+  worker's plan packs each box of a round once), and `MeshTransfer` runs it unchanged
+  (``MeshTransfer(..., reroute=p2p_plan)``). A segment has one sending trainer, so each piece
+  comes from a single owner.
 - **Broadcast** (`Broadcast`): the trainers gather the whole checkpoint into one head actor on
-  trainer rank 0 (a WeightBridge transfer to a single receiver that holds the checkpoint as
-  one flat bf16 tensor in checkpoint order), the head writes all of it to every rollout worker
-  (one RDMA buffer each), and every rollout worker loads it with its own ``load_weights``.
+  trainer host 0 (a WeightBridge transfer to a single receiver that holds the checkpoint as
+  one flat bf16 tensor in checkpoint order: the FSDP layout of one rank), the head writes all
+  of it to every rollout worker (one RDMA buffer each), and every rollout worker loads it with
+  its own ``load_weights``. The head runs in a proc of its own beside trainer 0's (a transfer
+  group has one worker per proc, and the head is a receiver of the gather while trainer 0 is
+  its sender), on trainer 0's host: its broadcast leaves through that host's link.
 
 Timing uses the same spans and stall rules as WeightBridge (`controller.timing`): the head's
 ``assemble`` and ``broadcast`` spans count as trainer 0's, every rollout stalls from the start
@@ -19,7 +23,7 @@ of the broadcast until its ``load`` ends.
 Typical usage::
 
     with MeshTransfer(tspec, rspec, "tiny", procs=procs, reroute=p2p_plan) as p2p: ...
-    with Broadcast(tspec, rspec, "tiny", procs=procs) as bc:
+    with Broadcast(tspec, rspec, "tiny", procs=procs) as bc:   # head proc on this host
         report = bc.update(1)
 """
 
@@ -33,17 +37,19 @@ import numpy as np
 import torch
 from monarch.actor import endpoint
 
-from controller.driver import MeshTransfer, UpdateReport, _by_rank, _text
+from controller.driver import MeshTransfer, UpdateReport, _by_rank
 from controller.timing import update_timing
-from meshes.actors import RolloutActor, checkpoint, checksums
-from meshes.qwen3_moe import FsdpTrainerShard, MoEConfig, checkpoint_spec
+from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge.monarch_transport import register_ranges, wait_all, write
+from weightbridge import TransferConfig, WorkerParts, extract_source_map
+from weightbridge.monarch_transport import configure_transport, register_ranges, wait_all, write
 from weightbridge.plan import TransferPlan
 from weightbridge.plan_route import RECEIVE
 
 HEAD_SPEC = RolloutSpec.parse("engines=1,nodes=1,gpus=1")
 """The gather's receiver: one actor holding the whole checkpoint."""
+FLAT_SPEC = TrainerSpec.parse("nodes=1,gpus=1,fsdp=1")
+"""The head's layout: one FSDP rank, so one flat bf16 parameter of the whole checkpoint."""
 
 
 def p2p_plan(plan: TransferPlan) -> TransferPlan:
@@ -58,99 +64,132 @@ def p2p_plan(plan: TransferPlan) -> TransferPlan:
         raise ValueError("a forwarded segment has no RECEIVE write; not a WeightBridge plan")
     tables = dataclasses.replace(t, stage=np.full_like(t.stage, RECEIVE), src=owner[t.seg],
                                  src_offset=offset[t.seg])
-    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
-    return _P2PPlan(**{**fields, "tables": tables})
+    return dataclasses.replace(plan, tables=tables)
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class _P2PPlan(TransferPlan):
-    """A trainer packs a segment once however many receivers it writes it to."""
-
-    def for_worker(self, worker):
-        p = TransferPlan.for_worker(self, worker)
-        rounds = tuple(dataclasses.replace(r, pack=tuple(dict.fromkeys(r.pack)))
-                       for r in p.rounds)
-        return dataclasses.replace(p, rounds=rounds)
-
-
-def _checkpoint_bytes(config: MoEConfig) -> int:
-    return checkpoint_spec(config).numel * 2  # bf16
+def _flat_bytes(parts: WorkerParts) -> int:
+    return sum(t.numel for t in parts.spec.tensors) * 2  # bf16, as the head's flat parameter
 
 
 class HeadActor(RolloutActor):
-    """Broadcast head, on trainer rank 0's proc: receives the gather, then writes the whole
-    checkpoint to every rollout worker."""
+    """Broadcast head, on trainer host 0: the gather's one receiver, holding the whole
+    checkpoint as one flat bf16 tensor; then writes all of it to every rollout worker."""
 
-    def _make_shard(self, config: MoEConfig, spec: str, index: int):
-        return FsdpTrainerShard(config, 1, 0)  # the whole checkpoint, one flat bf16 tensor
-
-    def _checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
-        want = FsdpTrainerShard(self.config, 1, 0)
-        with torch.no_grad():
-            want.load_weights(checkpoint(self.config, version))
-        return checksums(self.shard.params), checksums(want.params)
+    def _make_parts(self, rank: int) -> WorkerParts:
+        # The worker factory's FSDP layout over one rank: FsdpTrainerShard(config, 1, 0).
+        parts = self.factory("trainer", FLAT_SPEC, 0)
+        if list(parts.params) != ["flat_param"]:
+            raise ValueError(f"the broadcast head needs the factory's FSDP layout (one flat "
+                             f"parameter); it built {sorted(parts.params)[:4]}")
+        return parts
 
     @endpoint
     async def broadcast(self, handles: list) -> None:
         """Write the whole checkpoint into every handle at once; returns once all landed."""
-        src = self.shard.params["flat_param"].view(torch.uint8)
-        await asyncio.to_thread(self._timed, "broadcast", 0,
-                                lambda: wait_all([write(h, src) for h in handles]))
+        await asyncio.to_thread(self._broadcast, handles)
+
+    def _broadcast(self, handles: list) -> None:
+        src = self.parts.params["flat_param"].view(torch.uint8)
+        start = time.monotonic_ns()
+        wait_all([write(h, src) for h in handles])
+        self.worker.spans.append(("broadcast", 0, start, time.monotonic_ns()))
 
 
 class BroadcastRollout(RolloutActor):
-    """A rollout worker that receives the whole checkpoint and loads it with load_weights."""
+    """A rollout worker that receives the whole checkpoint and loads it with load_weights.
+
+    It is in no transfer group (nothing but the head writes to it), so it keeps its own spans
+    and probes its own load_weights once for the tensors its checksums read."""
+
+    def __init__(self, factory: str, spec: RolloutSpec):
+        super().__init__(factory, spec)
+        self.spans: list[tuple[str, int, int, int]] = []
+        self._names: tuple[str, ...] | None = None
 
     @endpoint
     async def full_buffer(self):
         """Register a buffer for the whole checkpoint; returns its RDMA handle."""
-        n = _checkpoint_bytes(self.config)
+        return await asyncio.to_thread(self._full_buffer)
+
+    def _full_buffer(self):
+        # Probing overwrites the parameters: here, before any update.
+        p = self.parts
+        self._names = extract_source_map(p.params, p.load_weights, p.spec).tensors()
+        n = _flat_bytes(p)
         self._full = torch.zeros(n, dtype=torch.uint8)
         return register_ranges([self._full], [(0, 0, n)])[(0, 0, n)]
+
+    def _checkpoint(self, version: int):
+        return self.parts.checkpoint(version, self._names)
 
     @endpoint
     async def load_full(self) -> None:
         """Load the received checkpoint with this rank's own load_weights."""
-        await asyncio.to_thread(self._timed, "load", 0, self._load_full)
+        await asyncio.to_thread(self._load_full)
 
     def _load_full(self) -> None:
+        start = time.monotonic_ns()
         flat, pos, pairs = self._full.view(torch.bfloat16), 0, []
-        for t in checkpoint_spec(self.config).tensors:
+        for t in self.parts.spec.tensors:
             pairs.append((t.name, flat[pos:pos + t.numel].view(t.shape)))
             pos += t.numel
         with torch.no_grad():
-            self.shard.load_weights(pairs)
+            self.parts.load_weights(pairs)
+        self.spans.append(("load", 0, start, time.monotonic_ns()))
+
+    @endpoint
+    async def timings(self) -> list[tuple[str, int, int, int]]:
+        """This update's spans (the load); clears them."""
+        out, self.spans = self.spans, []
+        return out
 
 
 class Broadcast:
-    """Gather to a head on trainer rank 0, broadcast the whole checkpoint, load_weights.
+    """Gather to a head on trainer host 0, broadcast the whole checkpoint, load_weights.
 
     Args, Keyword Args: as `MeshTransfer` (``procs`` is required: the trainer and rollout proc
-    meshes, one ``worker`` axis each).
+    meshes, one ``worker`` axis each; ``config`` is the gather's).
+
+    Keyword Args:
+        head_procs: A one-proc mesh on trainer 0's host for the head. By default one is
+            spawned on this host (where procs spawned by `this_host()` run) and stopped on
+            close.
     """
 
     def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, model: str, *, procs,
-                 round_bytes: int = 256 << 10, link_rate: float | None = None):
+                 head_procs=None, config: TransferConfig = TransferConfig(),
+                 link_rate: float | None = None):
+        if ":" not in model:  # a demo model: check the rollout layout before anything spawns
+            from meshes.qwen3_moe import SIZES
+
+            if model in SIZES:
+                rollout.validate(SIZES[model])
         self.trainer_spec, self.rollout_spec, self.model = trainer, rollout, model
-        tp, rp = procs
-        self._rp = rp
-        self.gather = MeshTransfer(trainer, HEAD_SPEC, model, round_bytes=round_bytes,
-                                   procs=(tp, tp.slice(worker=slice(0, 1))),
-                                   rollout_actor=HeadActor, link_rate=link_rate)
-        self.link_rate = link_rate
+        self._tp, self._rp = procs
+        self._head_procs, self._owned_head = head_procs, None
+        self.config, self.link_rate = config, link_rate
+        self.gather: MeshTransfer | None = None
         self.rollouts = None
         self.ideal_s = 0.0
 
     def __enter__(self) -> "Broadcast":
         try:
+            if self._head_procs is None:
+                from monarch.actor import this_host
+
+                configure_transport()  # before spawning: children read the config at start-up
+                self._owned_head = this_host().spawn_procs(per_host={"worker": 1},
+                                                           name="bcast_head")
+                self._head_procs = self._owned_head
+            self.gather = MeshTransfer(self.trainer_spec, HEAD_SPEC, self.model,
+                                       config=self.config, procs=(self._tp, self._head_procs),
+                                       rollout_actor=HeadActor, link_rate=self.link_rate)
             self.gather.__enter__()
             self.gather.connect()
-            self.rollouts = self._rp.spawn("bcast_rollout", BroadcastRollout, self.model,
-                                           _text(self.rollout_spec))
-            self.rollouts.initialized.get()
-            self.rollouts.source_map.call().get()  # checksums read the tensors it names
-            self._handles = _by_rank(self.rollouts.full_buffer.call().get())
             self.head = self.gather.rollouts
+            self.rollouts = self._rp.spawn("bcast_rollout", BroadcastRollout,
+                                           self.gather.workers, self.rollout_spec)
+            self._handles = _by_rank(self.rollouts.full_buffer.call().get())
         except BaseException:
             self.close()
             raise
@@ -160,14 +199,33 @@ class Broadcast:
         self.close()
 
     def close(self) -> None:
-        try:
-            if self.rollouts is not None:
-                self.rollouts.stop().get(timeout=60)
-                self.rollouts = None
-        finally:
-            self.gather.close()
+        errors = []
+        for stop in (self._stop_rollouts, self._stop_gather, self._stop_head):
+            try:
+                stop()
+            except Exception as e:  # keep stopping the others; re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def _stop_rollouts(self) -> None:
+        if self.rollouts is not None:
+            rollouts, self.rollouts = self.rollouts, None
+            rollouts.stop().get(timeout=60)
+
+    def _stop_gather(self) -> None:
+        if self.gather is not None:
+            gather, self.gather = self.gather, None
+            gather.close()
+
+    def _stop_head(self) -> None:
+        if self._owned_head is not None:
+            head, self._owned_head = self._owned_head, None
+            self._head_procs = None
+            head.stop().get(timeout=60)
 
     def update(self, version: int) -> UpdateReport:
+        """Train step, gather, broadcast, load; verified like `MeshTransfer.update`."""
         t0 = time.perf_counter()
         self.gather.trainers.train_step.call(version).get()
         t1 = time.perf_counter()
@@ -189,15 +247,10 @@ class Broadcast:
         for i, (got, want) in enumerate(results):
             count += len(want)
             bad += [f"rollout{i}:{k}" for k in want if got.get(k) != want[k]]
-        gathered = int(self.gather.plan.stage_bytes()[0].sum())
+        plan = self.gather.plan
+        gathered = int(plan.stage_bytes()[0].sum())
+        whole = plan.correspondence.nbytes  # the head needs every byte of the checkpoint
         return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
-                            verify_s=t3 - t2,
-                            rdma_bytes=gathered + n * _checkpoint_bytes(_config(self.model)),
+                            verify_s=t3 - t2, rdma_bytes=gathered + n * whole,
                             num_params=count, mismatched=tuple(bad), timing=timing,
                             ideal_s=self.ideal_s)
-
-
-def _config(model: str) -> MoEConfig:
-    from meshes.qwen3_moe import SIZES
-
-    return SIZES[model]

@@ -135,6 +135,11 @@ class MeshTransfer:
         if not isinstance(config, TransferConfig):
             raise ValueError(f"config must be a weightbridge.TransferConfig, got "
                              f"{type(config).__name__}")
+        if config.sender_staging or config.receiver_staging:
+            raise ValueError("MeshTransfer drives synchronous updates (the controller sequences "
+                             "every round); staging modes are for the adapters: use "
+                             "TransferGroup.sender/receiver, or drop sender_staging / "
+                             "receiver_staging from the config")
         if ":" not in workers:
             if workers not in FACTORIES:
                 raise ValueError(f"unknown model {workers!r}: give a demo model "

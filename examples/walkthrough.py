@@ -5,37 +5,44 @@
 #
 #     .venv/bin/python examples/walkthrough.py
 #
-# It spawns a small trainer mesh and a small rollout mesh on this host, calls the probe
-# endpoints by hand, shows the plan, moves one model version with round-by-round RDMA writes,
-# verifies it bit for bit, and shuts the meshes down.
+# It spawns a small trainer mesh and a small rollout mesh on this host, probes every worker by
+# hand through the transfer group's control plane, shows the plan, moves two model versions
+# with round-by-round RDMA writes, verifies them bit for bit, and shuts the meshes down.
 
 # %%
 import atexit
 
 from controller.driver import MeshTransfer
 from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import TransferConfig
 
 trainer = TrainerSpec.parse("nodes=1,gpus=2,tp=2")  # a Megatron-like TP2 trainer
 rollout = RolloutSpec.parse("engines=2,nodes=1,gpus=1,tp=1")  # two single-GPU engines
-mt = MeshTransfer(trainer, rollout, "tiny", round_bytes=128 << 10)
-mt.__enter__()  # spawns both meshes; `mt.close()` in the last cell stops them
-atexit.register(mt.close)  # and this stops them if a cell fails (close() is idempotent)
+mt = MeshTransfer(trainer, rollout, "tiny", config=TransferConfig(round_bytes=128 << 10))
+mt.__enter__()  # spawns procs, actors and the group's agents; `mt.close()` in the last cell
+atexit.register(mt.close)  # stops them if a cell fails (close() is idempotent)
 
 # %% [markdown]
 # ## Layout discovery, by hand
-# Every actor probes its own `load_weights` and returns a `SourceMap`: the endpoint call is the
-# whole integration. The maps are small values that travel to the controller.
+# Each actor built its rank of the demo model with a worker factory (`meshes.workers:tiny`)
+# and registered it in the transfer group (`TransferGroup.worker`). Every call on a worker is
+# a `PeerCall`, served by the group's agent on the worker's proc. `SOURCE_MAP` makes a worker
+# probe its own `load_weights` and return a `SourceMap`: small values that travel to the
+# controller. (`connect` below makes this same call.)
 
 # %%
-for point, smap in mt.trainers.source_map.call().get().items():
-    print("trainer", dict(point), smap.summary())
-for point, smap in mt.rollouts.source_map.call().get().items():
-    print("rollout", dict(point), smap.summary())
+from weightbridge.control import PeerCall, rollouts, trainers
+
+workers = trainers(mt.control) + rollouts(mt.control)
+found = mt.control.call(workers, PeerCall.SOURCE_MAP)  # all at once
+for worker, (smap, placement, spec) in zip(workers, found):
+    engine = "" if placement.engine is None else f" engine {placement.engine}"
+    print(f"{worker} on {placement.node}{engine}: {smap.summary().splitlines()[0]}")
 
 # %% [markdown]
 # ## Connect: correspond, plan, buffers
-# `connect` gathers the maps, plans the three-stage transfer on the controller, hands each
-# actor its part of the plan and registers the round buffers. No weight moves yet.
+# `connect` probes every worker, plans the three-stage transfer on the controller, hands each
+# worker its part of the plan and registers the round buffers. No weight moves yet.
 
 # %%
 plan = mt.connect()
@@ -43,8 +50,9 @@ print(plan.summary())
 
 # %% [markdown]
 # ## One update
-# The trainers take a (stand-in) training step to version 1, the controller drives the rounds,
-# and every rollout compares checksums of its parameters with its own loader's result.
+# The trainers take a (stand-in) training step to version 1, the controller drives the rounds
+# (the one round sequencer, `weightbridge.sequencer`), and every rollout compares checksums of
+# its parameters with its own loader's result.
 
 # %%
 report = mt.update(1)
@@ -52,15 +60,21 @@ print(report.line())
 assert not report.mismatched, report.mismatched
 
 # %% [markdown]
-# The rollouts generate with the weights they just received: each rank runs its share of a
-# forward pass (no collectives here) and returns its greedy tokens.
+# ## A second version, checked by hand
+# The same plan moves every later version. The two engines are replicas of one policy: after
+# the update, every rank of both holds the same bytes, and the same bytes as its own
+# `load_weights` of version 2 (the `checksums` endpoint returns both digests per parameter).
 
 # %%
-generated = mt.rollouts.generate_step.call(seed=0).get()
-for point, tokens in generated.items():
-    print("rollout", dict(point), "generate_step ->", tokens)
-# the two engines are replicas of one policy version: they generate the same tokens
-assert len({tuple(tokens) for tokens in generated.values()}) == 1
+report = mt.update(2)
+print(report.line())
+assert not report.mismatched, report.mismatched
+digests = mt.rollouts.checksums.call(2).get()
+for point, (live, own) in digests.items():
+    print("rollout", dict(point), f"{len(live)} parameters,",
+          "bit-identical to its own load_weights(v2)" if live == own else "MISMATCH")
+    assert live == own
+assert len({tuple(sorted(live.items())) for live, _ in digests.values()}) == 1
 
 # %% [markdown]
 # ## Shut down

@@ -1,8 +1,9 @@
 """Triton pack and assemble kernels: one launch per round per worker.
 
-A leaf package: it imports only torch and triton, nothing from weightbridge. `TritonKernels`
-satisfies weightbridge's `CopyKernels` protocol structurally and reads `BoxCopy` descriptors by
-attribute. Importing compiles nothing; kernels compile on their first launch.
+It imports torch, triton and, from weightbridge, only the copy validation every implementation
+shares (`weightbridge.boxcopy`); weightbridge imports it only when parameters live on a GPU.
+`TritonKernels` satisfies weightbridge's `CopyKernels` protocol structurally and reads
+`BoxCopy` descriptors by attribute. Importing compiles nothing; kernels compile on their first launch.
 
 Typical usage::
 

@@ -1,7 +1,8 @@
 """Descriptor tables for the pack and assemble kernels, built once per plan.
 
-Imports only torch: the tables can be built (and inspected, and benchmarked) without Triton or a
-GPU. A table has two int64 tensors on the tensors' device:
+Imports only torch and weightbridge's copy validation (`copy_columns`, `merge_dims`: the one
+definition of a valid `BoxCopy` table, shared with the CPU path): the tables can be built (and
+inspected, and benchmarked) without Triton or a GPU. A table has two int64 tensors on the tensors' device:
 
 ``copies`` [C, NUM_FIELDS], one row per (normalized) box:
 
@@ -34,10 +35,11 @@ from typing import Any, Sequence
 
 import torch
 
+from weightbridge.boxcopy import copy_columns, merge_dims
+
 MAX_RANK = 4
 """Box dims the kernels address after merging. To raise it: add N/S fields here, pad to the new
-rank in `_merge_dims`' callers, and decompose the extra row dims in `kernels/_tile.py`."""
-SUPPORTED_ITEMSIZES = (1, 2, 4)
+rank where `merge_dims` is called, and decompose the extra row dims in `kernels/_tile.py`."""
 ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3 = range(11)
 NUM_FIELDS = 11
 BLOCK_ROWS = 16
@@ -89,7 +91,7 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
         return Descriptors(empty, torch.zeros((0, 3), dtype=torch.int64, device=device),
                            cols["nbytes"], cols["overlap"], device, block_rows, block_cols,
                            tuple(tensors))
-    shape, strides = _merge_dims(cols["shape"], cols["strides"])
+    shape, strides = merge_dims(cols["shape"], cols["strides"])
     rank = (shape > 1).sum(dim=1)
     if bool((rank > MAX_RANK).any()):
         i = int((rank > MAX_RANK).nonzero()[0, 0])
@@ -119,93 +121,22 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
 
 
 def _columns(copies: Sequence[Any], tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """Read and validate the copies; drop empty boxes. Returns int64 columns (CPU)."""
-    for c in copies:
-        if len(c.shape) != len(c.strides):
-            raise ValueError(f"{c} has {len(c.shape)} sizes but {len(c.strides)} strides; give "
-                             "one stride per box dim")
-    rank = max((len(c.shape) for c in copies), default=0)
-    ones, zeros = (1,) * rank, (0,) * rank
-    try:
-        cols = torch.tensor([(c.tensor, c.offset, c.buffer_offset, *ones[len(c.shape):], *c.shape,
-                              *zeros[len(c.strides):], *c.strides) for c in copies],
-                            dtype=torch.int64).reshape(len(copies), 3 + 2 * rank)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise ValueError(f"every BoxCopy field must be an int (or a tuple of ints) that fits in "
-                         f"int64: {e}") from None
-    tensor, offset, boff = cols[:, 0], cols[:, 1], cols[:, 2]
-    shape, strides = cols[:, 3:3 + rank], cols[:, 3 + rank:]
-
-    def first(bad: torch.Tensor) -> Any:
-        return copies[int(bad.nonzero()[0, 0])] if bool(bad.any()) else None
-
-    if (c := first((tensor < 0) | (tensor >= len(tensors)))) is not None:
-        raise ValueError(f"{c} addresses tensor {c.tensor}, but only {len(tensors)} tensors were "
-                         "given; pass every tensor the copies name, in the order they index them")
-    if (c := first((shape < 0).any(dim=1))) is not None:
-        raise ValueError(f"{c} has a negative size; box sizes must be >= 0")
-    if (c := first(boff < 0)) is not None:
-        raise ValueError(f"{c} has a negative buffer_offset; buffer offsets are bytes from the "
-                         "start of the buffer")
-    used = sorted(set(tensor.tolist()))
+    """Validate the copies (`weightbridge`'s one definition of a valid BoxCopy table) and drop
+    empty boxes. Returns int64 columns (CPU) plus each box's tensor address."""
+    cols = copy_columns(copies, tensors)
+    keep = (cols.numel > 0).nonzero()[:, 0]
+    used = sorted(set(cols.tensor.tolist()))
+    data_ptr = torch.zeros(len(tensors), dtype=torch.int64)
     for i in used:
-        t = tensors[i]
-        if t.element_size() not in SUPPORTED_ITEMSIZES or t.is_quantized or t.is_complex():
-            raise ValueError(
-                f"tensor {i} has dtype {t.dtype} ({t.element_size()} bytes per element); the copy "
-                f"kernels move elements of {SUPPORTED_ITEMSIZES} bytes. View it as one of those "
-                "(e.g. tensor.view(torch.int32) for 8-byte types) and describe the boxes over "
-                "that view")
-    devices = {tensors[i].device for i in used}
-    if len(devices) > 1:
-        raise ValueError(f"the copies address tensors on several devices "
-                         f"{sorted(map(str, devices))}; build one table per device")
-    info = torch.zeros((len(tensors), 3), dtype=torch.int64)  # itemsize, span, data_ptr
-    for i in used:
-        t = tensors[i]
-        span = 0 if t.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        info[i] = torch.tensor([t.element_size(), span, t.data_ptr()])
-    itemsize, span, data_ptr = info[tensor].unbind(1)
-    numel = shape.prod(dim=1)
-    reach = (shape - 1).clamp(min=0) * strides
-    lo = offset + reach.clamp(max=0).sum(dim=1)
-    hi = offset + reach.clamp(min=0).sum(dim=1)
-    if (c := first((numel > 0) & ((lo < 0) | (hi >= span)))) is not None:
-        t = tensors[c.tensor]
-        raise ValueError(
-            f"{c} reaches outside tensor {c.tensor} (shape {tuple(t.shape)}, strides "
-            f"{t.stride()}), whose elements lie at storage offsets 0..{int(info[c.tensor, 1]) - 1} "
-            "from its first element; fix the box's offset, shape or strides")
-    keep = (numel > 0).nonzero()[:, 0]
-    end = boff + numel * itemsize
-    s, e = boff[keep], end[keep]
-    order = torch.argsort(s, stable=True)
+        data_ptr[i] = tensors[i].data_ptr()
+    devices = {tensors[i].device for i in used}  # one at most: copy_columns checks it
     return {
-        "index": keep, "tensor": tensor[keep], "offset": offset[keep], "shape": shape[keep],
-        "strides": strides[keep], "buffer_offset": s, "itemsize": itemsize[keep],
-        "data_ptr": data_ptr[keep], "device": next(iter(devices)) if devices else None,
-        "nbytes": int(e.max()) if len(e) else 0,
-        "overlap": bool((e[order][:-1] > s[order][1:]).any()) if len(s) > 1 else False,
+        "index": keep, "tensor": cols.tensor[keep], "offset": cols.offset[keep],
+        "shape": cols.shape[keep], "strides": cols.strides[keep],
+        "buffer_offset": cols.buffer_offset[keep], "itemsize": cols.itemsize[keep],
+        "data_ptr": data_ptr[cols.tensor[keep]], "device": next(iter(devices), None),
+        "nbytes": cols.nbytes, "overlap": cols.buffer_overlap,
     }
-
-
-def _merge_dims(shape: torch.Tensor, strides: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop size-1 dims and merge each dim into the next outer one when they are contiguous
-    (``strides[d] == strides[d+1] * shape[d+1]``); remaining dims end up on the right."""
-    shape, strides = shape.clone(), torch.where(shape == 1, 0, strides)
-    shape, strides = _dims_right(shape, strides)
-    for d in range(shape.shape[1] - 2, -1, -1):
-        m = (shape[:, d] > 1) & (shape[:, d + 1] > 1) & (
-            strides[:, d] == strides[:, d + 1] * shape[:, d + 1])
-        shape[m, d] *= shape[m, d + 1]
-        strides[m, d] = strides[m, d + 1]
-        shape[m, d + 1], strides[m, d + 1] = 1, 0
-    return _dims_right(shape, strides)
-
-
-def _dims_right(shape: torch.Tensor, strides: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    order = torch.argsort((shape != 1).to(torch.int8), dim=1, stable=True)
-    return shape.gather(1, order), strides.gather(1, order)
 
 
 def _widen(addr: torch.Tensor, buf: torch.Tensor, shape: torch.Tensor, strides: torch.Tensor,

@@ -101,6 +101,9 @@ class RLTrainer(Actor):
 class RLRollout(Actor):
     """A rollout rank: a TP shard of one engine; `step` polls, then runs a forward pass."""
 
+    receiver_cls = None
+    """A `ReceiverAdapter` subclass to build instead of it (tests inject faults this way)."""
+
     def __init__(self, model: str, tp: int):
         _check_model(model)
         torch.set_num_threads(1)
@@ -115,12 +118,9 @@ class RLRollout(Actor):
                              f"engine_size={self.tp} to TransferGroup.spawn")
         self.rank_in_engine = current_rank().rank % self.tp
         self.shard = RolloutShard(SIZES[self.model], self.tp, self.rank_in_engine, 1, 0)
-        self.adapter = self._receiver(group, self.shard.params, self.shard.load_weights,
-                                      checkpoint_spec(SIZES[self.model]))
-
-    def _receiver(self, group, params, load_weights, spec):
-        """This rank's adapter (a test substitutes a faulty one here)."""
-        return group.receiver(params, load_weights, spec)
+        self.adapter = group.receiver(self.shard.params, self.shard.load_weights,
+                                      checkpoint_spec(SIZES[self.model]),
+                                      cls=self.receiver_cls)
 
     @endpoint
     def step(self, seed: int) -> dict:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from weightbridge import ParamSpec, Piece, Region, SourceMap
+from weightbridge import ParamSpec, Piece, Region, SourceMap, replay
 
 SHAPES = {
     "attn.w": ((12, 8), "bfloat16"),
@@ -45,7 +45,7 @@ def params_of(smap: SourceMap, fill: float = 0.0) -> dict[str, torch.Tensor]:
 
 def loaded(smap: SourceMap, ckpt, fill: float = 0.0) -> dict[str, torch.Tensor]:
     params = params_of(smap, fill)
-    smap.load(params, ckpt)
+    replay(smap, params, ckpt)
     return params
 
 

@@ -27,7 +27,8 @@ from boxcopy_cases import (
     random_buffer,
     tables,
 )
-from weightbridge.boxcopy import TorchCopyKernels, default_kernels
+from weightbridge.boxcopy import TorchCopyKernels
+from weightbridge.executor import default_kernels
 from weightbridge.cpu_kernels import CpuCopyKernels
 from weightbridge.types import BoxCopy
 

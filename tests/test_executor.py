@@ -6,7 +6,11 @@ process must give every rollout exactly what its own loader gives.
 
 import torch
 
-from meshes.actors import checkpoint, checksums
+import pytest
+
+import weightbridge.executor as executor_module
+from meshes.actors import checksums
+from meshes.workers import checkpoint
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import CpuCopyKernels, Placement, Stage, extract_source_map, plan_transfer
 from weightbridge.executor import WorkerExecutor, incoming_ranges
@@ -44,3 +48,40 @@ def test_executors_with_copy_writes_match_the_rollouts_own_loader():
         want = RolloutShard(CONFIG, s.tp, s.tp_rank, 1, 0)
         want.load_weights(checkpoint(CONFIG, 5))
         assert checksums(s.params) == checksums(want.params)
+
+
+def _plan_for_one_rollout():
+    spec = checkpoint_spec(CONFIG)
+    trainer, rollout = TrainerShard(CONFIG, 1, 0, 1, 0), RolloutShard(CONFIG, 1, 0, 1, 0)
+    maps = [extract_source_map(w.params, w.load_weights, spec) for w in (trainer, rollout)]
+    plan = plan_transfer([(maps[0], Placement("t"))], [(maps[1], Placement("r", engine=0))],
+                         round_bytes=256 << 10)
+    return plan, trainer, rollout
+
+
+@pytest.mark.parametrize("depth", [2, 3, 5])
+def test_the_executor_keeps_depth_arenas_and_writes_round_r_into_arena_r_mod_depth(depth):
+    plan, trainer, _ = _plan_for_one_rollout()
+    ex = WorkerExecutor(plan.for_worker(plan.workers[0]), trainer.params, depth=depth)
+    assert len(ex.arenas) == depth
+    for r in range(plan.num_rounds):
+        assert ex.arena(r) is ex.arenas[r % depth]
+        assert all(key[0] == r % depth for stage in Stage for _, key, _ in ex.writes(r, stage))
+
+
+def test_the_copy_kernels_follow_the_parameters_device(monkeypatch):
+    """Triton on CUDA, the CPU path elsewhere: the executor asks for the kernels of the device
+    its parameters are on (no GPU here: the choice is checked, and `default_kernels` gives the
+    Triton implementation for a CUDA device)."""
+    from kernels import TritonKernels
+    from weightbridge import default_kernels
+
+    seen = []
+    real = executor_module.default_kernels
+    monkeypatch.setattr(executor_module, "default_kernels",
+                        lambda device: seen.append(torch.device(device)) or real(device))
+    plan, trainer, _ = _plan_for_one_rollout()
+    ex = WorkerExecutor(plan.for_worker(plan.workers[0]), trainer.params)
+    assert seen == [torch.device("cpu")] and isinstance(ex.kernels, CpuCopyKernels)
+    assert isinstance(default_kernels(torch.device("cuda", 0)), TritonKernels)
+    assert isinstance(default_kernels("cpu"), CpuCopyKernels)

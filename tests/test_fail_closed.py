@@ -91,7 +91,6 @@ def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode
                     failures[i].append(("wait_idle", v, e))
             after_version.wait()
 
-    steps: dict[int, list[set]] = {e: [] for e in range(ENGINES)}
     installs: dict[int, list[int]] = {}
     rollout_errors: dict[int, BaseException] = {}
     barriers = [threading.Barrier(ENGINE_TP, timeout=60) for _ in range(ENGINES)]

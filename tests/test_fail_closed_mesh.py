@@ -2,11 +2,12 @@
 
 Trainer TP2 -> two TP2 engines (`meshes/adapter_actors.py`, as in `examples/rl_loop.py`) on
 proc meshes of their own, one `TransferGroup` over both; rollout worker R1 (engine 0) calls
-``os._exit`` at the third round of the second transfer (its adapter's ``on_forward``, which
-the group's agent runs for trainer 0's sequencer). Checked: trainer 0 raises a `TransferFailed` naming R1, engine 0 and
-version 2 within a bound of ``timeout_s``; engine 1 runs one version per step, bit-exact at
-every install, and ends on the last version (the next ``send_weights`` goes on with it);
-engine 0's steps fail; every proc is gone afterwards.
+``os._exit`` at the third round of the second transfer (in its adapter's ``on_forward``,
+which the group's agent runs for trainer 0's sequencer; the adapter class is substituted with
+``group.receiver(..., cls=...)``). Checked: trainer 0 raises a `TransferFailed` naming R1,
+engine 0 and version 2 within a bound of ``timeout_s``; engine 1 runs one version per step,
+bit-exact at every install, and ends on the last version (the next ``send_weights`` goes on
+with it); engine 0's steps fail; every proc is gone afterwards.
 """
 
 import os
@@ -14,12 +15,10 @@ import threading
 import time
 
 import pytest
-from monarch.actor import current_rank
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshprocs import bootstrap_children, proc_pair
 from weightbridge import ReceiverAdapter, TransferConfig, TransferGroup
-from weightbridge.monarch_control import _register
 from weightbridge.types import Stage
 
 pytestmark = pytest.mark.mesh
@@ -42,21 +41,9 @@ class DiesInSecondTransfer(ReceiverAdapter):
 
 
 class FaultyRollout(RLRollout):
-    """`RLRollout` whose adapter is a `DiesInSecondTransfer`.
+    """`RLRollout` whose adapter is a `DiesInSecondTransfer` (``group.receiver(cls=...)``)."""
 
-    ``group.receiver`` always builds a plain `ReceiverAdapter`, so this builds the worker as
-    it does (same rank, engine and wiring) and registers it in this process's slot of the
-    group, where the group's agent serves the peer calls on it.
-    """
-
-    def _receiver(self, group, params, load_weights, spec):
-        rank = current_rank().rank
-        worker = DiesInSecondTransfer(
-            params, load_weights, spec, rank=rank, engine=rank // group.engine_size,
-            engine_rank=rank % group.engine_size, engine_size=group.engine_size,
-            **group._wiring())
-        _register(group.name, worker)
-        return worker
+    receiver_cls = DiesInSecondTransfer
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -20,7 +20,7 @@ from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import qwen3_moe
-from weightbridge import LayoutError, TransferConfig, TransferWorker, WorkerParts
+from weightbridge import LayoutError, TransferConfig, TransferWorker
 
 pytestmark = pytest.mark.mesh
 
@@ -269,7 +269,8 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
     timeout_s = 5
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
-                      rollout_actor=DiesInRound1Rollout, config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s))
+                      rollout_actor=DiesInRound1Rollout,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s))
     with mt:
         mt.connect()
         t0 = time.monotonic()

@@ -2,12 +2,11 @@
 structured ones, across chunk edges and passes. Loaders here are raw element gathers, so any
 map at all can be expressed; the oracle is the gather itself."""
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, runs
+from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, replay, runs
 
 
 def gather_loader(params, sources, spec):
@@ -33,7 +32,7 @@ def check(sources, dtype=torch.bfloat16, shapes=((40, 30), (7,), (3, 5, 4))):
     got = {n: torch.zeros_like(p) for n, p in params.items()}
     params.update(expect)
     load(ckpt.items())
-    smap.load(got, ckpt)
+    replay(smap, got, ckpt)
     for n in params:
         assert torch.equal(got[n].view(torch.uint8), expect[n].view(torch.uint8)), n
     return smap

@@ -12,7 +12,8 @@ import functools
 import pytest
 import torch
 
-from meshes.actors import checkpoint, checksums
+from meshes.actors import checksums
+from meshes.workers import checkpoint
 from meshes.qwen3_moe import SIZES, FsdpTrainerShard, RolloutShard, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import (CheckpointSpec, Placement, extract_source_map, plan_transfer,

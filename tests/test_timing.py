@@ -7,7 +7,7 @@ import pytest
 from controller.timing import chrome_trace, update_timing
 from weightbridge import Placement, simulate
 from weightbridge.simulate import eq1
-from weightbridge.types import Cluster
+from weightbridge import Cluster
 from test_simulate import _plan
 
 MS = 1_000_000  # ns

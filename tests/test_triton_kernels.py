@@ -34,7 +34,8 @@ from boxcopy_cases import (  # noqa: E402
     random_bits,
     tables,
 )
-from weightbridge.boxcopy import TorchCopyKernels, default_kernels  # noqa: E402
+from weightbridge.boxcopy import TorchCopyKernels  # noqa: E402
+from weightbridge.executor import default_kernels  # noqa: E402
 from weightbridge.types import BoxCopy  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"

@@ -5,30 +5,31 @@ Layout discovery probes each worker's own ``load_weights`` and returns a compact
 
 Typical usage::
 
-    spec = weightbridge.CheckpointSpec.from_safetensors("model.safetensors")
+    spec = weightbridge.read_checkpoint_spec("model.safetensors")
     smap = weightbridge.extract_source_map(model.named_parameters, model.load_weights, spec)
-    smap.load(params, checkpoint)   # what load_weights does, replayed from the map
+    weightbridge.replay(smap, params, checkpoint)   # what load_weights does, from the map
 """
 
 from weightbridge.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
-from weightbridge.boxcopy import CopyKernels, TorchCopyKernels, default_kernels
+from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
 from weightbridge.config import TransferConfig
 from weightbridge.correspond import correspond
 from weightbridge.cpu_kernels import CpuCopyKernels
 from weightbridge.errors import LayoutError
+from weightbridge.executor import default_kernels
 from weightbridge.local import run_plan_locally
+from weightbridge.replay import replay
+from weightbridge._safetensors import read_checkpoint_spec
 from weightbridge.plan import TransferPlan, plan_transfer
 from weightbridge.probe import extract_source_map
-from weightbridge.simulate import simulate
+from weightbridge.simulate import Cluster, Estimate, simulate
 from weightbridge.worker import TransferWorker, WorkerParts
 from weightbridge.types import (
     BoxCopy,
     BufferWrite,
     CheckpointSpec,
     Chunk,
-    Cluster,
     Correspondence,
-    Estimate,
     Overlap,
     ParamSpec,
     Piece,
@@ -94,6 +95,8 @@ __all__ = [
     "default_kernels",
     "extract_source_map",
     "plan_transfer",
+    "read_checkpoint_spec",
+    "replay",
     "run_plan_locally",
     "simulate",
 ]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Sequence
 
-from weightbridge.types import TensorSpec
+from weightbridge.types import CheckpointSpec, TensorSpec
 
 _DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I8": "int8", "U8": "uint8",
@@ -34,3 +35,15 @@ def read_header_specs(path: str) -> list[TensorSpec]:
                              f"weightbridge does not know")
         specs.append(TensorSpec(name, tuple(entry["shape"]), _DTYPES[code]))
     return specs
+
+
+def read_checkpoint_spec(paths: str | Sequence[str]) -> CheckpointSpec:
+    """The `CheckpointSpec` of one or more ``.safetensors`` files; reads the JSON headers only.
+
+    Raises:
+        ValueError: no path given, or a file that is not safetensors.
+    """
+    files = [paths] if isinstance(paths, str) else list(paths)
+    if not files:
+        raise ValueError("read_checkpoint_spec needs at least one .safetensors path")
+    return CheckpointSpec(tuple(spec for f in files for spec in read_header_specs(f)))

@@ -4,7 +4,7 @@ A round of a plan becomes, per worker, a list of `BoxCopy` descriptors over that
 (its parameters and its transfer buffers). A `CopyKernels` implementation turns the list into a
 table once (at connect) and then executes the whole table in one or two launches per round:
 
-    kernels = default_kernels(device)              # Triton on CUDA, vectorized torch on CPU
+    kernels = default_kernels(device)              # (executor) Triton on CUDA, torch on CPU
     table = kernels.build_table(copies, tensors)   # once per plan: validates, builds descriptors
     kernels.pack(table, send_buffer)               # per round: tensors -> buffer
     kernels.assemble(table, recv_buffer)           # per round: buffer -> tensors
@@ -14,7 +14,8 @@ Implementations:
 - `TorchCopyKernels` (here): the reference semantics, one torch copy per box, any device. Slow
   per copy; the oracle for the others.
 - `weightbridge.cpu_kernels.CpuCopyKernels`: the default where there is no GPU.
-- `kernels.TritonKernels` (the `kernels/` package, imported lazily by `default_kernels`): one
+- `kernels.TritonKernels` (the `kernels/` package, imported lazily by the executor's
+  `default_kernels`): one
   Triton launch per pack or assemble.
 
 All of them move raw bits (never float arithmetic), accept 1-, 2- and 4-byte element types, any
@@ -61,21 +62,6 @@ class CopyKernels(Protocol):
     def assemble(self, table: object, buffer: torch.Tensor) -> None:
         """Scatter every box of the table from ``buffer`` (1-d contiguous uint8) into its tensor."""
         ...
-
-
-def default_kernels(device: torch.device | str) -> CopyKernels:
-    """The fastest implementation for tensors on ``device``.
-
-    Triton kernels on CUDA (the ``kernels`` package, imported only here, so that the core imports
-    without Triton), the vectorized torch path anywhere else.
-    """
-    if torch.device(device).type == "cuda":
-        from kernels import TritonKernels  # lazy: Triton is needed only on GPUs
-
-        return TritonKernels()
-    from weightbridge.cpu_kernels import CpuCopyKernels
-
-    return CpuCopyKernels()
 
 
 # --------------------------------------------------------------------------------------------

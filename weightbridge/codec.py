@@ -19,7 +19,6 @@ themselves advance by a constant: the probe finds copy boundaries without decodi
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch

@@ -20,10 +20,24 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from weightbridge.boxcopy import CopyKernels, default_kernels
+from weightbridge.boxcopy import CopyKernels
+from weightbridge.cpu_kernels import CpuCopyKernels
 from weightbridge.control import Range
 from weightbridge.types import Stage, WorkerId, WorkerPlan
 from weightbridge.views import memory_order
+
+def default_kernels(device: torch.device | str) -> CopyKernels:
+    """The fastest implementation for tensors on ``device``.
+
+    Triton kernels on CUDA (the ``kernels`` package, imported only here, so that the core imports
+    without Triton), the vectorized torch path anywhere else.
+    """
+    if torch.device(device).type == "cuda":
+        from kernels import TritonKernels  # lazy: Triton is needed only on GPUs
+
+        return TritonKernels()
+    return CpuCopyKernels()
+
 
 def incoming_ranges(plans: Iterable[WorkerPlan], depth: int = 2) -> dict[WorkerId, set[Range]]:
     """Per receiving worker, every distinct (arena r % depth, offset, nbytes) some peer writes

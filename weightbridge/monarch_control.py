@@ -25,6 +25,7 @@ Typical usage: docs/integration.md; `tests/test_monarch_integration.py`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -111,7 +112,10 @@ class TransferAgent(Actor):
         worker = await asyncio.to_thread(_lookup, group, REGISTER_WAIT_S)
         if call is PeerCall.SEND_ROUND:
             pool = self._senders.setdefault(group, ThreadPoolExecutor(1, "weightbridge-send"))
-            return await asyncio.wrap_future(pool.submit(call.serve, worker, *args))
+            # The send thread needs this actor's context (Monarch's current actor), as
+            # asyncio.to_thread would carry it.
+            context = contextvars.copy_context()
+            return await asyncio.wrap_future(pool.submit(context.run, call.serve, worker, *args))
         return await asyncio.to_thread(call.serve, worker, *args)
 
     @concurrent_endpoint
@@ -144,7 +148,7 @@ class MeshControl:
             return None
         # A trainer's sends queue behind each other, up to depth of them.
         config = self.group.config
-        return config.timeout_s * (config.depth if call is PeerCall.SEND_ROUND else 1)
+        return config.peer_timeout_s * (config.depth if call is PeerCall.SEND_ROUND else 1)
 
     def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
         agent = self._meshes[peer.side].slice(**{AXIS: peer.index})
@@ -168,7 +172,14 @@ class MeshControl:
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
         futures = [self._issue(p, call, args) for p in peers]  # all issued before any wait
         timeout = self._timeout(call)
-        return [await asyncio.wait_for(_awaited(f), timeout) for f in futures]
+        try:
+            return list(await asyncio.wait_for(
+                asyncio.gather(*(_awaited(f) for f in futures)), timeout))
+        except asyncio.TimeoutError:
+            names = ", ".join(str(p) for p in peers)
+            raise TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
+                               f"(TransferConfig.timeout_s): a peer is stalled or its "
+                               f"process died") from None
 
 
 async def _awaited(future):

@@ -57,9 +57,11 @@ def worker_plan(plan, worker: WorkerId) -> WorkerPlan:
                         finder)
     send = t.send_bytes[me]
     recv = t.recv_bytes[me]
-    rounds = tuple(WorkerRound(index=r, pack=tuple(pack[r]), writes=tuple(writes[r]),
-                               assemble=tuple(assemble[r]), send_bytes=int(send[r]),
-                               recv_bytes=int(recv[r]))
+    # A segment written to several receivers in one round (a P2P plan: no forwarding) is packed
+    # once; a no-op for WeightBridge's plans, where each segment has one RECEIVE write.
+    rounds = tuple(WorkerRound(index=r, pack=tuple(dict.fromkeys(pack[r])),
+                               writes=tuple(writes[r]), assemble=tuple(assemble[r]),
+                               send_bytes=int(send[r]), recv_bytes=int(recv[r]))
                    for r in range(plan.num_rounds))
     return WorkerPlan(worker=worker, placement=plan.placement(worker), params=smap.params,
                       buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),

@@ -8,7 +8,7 @@ any transfer, instead of corrupting weights later.
 
 Typical usage::
 
-    spec = CheckpointSpec.from_safetensors(paths)
+    spec = read_checkpoint_spec(paths)
     smap = extract_source_map(dict(model.named_parameters()), model.load_weights, spec)
     # the probe overwrote the parameters: load the real weights (or receive them) afterwards
 

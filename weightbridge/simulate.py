@@ -27,11 +27,57 @@ Typical usage::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from weightbridge.plan import TransferPlan
 from weightbridge.plan_route import INTERNAL
-from weightbridge.types import Cluster, Estimate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """The links a simulated transfer runs over.
+
+    Example (the paper's testbed): ``Cluster(gpus_per_node=8, inter_node_bandwidth=400e9,
+    intra_node_bandwidth=450e9)``
+    """
+
+    gpus_per_node: int
+    """GPUs per node; each GPU gets ``1 / gpus_per_node`` of its node's network bandwidth."""
+    inter_node_bandwidth: float
+    """Bytes per second a node sends (and, separately, receives) over RDMA."""
+    intra_node_bandwidth: float
+    """Bytes per second a GPU sends (and, separately, receives) over NVLink."""
+
+    def __post_init__(self) -> None:
+        if self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0 or self.intra_node_bandwidth <= 0:
+            raise ValueError(f"{self} needs gpus_per_node >= 1 and positive bandwidths")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """Simulated end-to-end weight transfer times (EWTT), in seconds.
+
+    Example: ``Estimate(ewtt=0.171, ideal=0.160, broadcast=1.35, p2p=0.64, num_rounds=8)``
+    """
+
+    ewtt: float
+    """The plan, rounds pipelined over two buffers per worker."""
+    ideal: float
+    """Eq. (1): max(M / B_T, max over rollout nodes of M_v / B_v)."""
+    broadcast: float
+    """Baseline: gather the model on one trainer, broadcast all of it to every rollout worker."""
+    p2p: float
+    """Baseline: every rollout worker pulls each element from one owner (the first holder)."""
+    num_rounds: int
+    """Rounds in the plan."""
+
+    @property
+    def ratio(self) -> float:
+        """ewtt / ideal."""
+        return self.ewtt / self.ideal
+
 
 
 def simulate(plan: TransferPlan, cluster: Cluster) -> Estimate:

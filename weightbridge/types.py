@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ class CheckpointSpec:
     """The checkpoint both sides agree on: the common coordinate system of layout discovery.
 
     Build it from tensors (``CheckpointSpec.from_tensors(state_dict)``) or from safetensors
-    headers (``CheckpointSpec.from_safetensors("model.safetensors")``; no tensor data is read).
+    headers (``weightbridge.read_checkpoint_spec("model.safetensors")``; no tensor data is read).
 
     Example: ``CheckpointSpec((TensorSpec("lm_head.weight", (151936, 2048), "bfloat16"), ...))``
     """
@@ -75,16 +75,6 @@ class CheckpointSpec:
         """Spec of an in-memory checkpoint (a name -> tensor mapping)."""
         return cls(tuple(TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
                          for n, t in tensors.items()))
-
-    @classmethod
-    def from_safetensors(cls, paths: str | Sequence[str]) -> "CheckpointSpec":
-        """Spec from one or more ``.safetensors`` files; reads the JSON headers only."""
-        from weightbridge._safetensors import read_header_specs
-
-        files = [paths] if isinstance(paths, str) else list(paths)
-        if not files:
-            raise ValueError("from_safetensors needs at least one .safetensors path")
-        return cls(tuple(spec for f in files for spec in read_header_specs(f)))
 
     def __getitem__(self, name: str) -> TensorSpec:
         try:
@@ -233,8 +223,8 @@ class Piece:
 class SourceMap:
     """Which checkpoint element each parameter element of one worker comes from.
 
-    The output of `extract_source_map`; its meaning is `load`: replaying the pieces fills the
-    parameters exactly as the worker's own ``load_weights`` does.
+    The output of `extract_source_map`; its meaning is `weightbridge.replay`: replaying the
+    pieces fills the parameters exactly as the worker's own ``load_weights`` does.
     """
 
     params: tuple[ParamSpec, ...]
@@ -254,17 +244,6 @@ class SourceMap:
     def tensors(self) -> tuple[str, ...]:
         """Checkpoint tensors this worker reads, in first-use order."""
         return tuple(dict.fromkeys(p.region.tensor for p in self.pieces))
-
-    def load(self, params: Mapping[str, "torch.Tensor"],
-             checkpoint: Mapping[str, "torch.Tensor"]) -> None:
-        """Fill ``params`` from ``checkpoint`` as the worker's ``load_weights`` would.
-
-        Elements without a source are left untouched. Raises ValueError when a parameter or
-        checkpoint tensor the map needs is missing or has another shape or dtype.
-        """
-        from weightbridge.replay import replay
-
-        replay(self, params, checkpoint)
 
     def summary(self) -> str:
         """A few readable lines: params, pieces, transposed pieces, unsourced, unused."""
@@ -539,50 +518,6 @@ class WorkerPlan:
     """Size of each of the worker's round buffers: the largest round it takes part in."""
     rounds: tuple[WorkerRound, ...]
     """One entry per round of the plan (empty ones included, so indices line up)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Cluster:
-    """The links a simulated transfer runs over.
-
-    Example (the paper's testbed): ``Cluster(gpus_per_node=8, inter_node_bandwidth=400e9,
-    intra_node_bandwidth=450e9)``
-    """
-
-    gpus_per_node: int
-    """GPUs per node; each GPU gets ``1 / gpus_per_node`` of its node's network bandwidth."""
-    inter_node_bandwidth: float
-    """Bytes per second a node sends (and, separately, receives) over RDMA."""
-    intra_node_bandwidth: float
-    """Bytes per second a GPU sends (and, separately, receives) over NVLink."""
-
-    def __post_init__(self) -> None:
-        if self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0 or self.intra_node_bandwidth <= 0:
-            raise ValueError(f"{self} needs gpus_per_node >= 1 and positive bandwidths")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Estimate:
-    """Simulated end-to-end weight transfer times (EWTT), in seconds.
-
-    Example: ``Estimate(ewtt=0.171, ideal=0.160, broadcast=1.35, p2p=0.64, num_rounds=8)``
-    """
-
-    ewtt: float
-    """The plan, rounds pipelined over two buffers per worker."""
-    ideal: float
-    """Eq. (1): max(M / B_T, max over rollout nodes of M_v / B_v)."""
-    broadcast: float
-    """Baseline: gather the model on one trainer, broadcast all of it to every rollout worker."""
-    p2p: float
-    """Baseline: every rollout worker pulls each element from one owner (the first holder)."""
-    num_rounds: int
-    """Rounds in the plan."""
-
-    @property
-    def ratio(self) -> float:
-        """ewtt / ideal."""
-        return self.ewtt / self.ideal
 
 
 _ITEMSIZE = {"float64": 8, "int64": 8, "uint64": 8, "complex64": 8, "float32": 4, "int32": 4,

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from weightbridge import CheckpointSpec, Piece, SourceMap
+from weightbridge import CheckpointSpec, Piece, SourceMap, replay
 from weightbridge.views import memory_order
 
 from .common import INT_VIEW, Worker
@@ -120,14 +120,14 @@ def compare(a: Params, b: Params, before: Params, cover: Mapping[str, torch.Tens
 
 
 def check_replay(build: Callable[[], Worker], smap: SourceMap, seed: int = 1234) -> None:
-    """Loader into build A vs ``smap.load`` into build B, bit-exactly (see module docstring)."""
+    """Loader into build A vs ``replay(smap, ...)`` into build B, bit-exactly (see module docstring)."""
     a, b = build(), build()
     checkpoint = a.checkpoint(seed)
     if callable(b.params):
         b.load_weights(iter(b.checkpoint(seed + 1).items()))
     before = {n: memory_order(t.detach()).clone() for n, t in b.live().items()}
     a.load_weights((n, t.clone()) for n, t in checkpoint.items())
-    smap.load(b.live(), checkpoint)
+    replay(smap, b.live(), checkpoint)
     # The map describes transposed-view parameters in memory order, as the library sees them.
     seen_a = {n: memory_order(t) for n, t in a.live().items()}
     seen_b = {n: memory_order(t) for n, t in b.live().items()}

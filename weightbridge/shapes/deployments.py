@@ -18,7 +18,8 @@ from weightbridge.shapes.models import (
     QWEN3_30B_A3B,
     ModelConfig,
 )
-from weightbridge.types import Cluster, Placement, SourceMap
+from weightbridge.simulate import Cluster
+from weightbridge.types import Placement, SourceMap
 
 PAPER_CLUSTER = Cluster(gpus_per_node=8, inter_node_bandwidth=400e9, intra_node_bandwidth=450e9)
 """8 H100 per node, 32 x 100 Gb/s NICs per node, NVLink about 450 GB/s per GPU per direction."""

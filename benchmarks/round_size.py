@@ -1,0 +1,120 @@
+"""Round size sweep: EWTT and transfer time per round buffer size, on one pair of proc meshes.
+
+    .venv/bin/python benchmarks/round_size.py                       # medium model, ~1-2 min
+    .venv/bin/python benchmarks/round_size.py --sizes-kib 512 8192 --updates 3 --model tiny
+
+The measurement behind `weightbridge.config.DEFAULT_ROUND_BYTES`: per-round fixed costs (a
+control message per step, one pack and one assemble launch per worker) dominate small rounds,
+and rounds much bigger than a few MB only lengthen the pipeline fill and drain and the round
+buffers (a model smaller than two rounds per worker has no pipeline at all).
+
+One trainer and one rollout proc mesh on this host (``--trainer`` / ``--rollout``, default two
+TP ranks -> two one-proc engines, so four procs fit a two-core machine). Every round size gets
+its own `MeshTransfer` on those procs, all connected up front; then ``--warmup`` updates and
+``--updates`` measured updates per size, interleaved (the order rotates each pass: a slow spell
+of this shared machine hits every size alike). Each update is verified bit-exact (a mismatch
+exits 1). Prints, per size, the median EWTT (the actors' own timestamps) and the median
+transfer time (the controller's wall clock), each as a ratio to the best size's, and the bytes
+moved over RDMA per update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from controller.driver import MeshTransfer  # noqa: E402
+from meshes.qwen3_moe import SIZES, checkpoint_spec  # noqa: E402
+from meshes.spec import RolloutSpec, TrainerSpec  # noqa: E402
+from weightbridge import TransferConfig  # noqa: E402
+from weightbridge.monarch_transport import configure_transport  # noqa: E402
+
+SIZES_KIB = (256, 1024, 4096, 8192, 16384)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SIZES), default="medium")
+    parser.add_argument("--trainer", default="nodes=1,gpus=2,tp=2")
+    parser.add_argument("--rollout", default="engines=2,nodes=1,gpus=1")
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=list(SIZES_KIB),
+                        help="round buffer sizes per worker, KiB")
+    parser.add_argument("--depth", type=int, default=2, help="round buffers per worker")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured updates per size")
+    parser.add_argument("--updates", type=int, default=7, help="measured updates per size")
+    args = parser.parse_args()
+    tspec, rspec = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
+    try:
+        configs = {kib: TransferConfig(round_bytes=kib << 10, depth=args.depth)
+                   for kib in args.sizes_kib}
+        tspec.validate(SIZES[args.model])
+        rspec.validate(SIZES[args.model])
+        if args.updates < 1 or args.warmup < 0:
+            raise ValueError("--updates must be >= 1 and --warmup >= 0")
+    except ValueError as e:
+        parser.error(str(e))
+    spec = checkpoint_spec(SIZES[args.model])
+    print(f"model {args.model}: {spec.numel * 2 / 1e6:.1f} MB bf16; trainer [{args.trainer}] "
+          f"-> rollout [{args.rollout}]; depth {args.depth}; {args.warmup} warm-up + "
+          f"{args.updates} measured updates per size, interleaved", flush=True)
+    from monarch.actor import this_host
+
+    t_start = time.perf_counter()
+    configure_transport()  # before spawning: children read the config at start-up
+    meshes, runs = [], {}
+    ewtt: dict[int, list[float]] = {kib: [] for kib in configs}
+    wall: dict[int, list[float]] = {kib: [] for kib in configs}
+    moved: dict[int, int] = {}
+    try:
+        host = this_host()
+        meshes.append(host.spawn_procs(per_host={"worker": tspec.num_workers}, name="trainer"))
+        meshes.append(host.spawn_procs(per_host={"worker": rspec.num_workers}, name="rollout"))
+        for kib, config in configs.items():
+            t0 = time.perf_counter()
+            mt = MeshTransfer(tspec, rspec, args.model, config=config, procs=tuple(meshes))
+            runs[kib] = mt.__enter__()
+            plan = mt.connect()
+            print(f"  {kib:>6} KiB: connect {time.perf_counter() - t0:.1f}s, "
+                  f"{plan.num_rounds} rounds", flush=True)
+        sizes = list(configs)
+        for n in range(args.warmup + args.updates):
+            order = sizes[n % len(sizes):] + sizes[:n % len(sizes)]
+            for kib in order:
+                report = runs[kib].update(n + 1)
+                if report.mismatched:
+                    print(f"{kib} KiB: {report.line()}")
+                    return 1
+                if n >= args.warmup:
+                    ewtt[kib].append(report.timing.ewtt_s)
+                    wall[kib].append(report.transfer_s)
+                    moved[kib] = report.rdma_bytes
+            print(f"  pass {n + 1}/{args.warmup + args.updates}"
+                  f"{' (warm-up)' if n < args.warmup else ''} done", flush=True)
+    finally:
+        for mt in runs.values():
+            mt.close()
+        for mesh in meshes:
+            mesh.stop().get(timeout=60)
+    med_e = {kib: statistics.median(xs) for kib, xs in ewtt.items()}
+    med_w = {kib: statistics.median(xs) for kib, xs in wall.items()}
+    best_e, best_w = min(med_e.values()), min(med_w.values())
+    print(f"median of {args.updates} updates per size (all bit-exact); ratios against the "
+          f"best size")
+    print(f"{'round size':>10}  {'EWTT':>8}  {'x best':>6}  {'transfer':>8}  {'x best':>6}  "
+          f"{'RDMA bytes per update':>24}")
+    for kib in configs:
+        label = f"{kib >> 10} MiB" if kib % 1024 == 0 else f"{kib} KiB"
+        print(f"{label:>10}  {med_e[kib]:7.3f}s  {med_e[kib] / best_e:5.2f}x  "
+              f"{med_w[kib]:7.3f}s  {med_w[kib] / best_w:5.2f}x  "
+              f"{moved[kib]:>13,} ({moved[kib] / 1e6:6.2f} MB)", flush=True)
+    print(f"total {time.perf_counter() - t_start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Rank 0's failure handling: find the lost rollout workers, plan their engines out, re-send.
+
+Mixed into `SenderAdapter` (it uses the adapter's control plane, config and group state); see
+docs/integration.md, "Failures", for the guarantees.
+"""
+
+from __future__ import annotations
+
+from weightbridge.adapter_base import TransferFailed
+from weightbridge.control import PeerCall, rollouts, trainers
+from weightbridge.coordination import StagingSlots
+from weightbridge.session import plan_group
+
+
+class SenderRecovery:
+    """`_on_failure` and what it needs; rank 0 of a `SenderAdapter` group only."""
+
+    def _on_failure(self, version: int, error: Exception, moved: bool) -> None:
+        """A session call failed: find the rollout workers that are gone, exclude their
+        engines, re-plan over the others, re-send ``version`` where the trainers still hold
+        it, tell every trainer; raise `TransferFailed`. Anything else is raised unchanged (the
+        group is closed if bytes had moved: no engine's state is known)."""
+        control, mode = self.control, self.config.mode
+        live = self._live()
+        answers = control.call(live, PeerCall.PING, return_errors=True)
+        gone = [w.index for w, a in zip(live, answers) if a is not True]
+        size = control.engine_size
+        cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if not gone:
+            if moved:
+                self._broken = (f"the transfer of version {version} failed after bytes moved "
+                                f"({type(error).__name__}: {cause}) and every rollout worker "
+                                f"still answers, so no engine's weights are known; build a new "
+                                f"group (new adapters, connect()) to go on")
+            raise error
+        lost = sorted({j // size for j in gone})
+        self.failed_engines.update(lost)
+        survivors = sorted(set(range(control.num_engines)) - self.failed_engines)
+        what = (f"rollout worker{'s' if len(gone) > 1 else ''} "
+                f"{', '.join(f'R{j} (engine {j // size})' for j in gone)} failed during the "
+                f"transfer of version {version} ({type(error).__name__}: {cause}). Engine"
+                f"{'s' if len(lost) > 1 else ''} {lost} {'are' if len(lost) > 1 else 'is'} "
+                f"excluded from this transfer group: nothing more is sent to it and its other "
+                f"workers' poll_requests() raise. To use it again, restart its workers and "
+                f"build a new group (new adapters, connect()).")
+        orphans = [w for w in rollouts(control) if w.index // size in lost and w.index not in gone]
+        control.call(orphans, PeerCall.FAIL, what, return_errors=True)
+        if not survivors:
+            self._broken = what + " No engine is left."
+            self._tell_trainers(version, self._broken)
+            raise TransferFailed(self._broken) from error
+        try:
+            self._replan()
+            if not mode.sender_staging:  # the trainers' parameters still hold this version
+                self._rejoin(moved)
+                self._session(version, [False], release=False)
+                state = (f"Version {version} was re-sent to the surviving engines {survivors} "
+                         f"over a new plan: they "
+                         + ("install it at their next poll_requests()." if mode.receiver_staging
+                            else "installed it."))
+            else:
+                self._rejoin(moved)
+                state = (f"The surviving engines {survivors} never saw version {version}: "
+                         + ("they keep the version they run and install the next one you send."
+                            if mode.receiver_staging else
+                            "their poll_requests() wait (no inference step runs on a partial "
+                            "update) for the next version you send, within 3 x timeout_s."))
+        except Exception as e2:  # noqa: BLE001
+            self._broken = (f"{what} Re-planning without it failed too ({type(e2).__name__}: "
+                            f"{e2}); build a new group (new adapters, connect()) to go on.")
+            self._tell_trainers(version, self._broken)
+            raise TransferFailed(self._broken) from e2
+        message = f"{what} {state} send_weights() goes on with the surviving engines."
+        self._tell_trainers(version, message)
+        raise TransferFailed(message) from error
+
+    def _rejoin(self, moved: bool) -> None:
+        """RS off: the surviving rollouts that had joined the failed transfer still wait in
+        poll_requests() for a version; count them in for the next transfer."""
+        if self.config.receiver_staging or not moved:
+            return  # before the bytes moved, `_joined` still holds who joined
+        live = set(self._live())
+        with self.cond:
+            self._joined = self._joined | (self._session_joined & live)
+
+    def _replan(self) -> None:
+        """Plan again from the source maps of connect, leaving the lost engines out; set the
+        trainers and surviving rollouts up on it (new tables, arenas and handles)."""
+        control = self.control
+        size = control.engine_size
+        excluded = frozenset(w.index for w in rollouts(control)
+                             if w.index // size in self.failed_engines)
+        self._generation += 1
+        with self._slots_lock:  # a version landing when it failed never completes
+            self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
+        self.group = plan_group(control, self._maps, self.config, excluded=excluded,
+                                generation=self._generation)
+        self.plan = self.group.plan
+
+    def _tell_trainers(self, version: int, message: str) -> None:
+        others = trainers(self.control)[1:]
+        self.control.call(others, PeerCall.FAILED, version, message, return_errors=True)
+
