@@ -23,9 +23,9 @@ import argparse
 import time
 
 import torch
-
 from rounds import column_shard_round, mixed_round, plan_copies
-from weightbridge.cpu_kernels import CpuCopyKernels
+
+from weightbridge.execution.cpu_kernels import CpuCopyKernels
 
 ROUND_BYTES = 64 << 20
 REPEATS = 15

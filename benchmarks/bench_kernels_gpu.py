@@ -28,7 +28,6 @@ import sys
 import time
 
 import torch
-
 from rounds import column_shard_round, mixed_round
 
 
@@ -52,7 +51,7 @@ def main() -> int:
     import triton.testing
 
     from kernels import TritonKernels
-    from weightbridge.cpu_kernels import CpuCopyKernels
+    from weightbridge.execution.cpu_kernels import CpuCopyKernels
 
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else device

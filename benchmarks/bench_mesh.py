@@ -23,7 +23,7 @@ from controller.driver import MeshTransfer
 from meshes.qwen3_moe import SIZES, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig
-from weightbridge.monarch_transport import configure_transport
+from weightbridge.mesh.transport import configure_transport
 
 TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
 LAYOUTS = {

@@ -32,7 +32,7 @@ from controller.driver import MeshTransfer  # noqa: E402
 from meshes.qwen3_moe import SIZES, checkpoint_spec  # noqa: E402
 from meshes.spec import RolloutSpec, TrainerSpec  # noqa: E402
 from weightbridge import TransferConfig  # noqa: E402
-from weightbridge.monarch_transport import configure_transport  # noqa: E402
+from weightbridge.mesh.transport import configure_transport  # noqa: E402
 
 SIZES_KIB = (256, 1024, 4096, 8192, 16384)
 

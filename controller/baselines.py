@@ -42,9 +42,9 @@ from controller.timing import update_timing
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig, WorkerParts, extract_source_map
-from weightbridge.monarch_transport import configure_transport, register_ranges, wait_all, write
-from weightbridge.plan import TransferPlan
-from weightbridge.plan_route import RECEIVE
+from weightbridge.mesh.transport import configure_transport, register_ranges, wait_all, write
+from weightbridge.planning.plan import TransferPlan
+from weightbridge.planning.route import RECEIVE
 
 HEAD_SPEC = RolloutSpec.parse("engines=1,nodes=1,gpus=1")
 """The gather's receiver: one actor holding the whole checkpoint."""

@@ -5,14 +5,14 @@
     spawn procs + actors  ------->   parts = factory("trainer", spec, rank)   (likewise)
     TransferGroup.spawn   ------->   a TransferAgent on every proc (serves the library's calls)
     attach(group)         ------->   group.worker(...): this rank's TransferWorker
-    connect_group (weightbridge.session, the one connect of every path):
+    connect_group (weightbridge.coordination.session, the one connect of every path):
       SOURCE_MAP          <-------   probe own load_weights           probe own load_weights
       correspond + plan_transfer (pure, here)
       SETUP               ------->   tables + depth arenas            tables + arenas, register
                           <---------------------------------------   incoming ranges -> handles
       SET_PEERS           ------->   handles                          handles
     per update:  train_step(v) -->   parameters of version v
-      run_update (weightbridge.sequencer, the one round sequencer of every path):
+      run_update (weightbridge.coordination.sequencer, the one round sequencer of every path):
                  SEND_ROUND(r) -->   pack r, RDMA RECEIVE =========>  arena r % depth
                  FORWARD(r, EXTERNAL), then INTERNAL  ------------->  RDMA to peers' arena
                  LAND(r)       ------------------------------------>  arena -> parameters
@@ -46,11 +46,11 @@ from meshes.actors import RolloutActor, TrainerActor, load_factory
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig, TransferPlan
-from weightbridge.monarch_control import MeshControl, TransferGroup
-from weightbridge.monarch_transport import backend, configure_transport, drop_all
-from weightbridge.sequencer import StepFailed
-from weightbridge.session import connect_group, run_update
-from weightbridge.simulate import eq1
+from weightbridge.coordination.sequencer import StepFailed
+from weightbridge.coordination.session import connect_group, run_update
+from weightbridge.mesh.control import MeshControl, TransferGroup
+from weightbridge.mesh.transport import backend, configure_transport, drop_all
+from weightbridge.planning.simulate import eq1
 
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""

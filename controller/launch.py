@@ -32,7 +32,7 @@ def attach_procs(addresses: list[str], *, gpus: int, name: str) -> tuple:
             f"the controller and the workers")
     from monarch.actor import attach_to_workers
 
-    from weightbridge.monarch_transport import configure_transport
+    from weightbridge.mesh.transport import configure_transport
 
     configure_transport()  # before the procs start: they read the RDMA config at start-up
     hosts = attach_to_workers(workers=addresses, ca="trust_all_connections", name=name)

@@ -30,7 +30,7 @@ from monarch.actor import this_host
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from weightbridge import TransferConfig, TransferGroup
-from weightbridge.monarch_transport import configure_transport
+from weightbridge.mesh.transport import configure_transport
 
 MODES = {"sync": (False, False), "ss": (True, False), "rs": (False, True), "async": (True, True)}
 TRAINER_TP, ENGINES, ENGINE_TP = 2, 2, 2

@@ -31,7 +31,7 @@ atexit.register(mt.close)  # stops them if a cell fails (close() is idempotent)
 # controller. (`connect` below makes this same call.)
 
 # %%
-from weightbridge.control import PeerCall, rollouts, trainers
+from weightbridge.coordination.control import PeerCall, rollouts, trainers
 
 workers = trainers(mt.control) + rollouts(mt.control)
 found = mt.control.call(workers, PeerCall.SOURCE_MAP)  # all at once
@@ -51,8 +51,8 @@ print(plan.summary())
 # %% [markdown]
 # ## One update
 # The trainers take a (stand-in) training step to version 1, the controller drives the rounds
-# (the one round sequencer, `weightbridge.sequencer`), and every rollout compares checksums of
-# its parameters with its own loader's result.
+# (the one round sequencer, `weightbridge.coordination.sequencer`), and every rollout compares
+# checksums of its parameters with its own loader's result.
 
 # %%
 report = mt.update(1)

@@ -1,7 +1,8 @@
 """Triton pack and assemble kernels: one launch per round per worker.
 
 It imports torch, triton and, from weightbridge, only the copy validation every implementation
-shares (`weightbridge.boxcopy`); weightbridge imports it only when parameters live on a GPU.
+shares (`weightbridge.execution.boxcopy`); weightbridge imports it only when parameters live on
+a GPU.
 `TritonKernels` satisfies weightbridge's `CopyKernels` protocol structurally and reads
 `BoxCopy` descriptors by attribute. Importing compiles nothing; kernels compile on their first launch.
 

@@ -20,5 +20,5 @@ def check_launch(desc: Descriptors, buffer: torch.Tensor) -> None:
                          f"{desc.device}; move the buffer or build the table for that device")
     if buffer.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the Triton kernels run on CUDA tensors, got {buffer.device}; use "
-                         "weightbridge.cpu_kernels.CpuCopyKernels on the CPU (tests may set "
-                         "TRITON_INTERPRET=1 before importing triton)")
+                         "weightbridge.execution.cpu_kernels.CpuCopyKernels on the CPU (tests "
+                         "may set TRITON_INTERPRET=1 before importing triton)")

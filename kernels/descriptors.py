@@ -2,7 +2,8 @@
 
 Imports only torch and weightbridge's copy validation (`copy_columns`, `merge_dims`: the one
 definition of a valid `BoxCopy` table, shared with the CPU path): the tables can be built (and
-inspected, and benchmarked) without Triton or a GPU. A table has two int64 tensors on the tensors' device:
+inspected, and benchmarked) without Triton or a GPU. A table has two int64 tensors on the
+tensors' device:
 
 ``copies`` [C, NUM_FIELDS], one row per (normalized) box:
 
@@ -35,7 +36,7 @@ from typing import Any, Sequence
 
 import torch
 
-from weightbridge.boxcopy import copy_columns, merge_dims
+from weightbridge.execution.boxcopy import copy_columns, merge_dims
 
 MAX_RANK = 4
 """Box dims the kernels address after merging. To raise it: add N/S fields here, pad to the new

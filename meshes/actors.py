@@ -3,7 +3,7 @@
 Each actor builds its rank's `weightbridge.WorkerParts` with a worker factory (an import path,
 ``module:factory``; the demo model's are in `meshes.workers`), then, given the group handle,
 its `TransferWorker` (`TransferGroup.worker`). The library's agents on the same procs serve
-connect and the rounds (`weightbridge.monarch_control`); these endpoints are the demo's own:
+connect and the rounds (`weightbridge.mesh.control`); these endpoints are the demo's own:
 the stand-in train step, the checksums that verify an update, the spans, the link probe.
 
 Typical usage (see controller/driver.py)::
@@ -25,7 +25,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import Placement, TransferWorker, WorkerParts
-from weightbridge.monarch_transport import register_ranges, write
+from weightbridge.mesh.transport import register_ranges, write
 
 PROBE_TIMEOUT_S = 60
 

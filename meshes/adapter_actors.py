@@ -3,7 +3,7 @@
 Unlike `meshes.actors` (thin actors, the controller sequences every round), these actors stand
 for a user's RL actors: plain SYNC actors (``def`` endpoints) that each build their rank's
 `SenderAdapter` / `ReceiverAdapter` through a `weightbridge.TransferGroup`. The adapters talk
-to each other through the group's agents (`weightbridge.monarch_control`), never through
+to each other through the group's agents (`weightbridge.mesh.control`), never through
 these actors, so an actor blocked in ``send_weights`` or ``poll_requests`` still serves its
 peers, and the actors need no endpoint of the library's.
 

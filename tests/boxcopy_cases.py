@@ -10,7 +10,7 @@ import math
 import torch
 from hypothesis import strategies as st
 
-from weightbridge.boxcopy import TorchCopyKernels, box_view
+from weightbridge.execution.boxcopy import TorchCopyKernels, box_view
 from weightbridge.types import BoxCopy
 
 DTYPES = (torch.uint8, torch.int16, torch.bfloat16, torch.float16, torch.float32,

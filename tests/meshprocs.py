@@ -23,7 +23,7 @@ def proc_meshes(*specs: tuple[str, dict[str, int]]):
     failing spawn are stopped too."""
     from monarch.actor import this_host
 
-    from weightbridge.monarch_transport import configure_transport
+    from weightbridge.mesh.transport import configure_transport
 
     configure_transport()
     meshes = []

@@ -15,7 +15,7 @@ import torch
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig
-from weightbridge.local_control import LocalControl
+from weightbridge.coordination.local_control import LocalControl
 
 CONFIG = SIZES["tiny"]
 SPEC = checkpoint_spec(CONFIG)

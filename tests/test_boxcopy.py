@@ -11,25 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from boxcopy_cases import (DTYPES, assert_assemble_matches_reference, assert_pack_matches_reference,
+                           bad_tables, bits, box, disjoint, layout, random_bits, random_buffer,
+                           tables)
 from hypothesis import HealthCheck, given, settings
 
-import weightbridge.cpu_kernels as cpu_kernels
-from boxcopy_cases import (
-    DTYPES,
-    assert_assemble_matches_reference,
-    assert_pack_matches_reference,
-    bad_tables,
-    bits,
-    box,
-    disjoint,
-    layout,
-    random_bits,
-    random_buffer,
-    tables,
-)
-from weightbridge.boxcopy import TorchCopyKernels
-from weightbridge.executor import default_kernels
-from weightbridge.cpu_kernels import CpuCopyKernels
+import weightbridge.execution.cpu_kernels as cpu_kernels
+from weightbridge.execution.boxcopy import TorchCopyKernels
+from weightbridge.execution.cpu_kernels import CpuCopyKernels
+from weightbridge.execution.executor import default_kernels
 from weightbridge.types import BoxCopy
 
 IMPLEMENTATIONS = [TorchCopyKernels, CpuCopyKernels]
@@ -219,7 +209,8 @@ def test_default_kernels_on_cpu_is_the_vectorized_path():
 
 
 def test_importing_the_core_does_not_import_triton():
-    code = "import sys, weightbridge, weightbridge.cpu_kernels; sys.exit('triton' in sys.modules)"
+    code = ("import sys, weightbridge, weightbridge.execution.cpu_kernels; "
+            "sys.exit('triton' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge import codec
+from weightbridge.discovery import codec
 
 DTYPES = codec.SUPPORTED_DTYPES
 

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from weightbridge.coordination import (EngineCoordinator, Mode, Relay, SenderStage,
-                                       StagingSlots, WorkerVersions)
-
+from weightbridge.config import Mode
+from weightbridge.coordination.protocol import (EngineCoordinator, Relay, SenderStage, StagingSlots,
+                                                WorkerVersions)
 
 # -- modes ---------------------------------------------------------------------------------------
 

@@ -4,16 +4,15 @@ The controller's sequence (send, forward EXTERNAL, forward INTERNAL, assemble) r
 process must give every rollout exactly what its own loader gives.
 """
 
+import pytest
 import torch
 
-import pytest
-
-import weightbridge.executor as executor_module
+import weightbridge.execution.executor as executor_module
 from meshes.actors import checksums
-from meshes.workers import checkpoint
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
+from meshes.workers import checkpoint
 from weightbridge import CpuCopyKernels, Placement, Stage, extract_source_map, plan_transfer
-from weightbridge.executor import WorkerExecutor, incoming_ranges
+from weightbridge.execution.executor import WorkerExecutor, incoming_ranges
 
 CONFIG = SIZES["tiny"]
 

@@ -13,13 +13,14 @@ import time
 
 import pytest
 import torch
-
-from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERENCE, SPEC, \
-    TRAINER_TP, _same
+from test_adapters import (CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERENCE, SPEC,
+                           TRAINER_TP)
 from test_adapters import _group as adapters_group
+from test_adapters import _same
+
 from meshes.qwen3_moe import RolloutShard, TrainerShard
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
-from weightbridge.local_control import LocalControl, WorkerGone
+from weightbridge.coordination.local_control import LocalControl, WorkerGone
 from weightbridge.types import Stage
 
 VICTIM = 1  # rollout worker R1: engine 0, engine rank 1

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-
 from planning_layouts import (checkpoint, fsdp_trainer, fused_rollout, loaded, params_of,
                               same_bytes, tp_trainer)
+
 from weightbridge import Placement, plan_transfer, run_plan_locally
-from weightbridge.boxcopy import TorchCopyKernels
+from weightbridge.execution.boxcopy import TorchCopyKernels
 
 
 def _check(trainers, rollouts, round_bytes, *, kernels=None, strided=False):

@@ -191,7 +191,7 @@ def test_a_transposed_view_parameter_is_mapped_and_written_in_memory_order():
     """Engines keep derived weights as transposed views (vLLM's MLA W_UV): the probe maps them
     in memory order, and replay and the executor write the same memory in place."""
     from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
-    from weightbridge.replay import replay
+    from weightbridge.discovery.replay import replay
 
     spec = CheckpointSpec((TensorSpec("w", (3, 5), "bfloat16"),))
     storage = torch.zeros(3, 5, dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, replay, runs
+from weightbridge import CheckpointSpec, TensorSpec, extract_source_map, replay
+from weightbridge.discovery import runs
 
 
 def gather_loader(params, sources, spec):

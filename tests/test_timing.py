@@ -3,12 +3,11 @@
 import json
 
 import pytest
+from test_simulate import _plan
 
 from controller.timing import chrome_trace, update_timing
-from weightbridge import Placement, simulate
-from weightbridge.simulate import eq1
-from weightbridge import Cluster
-from test_simulate import _plan
+from weightbridge import Cluster, Placement, simulate
+from weightbridge.planning.simulate import eq1
 
 MS = 1_000_000  # ns
 

@@ -22,20 +22,13 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from boxcopy_cases import (assert_assemble_matches_reference,  # noqa: E402
+                           assert_pack_matches_reference, bad_tables, box, disjoint, layout,
+                           random_bits, tables)
 from hypothesis import given, settings  # noqa: E402
 
-from boxcopy_cases import (  # noqa: E402
-    assert_assemble_matches_reference,
-    assert_pack_matches_reference,
-    bad_tables,
-    box,
-    disjoint,
-    layout,
-    random_bits,
-    tables,
-)
-from weightbridge.boxcopy import TorchCopyKernels  # noqa: E402
-from weightbridge.executor import default_kernels  # noqa: E402
+from weightbridge.execution.boxcopy import TorchCopyKernels  # noqa: E402
+from weightbridge.execution.executor import default_kernels  # noqa: E402
 from weightbridge.types import BoxCopy  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -43,8 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _import_kernels():
-    import kernels
     from triton.runtime.interpreter import InterpretedFunction
+
+    import kernels
 
     modules = [importlib.import_module(f"kernels.{m}") for m in ("_tile", "pack", "assemble")]
     if not ON_GPU and not isinstance(modules[1]._pack_kernel, InterpretedFunction):

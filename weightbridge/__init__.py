@@ -10,40 +10,23 @@ Typical usage::
     weightbridge.replay(smap, params, checkpoint)   # what load_weights does, from the map
 """
 
-from weightbridge.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
-from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
 from weightbridge.config import TransferConfig
-from weightbridge.correspond import correspond
-from weightbridge.cpu_kernels import CpuCopyKernels
+from weightbridge.coordination.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
+from weightbridge.coordination.local import run_plan_locally
+from weightbridge.coordination.worker import TransferWorker, WorkerParts
+from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec
+from weightbridge.discovery.correspond import correspond
+from weightbridge.discovery.probe import extract_source_map
+from weightbridge.discovery.replay import replay
 from weightbridge.errors import LayoutError
-from weightbridge.executor import default_kernels
-from weightbridge.local import run_plan_locally
-from weightbridge.replay import replay
-from weightbridge._safetensors import read_checkpoint_spec
-from weightbridge.plan import TransferPlan, plan_transfer
-from weightbridge.probe import extract_source_map
-from weightbridge.simulate import Cluster, Estimate, simulate
-from weightbridge.worker import TransferWorker, WorkerParts
-from weightbridge.types import (
-    BoxCopy,
-    BufferWrite,
-    CheckpointSpec,
-    Chunk,
-    Correspondence,
-    Overlap,
-    ParamSpec,
-    Piece,
-    Placement,
-    Region,
-    Round,
-    SourceMap,
-    Stage,
-    TensorSpec,
-    Transfer,
-    WorkerId,
-    WorkerPlan,
-    WorkerRound,
-)
+from weightbridge.execution.boxcopy import CopyKernels, TorchCopyKernels
+from weightbridge.execution.cpu_kernels import CpuCopyKernels
+from weightbridge.execution.executor import default_kernels
+from weightbridge.planning.plan import TransferPlan, plan_transfer
+from weightbridge.planning.simulate import Cluster, Estimate, simulate
+from weightbridge.types import (BoxCopy, BufferWrite, CheckpointSpec, Chunk, Correspondence,
+                                Overlap, ParamSpec, Piece, Placement, Region, Round, SourceMap,
+                                Stage, TensorSpec, Transfer, WorkerId, WorkerPlan, WorkerRound)
 
 _MONARCH_NAMES = ("TransferGroup", "TransferAgent")
 """Imported on first use: they need Monarch, which the planning and in-process paths do not."""
@@ -51,9 +34,9 @@ _MONARCH_NAMES = ("TransferGroup", "TransferAgent")
 
 def __getattr__(name: str):
     if name in _MONARCH_NAMES:
-        from weightbridge import monarch_control
+        from weightbridge.mesh import control
 
-        return getattr(monarch_control, name)
+        return getattr(control, name)
     raise AttributeError(f"module 'weightbridge' has no attribute {name!r}")
 
 

@@ -12,9 +12,8 @@ Typical usage::
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-
-from weightbridge.coordination import Mode
 
 DEFAULT_ROUND_BYTES = 8 << 20
 """Chosen from `benchmarks/round_size.py` (docs/performance.md, "Round size"): per-round fixed
@@ -22,6 +21,48 @@ costs (a control message per step, one pack and one assemble launch) dominate ro
 few MB; much bigger rounds only lengthen the pipeline fill and the round buffers."""
 PEER_SHARE = 0.8
 """`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
+
+
+class Mode(enum.Enum):
+    """The four synchronization modes: sender staging (SS) x receiver staging (RS)."""
+
+    SYNC = "sync"
+    """SS off, RS off: the trainer and the rollouts block until the update is installed."""
+    SS = "ss"
+    """Trainer resumes once its data is copied to host staging; rollouts block in the transfer."""
+    RS = "rs"
+    """Rollouts keep generating while bytes land in host staging; install at the next poll.
+    The trainer blocks until its bytes have left (landed in the rollouts' staging)."""
+    ASYNC = "async"
+    """Both: the trainer resumes after staging, the rollouts install at a later poll."""
+
+    @classmethod
+    def from_flags(cls, *, sender_staging: bool, receiver_staging: bool) -> "Mode":
+        return {(False, False): cls.SYNC, (True, False): cls.SS,
+                (False, True): cls.RS, (True, True): cls.ASYNC}[
+                    (bool(sender_staging), bool(receiver_staging))]
+
+    @property
+    def sender_staging(self) -> bool:
+        return self in (Mode.SS, Mode.ASYNC)
+
+    @property
+    def receiver_staging(self) -> bool:
+        return self in (Mode.RS, Mode.ASYNC)
+
+    @property
+    def trainer_returns_when(self) -> str:
+        """What `send_weights` waits for: "staged" (its own host copy), "landed" (every byte in
+        the rollouts' staging buffers) or "installed" (every rollout runs the new version)."""
+        if self.sender_staging:
+            return "staged"
+        return "landed" if self.receiver_staging else "installed"
+
+    @property
+    def rollout_blocks_for_transfer(self) -> bool:
+        """Whether a rollout's poll that takes an update waits for the bytes to move (True) or
+        only copies already staged bytes into its parameters (False)."""
+        return not self.receiver_staging
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -223,8 +223,8 @@ class Piece:
 class SourceMap:
     """Which checkpoint element each parameter element of one worker comes from.
 
-    The output of `extract_source_map`; its meaning is `weightbridge.replay`: replaying the
-    pieces fills the parameters exactly as the worker's own ``load_weights`` does.
+    The output of `extract_source_map`; its meaning is `weightbridge.replay`: replaying the pieces
+    fills the parameters exactly as the worker's own ``load_weights`` does.
     """
 
     params: tuple[ParamSpec, ...]
@@ -447,6 +447,11 @@ class Round:
     def stage(self, stage: Stage) -> tuple[Transfer, ...]:
         """The writes of one stage."""
         return tuple(t for t in self.transfers if t.stage is stage)
+
+
+Range = tuple[int, int, int]
+"""(round buffer index, byte offset, nbytes) in a receiver's round buffers: the key of
+one registered RDMA buffer."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,7 +4,7 @@ These are a user's own actors as docs/integration.md describes them: plain sync 
 proc builds its engine (`TitanWorker` or `VllmWorker`, in its own torch.distributed group) and
 hands the engine's live parameters and own ``load_weights`` to ``group.sender`` /
 ``group.receiver`` of a `weightbridge.TransferGroup`, whose agents serve the adapters' calls on
-each other (`weightbridge.monarch_control`). Nothing here knows a layout: the probe discovers
+each other (`weightbridge.mesh.control`). Nothing here knows a layout: the probe discovers
 both sides from the engines' loaders.
 
     trainer mesh: one gloo group over all trainer procs (FSDP2 x TP x EP)

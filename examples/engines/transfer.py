@@ -74,7 +74,7 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
     """Spawn the actors on (trainer procs, rollout procs), connect, run ``updates`` updates,
     and stop the actors (the procs stay the caller's)."""
     from examples.engines.actors import EngineRollout, EngineTrainer
-    from weightbridge.monarch_control import TransferGroup
+    from weightbridge.mesh.control import TransferGroup
 
     if model not in models.MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {models.MODELS}")
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from monarch.actor import this_host
 
-    from weightbridge.monarch_transport import configure_transport
+    from weightbridge.mesh.transport import configure_transport
     configure_transport()
     host = this_host()
     start = time.monotonic()

@@ -19,7 +19,7 @@ import torch
 
 from examples.engines import models
 from weightbridge import LayoutError, extract_source_map
-from weightbridge.replay import replay
+from weightbridge.discovery.replay import replay
 
 pytestmark = pytest.mark.engines
 

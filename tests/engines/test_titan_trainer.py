@@ -24,12 +24,12 @@ import re
 
 import pytest
 import torch
-
 from conftest import run_ranks
+from zoo.oracle import piece_sources
+
 from examples.engines import models
 from weightbridge import SourceMap, extract_source_map
-from weightbridge.replay import replay
-from zoo.oracle import piece_sources
+from weightbridge.discovery.replay import replay
 
 pytestmark = pytest.mark.engines
 

@@ -24,7 +24,7 @@ import torch
 
 from examples.engines import models
 from weightbridge import SourceMap, extract_source_map
-from weightbridge.replay import replay
+from weightbridge.discovery.replay import replay
 
 pytestmark = pytest.mark.engines
 

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightbridge.planning.simulate import Cluster
 from weightbridge.shapes.layouts import megatron_maps, sglang_maps
-from weightbridge.shapes.models import (
-    KIMI_K2,
-    MOONLIGHT_16B_A3B,
-    QWEN3_235B_A22B,
-    QWEN3_30B_A3B,
-    ModelConfig,
-)
-from weightbridge.simulate import Cluster
+from weightbridge.shapes.models import (KIMI_K2, MOONLIGHT_16B_A3B, QWEN3_30B_A3B, QWEN3_235B_A22B,
+                                        ModelConfig)
 from weightbridge.types import Placement, SourceMap
 
 PAPER_CLUSTER = Cluster(gpus_per_node=8, inter_node_bandwidth=400e9, intra_node_bandwidth=450e9)

@@ -24,12 +24,13 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from weightbridge.boxcopy import CopyKernels
 from weightbridge.config import TransferConfig
-from weightbridge.control import Range, Transport
-from weightbridge.executor import WorkerExecutor
-from weightbridge.probe import extract_source_map
-from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, WorkerPlan
+from weightbridge.coordination.control import Transport
+from weightbridge.discovery.probe import extract_source_map
+from weightbridge.execution.boxcopy import CopyKernels
+from weightbridge.execution.executor import WorkerExecutor
+from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
+                                WorkerPlan)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
@@ -85,7 +86,7 @@ class TransferWorker:
     Keyword Args:
         rank: This worker's index among the group's trainers or rollout workers.
         placement: Its planning node (host) and, for rollouts, its engine.
-        transport: Its data plane (`weightbridge.control.Transport`).
+        transport: Its data plane (`weightbridge.coordination.control.Transport`).
         config: The group's `TransferConfig`.
         kernels: Pack/assemble implementation; by default chosen from the parameters' device
             (Triton on CUDA, the vectorized torch path elsewhere).

@@ -8,17 +8,18 @@
     a.connect()                 # once, collective  (receivers are set up by rank-0's connect)
     loop: train step; a.send_weights(v)             loop: b.poll_requests(); inference step
 
-Both sides share connect and the round sequencer (`weightbridge.session`) with the
+Both sides share connect and the round sequencer (`weightbridge.coordination.session`) with the
 controller-driven path: the rank-0 sender plays the controller's part. Round by round it has
 the trainers pack and write, the receivers forward (EXTERNAL, INTERNAL) and land each round:
 into their parameters (RS off) or into a host staging slot (RS on). The version protocol
 (offers, relays, engine-consistent installs, staging slots) is the pure
-`weightbridge.coordination`; this module adds bytes, locks and waits.
+`weightbridge.coordination.protocol`; this module adds bytes, locks and waits.
 
 Where the calls of one adapter on another go is the ``control`` object (a
-`weightbridge.control.ControlPlane`): `weightbridge.local_control.LocalControl` calls the
-adapters of one process directly (tests, demos); `weightbridge.monarch_control` turns each
-call into an actor endpoint call and each write into an RDMA write.
+`weightbridge.coordination.control.ControlPlane`):
+`weightbridge.coordination.local_control.LocalControl` calls the adapters of one process
+directly (tests, demos); `weightbridge.mesh.control` turns each call into an actor endpoint
+call and each write into an RDMA write.
 
 A rollout worker lost mid-transfer raises `TransferFailed`; its engine leaves the group and
 rank 0 re-plans without it (docs/integration.md, "Failures").
@@ -29,8 +30,8 @@ itself is `coordination`.
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """
 
-from weightbridge.adapter_base import TransferFailed
-from weightbridge.receiver import ReceiverAdapter
-from weightbridge.sender import SenderAdapter
+from weightbridge.coordination.adapter_base import TransferFailed
+from weightbridge.coordination.receiver import ReceiverAdapter
+from weightbridge.coordination.sender import SenderAdapter
 
 __all__ = ["ReceiverAdapter", "SenderAdapter", "TransferFailed"]

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from weightbridge.codec import NO_SOURCE
-from weightbridge.runs import Runs, claim
+from weightbridge.discovery.codec import NO_SOURCE
+from weightbridge.discovery.runs import Runs, claim
 from weightbridge.types import Piece, Region, TensorSpec
 
 MAX_BOX_RANK = 6

@@ -20,9 +20,8 @@ from __future__ import annotations
 import warnings
 from typing import Iterable, Mapping, Sequence
 
-import torch
-
 import monarch
+import torch
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
 
 Range = tuple[int, int, int]

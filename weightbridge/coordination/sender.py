@@ -1,6 +1,7 @@
 """`SenderAdapter`: a trainer worker's `connect` and `send_weights`; rank 0 sequences transfers.
 
-See `weightbridge.adapters` for the whole picture and docs/integration.md for the user's view.
+See `weightbridge.coordination.adapters` for the whole picture and docs/integration.md for the
+user's view.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import time
 
 import torch
 
-from weightbridge.adapter_base import AdapterWorker, TransferFailed, host_buffer
-from weightbridge.boxcopy import CopyKernels
 from weightbridge.config import TransferConfig
-from weightbridge.control import PeerCall, engine_workers, rollouts, trainers
-from weightbridge.coordination import SenderStage, StagingSlots
-from weightbridge.sender_recovery import SenderRecovery
-from weightbridge.session import connect_group, run_update
+from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
+from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
+from weightbridge.coordination.protocol import SenderStage, StagingSlots
+from weightbridge.coordination.sender_recovery import SenderRecovery
+from weightbridge.coordination.session import connect_group, run_update
+from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, Stage, WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)

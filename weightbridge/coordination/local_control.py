@@ -23,8 +23,8 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from weightbridge.control import PeerCall, PeerFailed, Range, gathered
-from weightbridge.types import WorkerId
+from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
+from weightbridge.types import Range, WorkerId
 
 
 class WorkerGone(ConnectionError):
@@ -32,7 +32,7 @@ class WorkerGone(ConnectionError):
 
 
 class LocalControl:
-    """Every worker of one group, by side (a `weightbridge.control.ControlPlane`)."""
+    """Every worker of one group, by side (a `weightbridge.coordination.control.ControlPlane`)."""
 
     def __init__(self):
         self._workers: dict[WorkerId, object] = {}

@@ -6,10 +6,10 @@ docs/integration.md, "Failures", for the guarantees.
 
 from __future__ import annotations
 
-from weightbridge.adapter_base import TransferFailed
-from weightbridge.control import PeerCall, rollouts, trainers
-from weightbridge.coordination import StagingSlots
-from weightbridge.session import plan_group
+from weightbridge.coordination.adapter_base import TransferFailed
+from weightbridge.coordination.control import PeerCall, rollouts, trainers
+from weightbridge.coordination.protocol import StagingSlots
+from weightbridge.coordination.session import plan_group
 
 
 class SenderRecovery:

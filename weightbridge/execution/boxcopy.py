@@ -13,7 +13,7 @@ Implementations:
 
 - `TorchCopyKernels` (here): the reference semantics, one torch copy per box, any device. Slow
   per copy; the oracle for the others.
-- `weightbridge.cpu_kernels.CpuCopyKernels`: the default where there is no GPU.
+- `weightbridge.execution.cpu_kernels.CpuCopyKernels`: the default where there is no GPU.
 - `kernels.TritonKernels` (the `kernels/` package, imported lazily by the executor's
   `default_kernels`): one
   Triton launch per pack or assemble.

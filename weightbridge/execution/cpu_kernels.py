@@ -37,15 +37,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from weightbridge.boxcopy import (
-    INT_DTYPES,
-    check_buffer,
-    check_packable,
-    check_rank,
-    copy_columns,
-    flat_span,
-    merge_dims,
-)
+from weightbridge.execution.boxcopy import (INT_DTYPES, check_buffer, check_packable, check_rank,
+                                            copy_columns, flat_span, merge_dims)
 from weightbridge.types import BoxCopy
 
 GATHER_MAX_BOX = 512

@@ -7,7 +7,7 @@ any driver of a `ControlPlane`.
         plan_transfer -> WorkerPlans -> incoming ranges per receiver
         rollouts: SETUP -> handles;  trainers: SETUP;  everyone: SET_PEERS (its handles)
     run_update(control, group)
-        the round sequencer (`weightbridge.sequencer`) over SEND_ROUND / FORWARD / LAND
+        the round sequencer (`weightbridge.coordination.sequencer`) over SEND_ROUND / FORWARD / LAND
 
 Probing and planning happen once per group; `plan_group` alone re-plans from the kept maps
 (a lost engine left out) without probing again.
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from weightbridge.config import TransferConfig
-from weightbridge.control import ControlPlane, PeerCall, rollouts, trainers
+from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
+from weightbridge.coordination.sequencer import active_steps, run_rounds
 from weightbridge.errors import LayoutError
-from weightbridge.executor import incoming_ranges, outgoing_ranges
-from weightbridge.plan import TransferPlan, plan_transfer
-from weightbridge.sequencer import active_steps, run_rounds
+from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
+from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
 
 

@@ -6,9 +6,9 @@
                   ranges of a peer's round buffers (bulk bytes)
 
 Every call a worker makes on another is a `PeerCall`, a declared enum; the worker object that
-serves it implements the handler ``on_<value>`` (`weightbridge.worker.TransferWorker` and the
-adapters). Implementations: `weightbridge.local_control` (direct calls and copies in one
-process: tests, demos) and `weightbridge.monarch_control` (actor endpoints and Monarch RDMA).
+serves it implements the handler ``on_<value>`` (`weightbridge.coordination.worker.TransferWorker`
+and the adapters). Implementations: `weightbridge.coordination.local_control` (direct calls and
+copies in one process: tests, demos) and `weightbridge.mesh.control` (actor endpoints and Monarch RDMA).
 
 Typical usage (inside the library)::
 
@@ -21,10 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Mapping, Protocol, Sequence
 
-from weightbridge.types import WorkerId
-
-Range = tuple[int, int, int]
-"""(round buffer index, byte offset, nbytes) in a receiver's round buffers."""
+from weightbridge.types import Range, WorkerId
 
 
 class PeerCall(enum.Enum):

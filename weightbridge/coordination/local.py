@@ -2,8 +2,8 @@
 
 It runs exactly what a mesh runs, minus the network: one `TransferWorker` per worker (copy
 tables and round buffers, built once) on a `LocalControl`, and the same connect and round
-sequencer as every other path (`weightbridge.session`); each write is a copy between round
-buffers, standing in for an RDMA write.
+sequencer as every other path (`weightbridge.coordination.session`); each write is a copy
+between round buffers, standing in for an RDMA write.
 
 Typical usage::
 
@@ -18,16 +18,16 @@ from typing import Mapping, Sequence
 
 import torch
 
-from weightbridge.boxcopy import CopyKernels, TorchCopyKernels
 from weightbridge.config import TransferConfig
-from weightbridge.control import PeerCall
-from weightbridge.local_control import LocalControl
-from weightbridge.plan import TransferPlan
-from weightbridge.session import ConnectedGroup, run_update
-from weightbridge.executor import incoming_ranges, outgoing_ranges
-from weightbridge.sequencer import active_steps
+from weightbridge.coordination.control import PeerCall
+from weightbridge.coordination.local_control import LocalControl
+from weightbridge.coordination.sequencer import active_steps
+from weightbridge.coordination.session import ConnectedGroup, run_update
+from weightbridge.coordination.worker import TransferWorker
+from weightbridge.execution.boxcopy import CopyKernels, TorchCopyKernels
+from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
+from weightbridge.planning.plan import TransferPlan
 from weightbridge.types import Placement
-from weightbridge.worker import TransferWorker
 
 
 def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, torch.Tensor]],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightbridge.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
+from weightbridge.discovery.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
 
 CHUNK = 1 << 20
 """Elements scanned at once: bounds the probe's temporaries to a few MB."""

@@ -1,7 +1,8 @@
 """One worker's side of a plan: round buffers (arenas), copy tables, and the writes of a stage.
 
 Every worker of every path runs a `WorkerExecutor` (built once, at connect); the round
-sequencer (`weightbridge.sequencer`) orders its steps (pack, each stage's writes, assemble).
+sequencer (`weightbridge.coordination.sequencer`) orders its steps (pack, each stage's writes,
+assemble).
 The executor is transport-free: it says which bytes of which arena go to which registered range
 of which peer (`writes`), and a transport moves them. Receivers register, once, every range some
 peer writes into (`incoming_ranges`, computed on the controller from all worker plans).
@@ -20,11 +21,11 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from weightbridge.boxcopy import CopyKernels
-from weightbridge.cpu_kernels import CpuCopyKernels
-from weightbridge.control import Range
-from weightbridge.types import Stage, WorkerId, WorkerPlan
+from weightbridge.execution.boxcopy import CopyKernels
+from weightbridge.execution.cpu_kernels import CpuCopyKernels
+from weightbridge.types import Range, Stage, WorkerId, WorkerPlan
 from weightbridge.views import memory_order
+
 
 def default_kernels(device: torch.device | str) -> CopyKernels:
     """The fastest implementation for tensors on ``device``.

@@ -35,8 +35,8 @@ from typing import Sequence
 from monarch.actor import Actor, concurrent_endpoint, current_rank
 
 from weightbridge.config import TransferConfig
-from weightbridge.control import PeerCall, PeerFailed, gathered
-from weightbridge.monarch_transport import drop_all, register_ranges, wait_all, write
+from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
+from weightbridge.mesh.transport import drop_all, register_ranges, wait_all, write
 from weightbridge.types import Placement, WorkerId
 
 AXIS = "weightbridge_rank"
@@ -68,7 +68,7 @@ def _lookup(group: str, timeout_s: float):
 
 
 class MeshTransport:
-    """Monarch RDMA behind the `weightbridge.control.Transport` calls."""
+    """Monarch RDMA behind the `weightbridge.coordination.control.Transport` calls."""
 
     def __init__(self, timeout_s: float):
         self.timeout_s = max(1, int(timeout_s))
@@ -132,7 +132,7 @@ class TransferAgent(Actor):
 
 
 class MeshControl:
-    """A `weightbridge.control.ControlPlane` over the agents of one group."""
+    """A `weightbridge.coordination.control.ControlPlane` over the agents of one group."""
 
     poll_interval_s = 0.01
     """Waits on remote state poll it over endpoint calls: at most 100 calls a second."""
@@ -248,7 +248,7 @@ class TransferGroup:
                kernels=None, cls=None):
         """This trainer rank's `SenderAdapter` (or ``cls``, a subclass); its rank is this
         actor's flat rank in its mesh."""
-        from weightbridge.sender import SenderAdapter
+        from weightbridge.coordination.sender import SenderAdapter
 
         worker = (cls or SenderAdapter)(params, load_weights, spec, rank=current_rank().rank,
                                placement=placement, kernels=kernels, **self._wiring())
@@ -259,7 +259,7 @@ class TransferGroup:
                  before_update_hook=None, kernels=None, cls=None):
         """This rollout rank's `ReceiverAdapter` (or ``cls``, a subclass); its engine and
         engine rank follow from its flat rank and ``engine_size``."""
-        from weightbridge.receiver import ReceiverAdapter
+        from weightbridge.coordination.receiver import ReceiverAdapter
 
         rank = current_rank().rank
         worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,
@@ -275,7 +275,7 @@ class TransferGroup:
                kernels=None, cls=None):
         """This rank's plain `TransferWorker` (or ``cls``, a subclass), for a group a
         controller drives (`controller.MeshTransfer`)."""
-        from weightbridge.worker import TransferWorker
+        from weightbridge.coordination.worker import TransferWorker
 
         wiring = self._wiring()
         del wiring["control"]

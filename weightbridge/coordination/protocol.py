@@ -1,8 +1,8 @@
 """Worker coordination, pure: versions, supersession, engine-consistent installs, staging slots.
 
 No torch, no Monarch, no threads: every class here is a small state machine whose methods are
-called by the adapters (`weightbridge.adapters`) when a control message arrives or a worker
-polls. The tests drive them directly (`tests/test_coordination.py`).
+called by the adapters (`weightbridge.coordination.adapters`) when a control message arrives or
+a worker polls. The tests drive them directly (`tests/test_coordination.py`).
 
 The protocol (paper section 3.3)::
 
@@ -24,57 +24,13 @@ of them meets it at its poll of step s + 1, so the whole engine installs at the 
 
 Typical usage::
 
-    mode = Mode.from_flags(sender_staging=True, receiver_staging=False)   # Mode.SS
     coord = EngineCoordinator(num_ranks=2)            # on an engine's rank-0 receiver
     coord.offer(3); relay = coord.decide(step=10)     # -> Relay(3, at_step=11)
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
-
-
-class Mode(enum.Enum):
-    """The four synchronization modes: sender staging (SS) x receiver staging (RS)."""
-
-    SYNC = "sync"
-    """SS off, RS off: the trainer and the rollouts block until the update is installed."""
-    SS = "ss"
-    """Trainer resumes once its data is copied to host staging; rollouts block in the transfer."""
-    RS = "rs"
-    """Rollouts keep generating while bytes land in host staging; install at the next poll.
-    The trainer blocks until its bytes have left (landed in the rollouts' staging)."""
-    ASYNC = "async"
-    """Both: the trainer resumes after staging, the rollouts install at a later poll."""
-
-    @classmethod
-    def from_flags(cls, *, sender_staging: bool, receiver_staging: bool) -> "Mode":
-        return {(False, False): cls.SYNC, (True, False): cls.SS,
-                (False, True): cls.RS, (True, True): cls.ASYNC}[
-                    (bool(sender_staging), bool(receiver_staging))]
-
-    @property
-    def sender_staging(self) -> bool:
-        return self in (Mode.SS, Mode.ASYNC)
-
-    @property
-    def receiver_staging(self) -> bool:
-        return self in (Mode.RS, Mode.ASYNC)
-
-    @property
-    def trainer_returns_when(self) -> str:
-        """What `send_weights` waits for: "staged" (its own host copy), "landed" (every byte in
-        the rollouts' staging buffers) or "installed" (every rollout runs the new version)."""
-        if self.sender_staging:
-            return "staged"
-        return "landed" if self.receiver_staging else "installed"
-
-    @property
-    def rollout_blocks_for_transfer(self) -> bool:
-        """Whether a rollout's poll that takes an update waits for the bytes to move (True) or
-        only copies already staged bytes into its parameters (False)."""
-        return not self.receiver_staging
 
 
 @dataclass(frozen=True, slots=True)

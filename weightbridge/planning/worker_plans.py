@@ -16,17 +16,9 @@ import math
 
 import numpy as np
 
-from weightbridge.plan_route import RECEIVE, STAGES
-from weightbridge.types import (
-    BoxCopy,
-    BufferWrite,
-    Piece,
-    Region,
-    WorkerId,
-    WorkerPlan,
-    WorkerRound,
-    dtype_itemsize,
-)
+from weightbridge.planning.route import RECEIVE, STAGES
+from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
+                                WorkerRound, dtype_itemsize)
 
 
 def worker_plan(plan, worker: WorkerId) -> WorkerPlan:

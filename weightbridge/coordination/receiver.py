@@ -1,6 +1,7 @@
 """`ReceiverAdapter`: a rollout worker's `poll_requests`, and its part of every transfer.
 
-See `weightbridge.adapters` for the whole picture and docs/integration.md for the user's view.
+See `weightbridge.coordination.adapters` for the whole picture and docs/integration.md for the
+user's view.
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ import time
 
 import torch
 
-from weightbridge.adapter_base import AdapterWorker, TransferFailed, host_buffer
-from weightbridge.boxcopy import CopyKernels
 from weightbridge.config import TransferConfig
-from weightbridge.control import PeerCall, engine_workers
-from weightbridge.coordination import EngineCoordinator, Relay, WorkerVersions
+from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
+from weightbridge.coordination.control import PeerCall, engine_workers
+from weightbridge.coordination.protocol import EngineCoordinator, Relay, WorkerVersions
+from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
 SEQUENCER = WorkerId("trainer", 0)

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightbridge.plan import TransferPlan
-from weightbridge.plan_route import INTERNAL
+from weightbridge.planning.plan import TransferPlan
+from weightbridge.planning.route import INTERNAL
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

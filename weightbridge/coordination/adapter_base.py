@@ -1,6 +1,7 @@
 """What both adapters share: a `TransferWorker` with a control plane, staging layout and waits.
 
-The public entry point is `weightbridge.adapters`; see its docstring and docs/integration.md.
+The public entry point is `weightbridge.coordination.adapters`; see its docstring and
+docs/integration.md.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import time
 import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.control import ControlPlane, PeerCall, WorkerId
-from weightbridge.worker import TransferWorker
+from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
+from weightbridge.coordination.worker import TransferWorker
 
 
 class TransferFailed(RuntimeError):

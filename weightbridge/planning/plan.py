@@ -24,20 +24,10 @@ from typing import Sequence
 
 import numpy as np
 
-from weightbridge.correspond import correspond
-from weightbridge.plan_route import STAGES, RouteTables, route
-from weightbridge.types import (
-    Chunk,
-    Correspondence,
-    Placement,
-    Round,
-    SourceMap,
-    Stage,
-    Transfer,
-    WorkerId,
-    WorkerPlan,
-    dtype_itemsize,
-)
+from weightbridge.discovery.correspond import correspond
+from weightbridge.planning.route import STAGES, RouteTables, route
+from weightbridge.types import (Chunk, Correspondence, Placement, Round, SourceMap, Stage, Transfer,
+                                WorkerId, WorkerPlan, dtype_itemsize)
 
 
 def plan_transfer(trainers: Sequence[tuple[SourceMap, Placement]],
@@ -221,7 +211,7 @@ class TransferPlan:
 
     def for_worker(self, worker: WorkerId) -> WorkerPlan:
         """The per-worker view an executor builds its copy tables and buffers from."""
-        from weightbridge.plan_worker import worker_plan
+        from weightbridge.planning.worker_plans import worker_plan
 
         return worker_plan(self, worker)
 

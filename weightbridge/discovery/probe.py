@@ -25,11 +25,11 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from weightbridge.codec import Alphabet, alphabet, digits_to_values
-from weightbridge.diagnose import source_tensor
+from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
+from weightbridge.discovery.codec import Alphabet, alphabet, digits_to_values
+from weightbridge.discovery.diagnose import source_tensor
+from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.errors import LayoutError
-from weightbridge.boxes import TensorIndex, box_to_pieces, group_boxes
-from weightbridge.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, SourceMap
 from weightbridge.views import memory_order, without_aliases
 
@@ -255,7 +255,7 @@ def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeight
     _fill_zero(get())
     load_weights(iter(checkpoint.items()))
     live = get()
-    from weightbridge.replay import first_mismatch
+    from weightbridge.discovery.replay import first_mismatch
 
     for piece in smap.pieces:
         bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
