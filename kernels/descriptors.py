@@ -36,11 +36,11 @@ from typing import Any, Sequence
 
 import torch
 
-from weightbridge.execution.boxcopy import copy_columns, merge_dims
+from weightbridge.execution.boxcopy import MAX_RANK, check_rank, copy_columns, merge_dims
 
-MAX_RANK = 4
-"""Box dims the kernels address after merging. To raise it: add N/S fields here, pad to the new
-rank where `merge_dims` is called, and decompose the extra row dims in `kernels/_tile.py`."""
+# MAX_RANK (weightbridge.execution.boxcopy) is the number of box dims the kernels address after
+# merging. To raise it: add N/S fields here, pad to the new rank where `merge_dims` is called,
+# and decompose the extra row dims in `kernels/_tile.py`.
 ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3 = range(11)
 NUM_FIELDS = 11
 BLOCK_ROWS = 16
@@ -93,14 +93,7 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
                            cols["nbytes"], cols["overlap"], device, block_rows, block_cols,
                            tuple(tensors))
     shape, strides = merge_dims(cols["shape"], cols["strides"])
-    rank = (shape > 1).sum(dim=1)
-    if bool((rank > MAX_RANK).any()):
-        i = int((rank > MAX_RANK).nonzero()[0, 0])
-        raise ValueError(
-            f"{copies[int(cols['index'][i])]} has {int(rank[i])} dims that cannot be merged (dims "
-            f"merge when one is contiguous with the next); the copy kernels support at most "
-            f"{MAX_RANK}. Split the box into several boxes along its outer dims, or raise "
-            "MAX_RANK as kernels/descriptors.py describes")
+    check_rank(copies, cols["index"], shape)
     # Right-align the dims in MAX_RANK columns (padding: size 1, stride 0).
     shape = torch.cat([torch.ones((count, MAX_RANK), dtype=torch.int64), shape], 1)[:, -MAX_RANK:]
     strides = torch.cat([torch.zeros((count, MAX_RANK), dtype=torch.int64), strides],
