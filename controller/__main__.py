@@ -18,86 +18,54 @@ See docs/controller.md.
 ``--local`` runs the same discover/plan/transfer/verify pipeline in one process: the four ranks
 of a Megatron-like trainer (TP2 x EP2) and the four ranks of two TP2 rollout engines, moved by
 `run_plan_locally`.
+
+Bad input (a flag out of range, a spec that does not fit, a flag the chosen run would ignore)
+is refused by `controller.cli.validate` before anything spawns: one ``error: ...`` line on stderr, exit 2.
+Exit 1 means the weights did not match.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 import time
 
 import torch
 
+from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, TransferConfig, correspond,
-                          extract_source_map, plan_transfer, run_plan_locally)
-
-DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
-DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
+from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond, extract_source_map,
+                          plan_transfer, run_plan_locally)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="WeightBridge controller")
-    parser.add_argument("--trainer", default=DEFAULT_TRAINER, help="trainer mesh spec")
-    parser.add_argument("--rollout", default=DEFAULT_ROLLOUT, help="rollout mesh spec")
-    parser.add_argument("--updates", type=int, default=3, help="model versions to transfer")
-    parser.add_argument("--model", choices=sorted(SIZES), default="tiny",
-                        help="the demo model's size (meshes.workers)")
-    parser.add_argument("--workers", metavar="MODULE:FACTORY",
-                        help="a worker factory to run instead of the demo model: "
-                             "factory(side, spec, rank) -> weightbridge.WorkerParts")
-    parser.add_argument("--round-kib", type=int,
-                        help=f"KiB per round buffer (default "
-                             f"{TransferConfig().round_bytes >> 10})")
-    parser.add_argument("--depth", type=int, default=2,
-                        help="round arenas per worker (3 hides slow control messages)")
-    parser.add_argument("--timeout", type=float, default=TransferConfig().timeout_s,
-                        help="seconds within which a lost or stalled worker fails an update")
-    parser.add_argument("--trace", metavar="PATH",
-                        help="write the last update's per-rank, per-stage timeline here "
-                             "(Chrome trace JSON; open in Perfetto)")
-    parser.add_argument("--local", action="store_true",
-                        help="in-process demo (fixed layouts, no meshes)")
-    parser.add_argument("--attach-trainers", metavar="ADDRS",
-                        help="comma-separated Monarch worker addresses (tcp://HOST:PORT), one "
-                             "per trainer node, to attach to instead of spawning on this host")
-    parser.add_argument("--attach-rollouts", metavar="ADDRS",
-                        help="likewise, one per rollout node, engine by engine")
-    parser.add_argument("--cluster", type=int, metavar="N", nargs="?", const=0,
-                        help="bring up an emulated cluster of N hosts here (network namespaces, "
-                             "links shaped by tc; N defaults to trainer nodes + rollout nodes), "
-                             "run on it, tear it down (controller/cluster.py; needs root)")
-    parser.add_argument("--link-mbit", type=float,
-                        help="host link rate, Mbit/s each direction: shapes --cluster links "
-                             "(default 400) and replaces the link probe in Eq. (1)")
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        run = validate(args)
+    except ValueError as e:
+        refuse(str(e))
     if args.cluster is not None:
-        raise SystemExit(cluster_run(args))
+        raise SystemExit(cluster_run(args, run))
     if args.local:
         local_demo(args)
     else:
-        raise SystemExit(mesh_run(args))
+        raise SystemExit(mesh_run(args, run))
 
 
-def mesh_run(args) -> int:
+# -- the runs -----------------------------------------------------------------------------------
+
+def mesh_run(args, run: Run) -> int:
+    """Spawn (or attach), connect, update ``--updates`` times; 1 when any weight mismatched."""
     from controller.driver import MeshTransfer  # imports monarch: only for the mesh run
-    from meshes.spec import RolloutSpec, TrainerSpec
 
-    try:
-        trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
-        config = transfer_config(args)
-        workers = args.workers or args.model
-        MeshTransfer(trainer, rollout, workers, config=config)  # validates; spawns nothing
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    trainer, rollout, config, workers = run.trainer, run.rollout, run.config, run.workers
     procs, owners = None, ()
-    if args.attach_trainers or args.attach_rollouts:
+    if run.addresses is not None:
         try:
-            owners, procs = attach(args, trainer, rollout)
+            owners, procs = attach(run.addresses, trainer, rollout)
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
-            return 2
+            return BAD_INPUT
     print(f"workers {workers}: trainer [{args.trainer}] {trainer.num_workers} procs, rollout "
           f"[{args.rollout}] {rollout.num_workers} procs; {config}", flush=True)
     failed = False
@@ -112,7 +80,7 @@ def mesh_run(args) -> int:
                 mt.connect()
             except LayoutError as e:
                 print(f"error: {e}", file=sys.stderr)
-                return 2
+                return BAD_INPUT
             print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
                   f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
             print(mt.summary(), flush=True)
@@ -132,73 +100,37 @@ def mesh_run(args) -> int:
     return 1 if failed else 0
 
 
-def transfer_config(args) -> TransferConfig:
-    """The CLI's flags as a validated `TransferConfig` (raises ValueError naming the flag)."""
-    if args.round_kib is not None and args.round_kib < 1:
-        raise ValueError(f"--round-kib must be a positive number of KiB, got {args.round_kib}")
-    if args.updates < 1:
-        raise ValueError(f"--updates must be at least 1, got {args.updates}")
-    if getattr(args, "link_mbit", None) is not None and not args.link_mbit > 0:
-        raise ValueError(f"--link-mbit must be positive, got {args.link_mbit}")
-    if args.depth < 2:
-        raise ValueError(f"--depth must be >= 2 round arenas per worker, got {args.depth}")
-    round_bytes = {} if args.round_kib is None else {"round_bytes": args.round_kib << 10}
-    return TransferConfig(depth=args.depth, timeout_s=args.timeout, **round_bytes)
-
-
-def cluster_run(args) -> int:
+def cluster_run(args, run: Run) -> int:
     """`mesh_run` on an emulated cluster: trainer nodes on the first hosts, then the rollout
     nodes engine by engine; the cluster is torn down on exit, errors and Ctrl-C."""
-    import os
     import signal
 
     from controller.cluster import TRANSPORT_ENV, ClusterError, EmulatedCluster
-    from meshes.spec import RolloutSpec, TrainerSpec
 
-    try:
-        trainer, rollout = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    nodes = trainer.nodes + rollout.engines * rollout.nodes
-    hosts = args.cluster or nodes
-    if hosts != nodes:
-        print(f"error: --cluster {hosts}, but the specs need {nodes} hosts ({trainer.nodes} "
-              f"trainer nodes + {rollout.engines * rollout.nodes} rollout nodes)",
-              file=sys.stderr)
-        return 2
+    trainer = run.trainer
+    hosts = trainer.nodes + run.rollout.engines * run.rollout.nodes  # validated: --cluster N
     args.link_mbit = args.link_mbit or 400.0
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         with EmulatedCluster(hosts, link_mbit=args.link_mbit) as cluster:
             os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
             addrs = cluster.addresses
-            args.attach_trainers = ",".join(addrs[:trainer.nodes])
-            args.attach_rollouts = ",".join(addrs[trainer.nodes:])
+            addresses = (addrs[:trainer.nodes], addrs[trainer.nodes:])
             print(f"emulated cluster: {hosts} hosts, {args.link_mbit:g} Mbit/s links "
-                  f"(trainers {args.attach_trainers}; rollouts {args.attach_rollouts})",
+                  f"(trainers {','.join(addresses[0])}; rollouts {','.join(addresses[1])})",
                   flush=True)
-            return mesh_run(args)
+            return mesh_run(args, run._replace(addresses=addresses))
     except ClusterError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return BAD_INPUT
 
 
-def attach(args, trainer, rollout) -> tuple[tuple, tuple]:
-    """Proc meshes on remote Monarch workers, one address per node of each spec:
-    ((trainer owner, rollout owner), (trainer workers, rollout workers))."""
-    from controller.launch import attach_procs, parse_addresses
+def attach(addresses: tuple[list[str], list[str]], trainer, rollout) -> tuple[tuple, tuple]:
+    """Proc meshes on remote Monarch workers, one address per node of each spec (checked by
+    `attach_addresses`): ((trainer owner, rollout owner), (trainer workers, rollout workers))."""
+    from controller.launch import attach_procs
 
-    if not (args.attach_trainers and args.attach_rollouts):
-        raise ValueError("--attach-trainers and --attach-rollouts go together")
-    t_addrs = parse_addresses(args.attach_trainers)
-    r_addrs = parse_addresses(args.attach_rollouts)
-    if len(t_addrs) != trainer.nodes:
-        raise ValueError(f"--attach-trainers names {len(t_addrs)} workers, but the trainer "
-                         f"spec has nodes={trainer.nodes}")
-    if len(r_addrs) != rollout.engines * rollout.nodes:
-        raise ValueError(f"--attach-rollouts names {len(r_addrs)} workers, but the rollout spec "
-                         f"has engines*nodes={rollout.engines * rollout.nodes}")
+    t_addrs, r_addrs = addresses
     t_owner, tp = attach_procs(t_addrs, gpus=trainer.gpus, name="trainer")
     try:
         r_owner, rp = attach_procs(r_addrs, gpus=rollout.gpus, name="rollout")

@@ -5,8 +5,9 @@
 
 A trainer spec lays out ``nodes * gpus`` workers as DP x PP x EP x TP (TP fastest); a rollout
 spec lays out ``engines`` replicas of ``nodes * gpus`` workers as EP x TP. ``fsdp=1`` makes the
-trainer keep FSDP flat shards instead (its workers are the FSDP ranks).
-``TrainerSpec.shard(model, worker)`` builds a trainer worker's shard.
+trainer keep FSDP flat shards instead (its workers are the FSDP ranks); fsdp is a switch, 0 or 1.
+``spec.validate()`` checks the layout alone (any worker factory), ``spec.validate(model)`` also
+against the demo model. ``TrainerSpec.shard(model, worker)`` builds a trainer worker's shard.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class TrainerSpec:
     ep: int = 1
     """Expert parallel degree (contiguous blocks of experts)."""
     fsdp: int = 0
-    """1: FSDP flat shards over all workers instead of TP/PP/EP."""
+    """1: FSDP flat shards over all workers instead of TP/PP/EP; 0: TP/PP/EP (a switch)."""
 
     @classmethod
     def parse(cls, text: str) -> "TrainerSpec":
@@ -46,9 +47,13 @@ class TrainerSpec:
         """Data-parallel replicas: what is left of the workers after TP, PP and EP."""
         return 1 if self.fsdp else self.num_workers // (self.tp * self.pp * self.ep)
 
-    def validate(self, model: MoEConfig) -> None:
-        """Raise ValueError when the layout does not fit the workers or the model."""
+    def validate(self, model: MoEConfig | None = None) -> None:
+        """Raise ValueError when the layout does not fit the workers or (if given) the model."""
         _positive(self)
+        if self.fsdp not in (0, 1):
+            raise ValueError(f"trainer spec {self}: fsdp is a switch, 0 or 1, got fsdp="
+                             f"{self.fsdp}; fsdp=1 shards flat parameters over all nodes*gpus "
+                             f"workers (there is no smaller FSDP degree): set fsdp=1 or drop it")
         if self.fsdp:
             if (self.tp, self.pp, self.ep) != (1, 1, 1):
                 raise ValueError(f"trainer spec {self}: fsdp=1 shards flat parameters over all "
@@ -58,6 +63,8 @@ class TrainerSpec:
         if self.num_workers % group:
             raise ValueError(f"trainer spec {self}: tp*pp*ep = {group} must divide the "
                              f"{self.num_workers} workers (nodes*gpus)")
+        if model is None:
+            return
         _check_model(self, model, self.tp, self.ep)
         if model.vocab % self.tp:
             raise ValueError(f"trainer spec {self}: tp={self.tp} must divide the model's "
@@ -110,13 +117,14 @@ class RolloutSpec:
     def num_workers(self) -> int:
         return self.engines * self.workers_per_engine
 
-    def validate(self, model: MoEConfig) -> None:
-        """Raise ValueError when the layout does not fit the workers or the model."""
+    def validate(self, model: MoEConfig | None = None) -> None:
+        """Raise ValueError when the layout does not fit the workers or (if given) the model."""
         _positive(self)
         if self.tp * self.ep != self.workers_per_engine:
             raise ValueError(f"rollout spec {self}: tp*ep = {self.tp * self.ep} must equal the "
                              f"{self.workers_per_engine} workers of an engine (nodes*gpus)")
-        _check_model(self, model, self.tp, self.ep)
+        if model is not None:
+            _check_model(self, model, self.tp, self.ep)
 
     def coords(self, worker: int) -> dict[str, int]:
         """Engine and ranks of a worker: {"engine", "ep", "tp"} (TP fastest)."""
@@ -132,6 +140,9 @@ def _parse(cls: type, text: str) -> dict[str, int]:
         if not eq or key.strip() not in known:
             raise ValueError(f"bad {cls.__name__} item {item!r} in {text!r}: expected "
                              f"key=value with key in {sorted(known)}")
+        if key.strip() in out:
+            raise ValueError(f"{cls.__name__} {text!r} sets {key.strip()} twice: give each "
+                             f"key once")
         try:
             out[key.strip()] = int(value)
         except ValueError:
@@ -142,7 +153,7 @@ def _parse(cls: type, text: str) -> dict[str, int]:
 def _positive(spec) -> None:
     for f in fields(spec):
         value = getattr(spec, f.name)
-        if value < (0 if f.name == "fsdp" else 1):
+        if f.name != "fsdp" and value < 1:  # fsdp, a switch, is checked by its spec
             raise ValueError(f"{type(spec).__name__}.{f.name} must be >= 1, got {value}")
 
 

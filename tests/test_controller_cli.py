@@ -36,22 +36,66 @@ def test_a_model_the_controller_has_never_seen_transfers_bit_exact_through_its_f
     assert bootstrap_children() - before == set()
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--workers", "examples.custom_model:nope"), "has no callable 'nope'"),
-    (("--workers", "no_such_module:factory"), "does not import"),
-    (("--workers", "examples.custom_model"), "or a worker factory as module:name"),
-    (("--round-kib", "0"), "--round-kib must be a positive"),
-    (("--round-kib", "-1"), "--round-kib must be a positive"),
-    (("--updates", "0"), "--updates must be at least 1"),
-    (("--depth", "1"), "--depth must be >= 2"),
-    (("--timeout", "0"), "timeout_s must be a positive"),
-    (("--trainer", "nodes=1,gpus=3,tp=2"), "must divide"),
-])
+CLUSTER_ATTACH = ("--attach-trainers", "tcp://127.0.0.1:1",
+                  "--attach-rollouts", "tcp://127.0.0.1:2,tcp://127.0.0.1:3")
+BAD_INPUT = {
+    # flags out of range, on the mesh run and on --cluster (refused before it brings anything up)
+    "round-kib 0": (("--round-kib", "0"), "--round-kib must be a positive"),
+    "round-kib -1": (("--round-kib", "-1"), "--round-kib must be a positive"),
+    "cluster round-kib 0": (("--cluster", "--round-kib", "0"), "--round-kib must be a positive"),
+    "link-mbit -5": (("--link-mbit", "-5"), "--link-mbit must be a positive"),
+    "cluster link-mbit -5": (("--cluster", "--link-mbit", "-5"), "--link-mbit must be a positive"),
+    "cluster link-mbit 0": (("--cluster", "--link-mbit", "0"), "--link-mbit must be a positive"),
+    "updates 0": (("--updates", "0"), "--updates must be at least 1"),
+    "updates -2": (("--updates", "-2"), "--updates must be at least 1"),
+    "cluster updates -2": (("--cluster", "--updates", "-2"), "--updates must be at least 1"),
+    "depth 1": (("--depth", "1"), "--depth must be >= 2"),
+    "cluster depth 1": (("--cluster", "--depth", "1"), "--depth must be >= 2"),
+    "timeout 0": (("--timeout", "0"), "--timeout 0: timeout_s must be a positive"),
+    "timeout -1": (("--timeout", "-1"), "--timeout -1: timeout_s must be a positive"),
+    "trace in no folder": (("--trace", "/no-such-folder/t.json"), "in an existing folder"),
+    "not an int": (("--updates", "abc"), "invalid int value: 'abc' (see --help)"),
+    # --cluster N and the flags a cluster run would ignore
+    "cluster 5": (("--cluster", "5"), "2 rollout nodes): give --cluster 3 or --cluster alone"),
+    "cluster -1": (("--cluster", "-1"), "give a positive number of hosts"),
+    "cluster attach": (("--cluster", *CLUSTER_ATTACH),
+                       "would ignore --attach-trainers, --attach-rollouts"),
+    "cluster bad spec": (("--cluster", "--trainer", "nodes=1,gpus=3,tp=2"), "must divide"),
+    "cluster bad factory": (("--cluster", "--workers", "examples.custom_model:nope"),
+                            "has no callable 'nope'"),
+    # specs: unknown or repeated keys, zero values, layouts that do not fit, fsdp not a switch
+    "unknown key": (("--trainer", "nodes=1,gpus=4,dp=2"), "expected key=value"),
+    "repeated key": (("--trainer", "gpus=4,gpus=3,tp=2"), "sets gpus twice"),
+    "layout": (("--trainer", "nodes=1,gpus=3,tp=2"), "must divide"),
+    "zero engines": (("--rollout", "engines=0,gpus=2,tp=2"), "engines must be >= 1"),
+    "zero gpus, own factory": (("--workers", "examples.custom_model:mlp", "--trainer", "gpus=0"),
+                               "TrainerSpec.gpus must be >= 1"),
+    "fsdp=2": (("--trainer", "nodes=1,gpus=4,fsdp=2"), "fsdp is a switch, 0 or 1"),
+    "fsdp=2 with tp, ep": (("--trainer", "nodes=1,gpus=4,tp=2,ep=2,fsdp=2"), "fsdp is a switch"),
+    "fsdp=-1": (("--trainer", "gpus=4,fsdp=-1"), "fsdp is a switch"),
+    # worker factories, and --model where --workers replaces the demo model
+    "no callable": (("--workers", "examples.custom_model:nope"), "has no callable 'nope'"),
+    "no module": (("--workers", "no_such_module:factory"), "does not import"),
+    "no colon": (("--workers", "examples.custom_model"), "or a worker factory as module:name"),
+    "model and workers": (("--model", "small", "--workers", "examples.custom_model:mlp"),
+                          "replaces it: drop one of them"),
+    "attach one side": (("--attach-trainers", "tcp://127.0.0.1:1"), "go together"),
+    # --local: its own flags checked, the flags it would ignore refused
+    "local round-kib 0": (("--local", "--round-kib", "0"), "--round-kib must be a positive"),
+    "local updates": (("--local", "--updates", "5"), "it would ignore --updates: drop it"),
+    "local spec": (("--local", "--trainer", "nodes=1,gpus=2,tp=2"), "runs the fixed layouts"),
+    "local workers trace": (("--local", "--workers", "examples.custom_model:mlp", "--trace",
+                             "/tmp/wb-trace.json"), "would ignore --workers, --trace"),
+}
+
+
+@pytest.mark.parametrize("args,message", list(BAD_INPUT.values()), ids=list(BAD_INPUT))
 def test_bad_input_exits_2_with_one_line_before_anything_spawns(args, message):
     before = bootstrap_children()
     run = _controller(*args, timeout=60)
     assert run.returncode == 2, run.stdout + run.stderr
-    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and message in errors[0], run.stderr
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr
     assert "Traceback" not in run.stderr
+    assert run.stdout == ""  # nothing ran: no emulated cluster, no "spawned meshes" line
     assert bootstrap_children() - before == set()

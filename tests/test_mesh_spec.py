@@ -32,6 +32,8 @@ def test_rollout_spec_parses_engines():
     (TrainerSpec, "gpus=2,fsdp=1,tp=2", "drop tp/pp/ep"),
     (RolloutSpec, "engines=2,gpus=2,tp=1", "tp\\*ep = 1 must equal the 2 workers"),
     (RolloutSpec, "gpus=2,ep=2,tp=1,engines=0", "engines must be >= 1"),
+    (TrainerSpec, "gpus=4,fsdp=2", "fsdp is a switch, 0 or 1, got fsdp=2"),
+    (TrainerSpec, "gpus=4,fsdp=-1", "fsdp is a switch, 0 or 1, got fsdp=-1"),
 ])
 def test_bad_specs_say_what_is_wrong(cls, text, match):
     with pytest.raises(ValueError, match=match):
@@ -51,9 +53,21 @@ def test_trainer_spec_builds_pipeline_stage_and_fsdp_shards():
     assert list(flat.params) == ["flat_param"] and flat.shard_start == 2 * flat.shard_numel
 
 
+def test_validate_without_a_model_checks_the_layout_alone():
+    TrainerSpec.parse("gpus=3,tp=3").validate()  # fits 3 workers; the demo model's heads aside
+    RolloutSpec.parse("engines=3,gpus=3,tp=3").validate()
+    for spec, match in ((TrainerSpec.parse("gpus=0"), "gpus must be >= 1"),
+                        (TrainerSpec.parse("gpus=4,tp=2,ep=4"), "must divide the 4 workers"),
+                        (TrainerSpec.parse("gpus=2,fsdp=2"), "fsdp is a switch"),
+                        (RolloutSpec.parse("gpus=2"), "must equal the 2 workers")):
+        with pytest.raises(ValueError, match=match):
+            spec.validate()
+
+
 @pytest.mark.parametrize("text,match", [("gpus", "expected key=value"),
                                         ("nodes=two", "not an integer"),
-                                        ("replicas=2", "expected key=value")])
+                                        ("replicas=2", "expected key=value"),
+                                        ("tp=2,gpus=2,tp=1", "sets tp twice")])
 def test_unparseable_specs_say_what_is_expected(text, match):
     with pytest.raises(ValueError, match=match):
         TrainerSpec.parse(text)
