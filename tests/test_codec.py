@@ -68,3 +68,16 @@ def test_crt_recovers_values_below_the_moduli_product(dtype, values):
     moduli = alpha.moduli[:k]
     x = torch.tensor(values) % math.prod(moduli)
     assert torch.equal(codec.crt([x % p for p in moduli], moduli), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_signed_values_are_finite_normal_numbers_negated_where_asked(dtype):
+    """The verification checkpoint's values: both signs, every one still a safe pattern."""
+    alpha = codec.alphabet(dtype)
+    digits = torch.tensor([0, 1, alpha.size // 2, alpha.size - 1] * 2)
+    negative = torch.tensor([False] * 4 + [True] * 4)
+    values = codec.signed_values(digits, negative, alpha).float()
+    positive = codec.digits_to_values(digits, alpha).float()
+    assert torch.equal(values, torch.where(negative, -positive, positive))
+    assert torch.isfinite(values).all()
+    assert (values.abs() >= torch.finfo(dtype).tiny).all()

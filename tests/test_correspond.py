@@ -102,3 +102,71 @@ def test_piece_into_unlisted_param_is_a_layout_error():
     b.piece(Region("w", (0,), (4,), (1,)), "ghost", 0, (1,))
     with pytest.raises(LayoutError, match="ghost"):
         correspond([b.build()], [_single(Region("w", (0,), (4,), (1,)))])
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout parameters that take nothing from the checkpoint (issue 14)
+# --------------------------------------------------------------------------------------------
+
+
+def _with_param(smap: SourceMap, name: str, shape=(3, 4), dtype="float32") -> SourceMap:
+    return SourceMap(smap.params + (ParamSpec(name, shape, dtype),), smap.pieces)
+
+
+W = Region("w", (0,), (4,), (1,))
+
+
+def test_rollout_parameter_no_element_lands_in_is_refused_naming_it():
+    """Its tensor is missing from the checkpoint spec: no piece, so no transfer updates it."""
+    rollout = _with_param(_single(W), "model.norm.weight", (8,), "bfloat16")
+    with pytest.raises(LayoutError) as err:
+        correspond([_single(W)], [rollout, rollout])
+    message = str(err.value)
+    assert "'model.norm.weight' ((8,) bfloat16, workers 0, 1)" in message, message
+    assert "no transfer would ever update it" in message, message
+    assert "load_weights fills" in message and "add the checkpoint tensors" in message, message
+
+
+def test_rollout_parameter_sourced_on_another_rollout_worker_is_accepted():
+    """A TP shard of a padded vocabulary can lie wholly in the padding on the last rank: that
+    rank's map has no piece for it, the other rank's has."""
+    vocab = Region("embed", (0, 0), (6, 4), (1, 1))
+    real_rows = _single(vocab)
+    padding_only = SourceMap(real_rows.params, ())
+    corr = correspond([_single(vocab)], [real_rows, padding_only])
+    assert corr.nbytes == 6 * 4 * 4
+
+
+def test_partly_sourced_rollout_parameter_is_accepted():
+    """A vocabulary padded from 120 to 128 rows: rows 120..127 take no checkpoint element."""
+    vocab = Region("embed", (0, 0), (120, 4), (1, 1))
+    rollout = SourceMap((ParamSpec("embed", (128, 4), "bfloat16"),),
+                        (Piece(vocab, "embed", 0, (4, 1)),))
+    corr = correspond([_single(vocab, "bfloat16")], [rollout])
+    assert sum(o.region.numel for o in corr.overlaps) == 120 * 4
+
+
+def test_trainer_parameters_and_empty_rollout_parameters_need_no_source():
+    """Trainers may hold parameters no rollout needs; a zero-element parameter has nothing to
+    update."""
+    trainer = _with_param(_single(W), "optimizer_side")
+    rollout = _with_param(_single(W), "empty", (0, 4))
+    assert correspond([trainer], [rollout]).nbytes == 16
+
+
+def test_a_probed_rollout_whose_tensor_is_missing_from_the_spec_is_refused_by_correspond():
+    """End to end: the spec lacks model.norm.weight, so the probe finds nothing for the
+    rollout's norm, and correspond (hence connect) refuses before any byte moves."""
+    from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
+    from weightbridge import CheckpointSpec, extract_source_map
+
+    config = SIZES["tiny"]
+    full = checkpoint_spec(config)
+    spec = CheckpointSpec(tuple(t for t in full.tensors if t.name != "model.norm.weight"))
+    trainer = TrainerShard(config, 1, 0, 1, 0)
+    rollout = RolloutShard(config, 1, 0, 1, 0)
+    tmap = extract_source_map(trainer.params, trainer.load_weights, spec)
+    rmap = extract_source_map(rollout.params, rollout.load_weights, spec)
+    assert "model.norm.weight" not in {p.param for p in rmap.pieces}
+    with pytest.raises(LayoutError, match=r"'model\.norm\.weight' \(\(128,\) bfloat16, worker 0\)"):
+        correspond([tmap], [rmap])

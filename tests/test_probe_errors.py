@@ -228,3 +228,112 @@ def test_views_into_another_parameter_are_left_out_of_the_map():
     smap = extract_source_map(params, load_weights, spec)
     assert [p.name for p in smap.params] == ["kv_b"]
     assert sum(p.region.numel for p in smap.pieces) == 32
+
+
+# --------------------------------------------------------------------------------------------
+# Adversarial cases (issue 14)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", [
+    pytest.param(CheckpointSpec(()), id="no-tensors"),
+    pytest.param(CheckpointSpec((TensorSpec("w", (0, 6), "bfloat16"),)), id="zero-elements"),
+])
+def test_empty_checkpoint_spec_is_a_value_error_before_any_load(spec):
+    """An empty spec gives the probe no element to offer: every parameter would come out
+    unsourced and never be updated. Refused up front, saying how to build a spec."""
+    params, calls = _params(), []
+    with pytest.raises(ValueError, match=r"checkpoint spec has .*read_checkpoint_spec") as err:
+        extract_source_map(params, lambda weights: calls.append(1), spec)
+    assert not isinstance(err.value, LayoutError)
+    assert calls == []  # before any probe load
+
+
+def _moe_shard_scaling(tensor: str, factor: float):
+    """The tiny Qwen3-MoE rollout shard (TP2 x EP2 rank 0) with a loader that scales one
+    checkpoint tensor; params renamed so the message must name the tensor, not the param."""
+    from meshes.qwen3_moe import SIZES, RolloutShard, checkpoint_spec
+
+    config = SIZES["tiny"]
+    shard = RolloutShard(config, 2, 0, 2, 0)
+    params = {f"rollout/{n}": p for n, p in shard.params.items()}
+
+    def load_weights(weights):
+        shard.load_weights((n, w * factor if n == tensor else w) for n, w in weights)
+    return params, load_weights, checkpoint_spec(config)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5, 4.0, 3.0, -1.0])
+def test_scaling_loader_error_names_the_scaled_tensor_in_a_moe_model(factor):
+    """Doubling a bf16 value adds 128 to its bits, so every probe digit and the recombined index
+    shift by 128: the scaled norm decodes as a copy of another tensor (lm_head, or an expert's
+    down_proj for 0.5), and the error used to name that tensor."""
+    params, load_weights, spec = _moe_shard_scaling("model.norm.weight", factor)
+    with pytest.raises(LayoutError) as err:
+        extract_source_map(params, load_weights, spec)
+    message = str(err.value)
+    assert "parameter 'rollout/model.norm.weight'" in message, message
+    assert "checkpoint tensor 'model.norm.weight'" in message, message
+    others = [t.name for t in spec.tensors if t.name != "model.norm.weight"
+              and f"'{t.name}'" in message]
+    assert others == [], message
+    assert "changes values" in message, message
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5, -3.0])
+def test_diagnosis_names_the_source_of_a_scaled_element(factor):
+    from weightbridge.discovery.diagnose import source_tensor
+
+    params, load_weights, spec = _moe_shard_scaling("model.layers.1.mlp.experts.2.up_proj.weight",
+                                                    factor)
+    w13 = "rollout/model.layers.1.mlp.experts.w13_weight"
+    inter = params[w13].shape[1] // 2
+    element = (2 * 2 * inter + inter + 5) * params[w13].shape[2] + 7  # expert 2, up half, row 5
+    got = source_tensor(lambda: params, load_weights, spec, w13, element)
+    assert got == "model.layers.1.mlp.experts.2.up_proj.weight"
+
+
+def test_diagnosis_names_no_tensor_when_the_loader_adds_a_constant():
+    from weightbridge.discovery.diagnose import source_tensor
+
+    params = _params()
+    load_weights = _copy_loader(params, lambda name, w: w + 1)
+    assert source_tensor(lambda: params, load_weights, SPEC, "blk0.w13", 7) is None
+
+
+SIGN_DEPENDENT = {
+    "abs": torch.abs,
+    "clamp-min-0": lambda w: w.clamp(min=0),
+    "relu": torch.relu,
+    "where-negative-zero": lambda w: torch.where(w < 0, torch.zeros_like(w), w),
+}
+
+
+@pytest.mark.parametrize("step", SIGN_DEPENDENT.values(), ids=SIGN_DEPENDENT.keys())
+def test_sign_dependent_loader_is_refused_naming_param_and_tensor(step):
+    """The index probe's values are all positive, which these steps copy unchanged; the
+    verification checkpoint has both signs, so they are caught there."""
+    params = _params()
+    fix = lambda name, w: step(w) if name.endswith("mlp.w") else w  # noqa: E731
+    with pytest.raises(LayoutError) as err:
+        extract_source_map(params, _copy_loader(params, fix), SPEC)
+    message = str(err.value)
+    assert "parameter 'blk0.w13'" in message, message
+    assert "checkpoint tensor 'layers.0.mlp.w'" in message, message
+    assert "changes values" in message and "abs, clamp, relu" in message, message
+
+
+LOSSLESS = {
+    "through-int16-bits": lambda w: w.view(torch.int16).clone().view(torch.bfloat16),
+    "through-float32": lambda w: w.float().to(torch.bfloat16),
+    "negate-twice": lambda w: w.neg().neg(),
+    "flip-twice": lambda w: w.view(torch.int16).flip(0).flip(0).view(torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("step", LOSSLESS.values(), ids=LOSSLESS.keys())
+def test_loaders_that_keep_every_bit_still_map(step):
+    """Values of both signs pass any copy, cast round trip or bit move that keeps the bits."""
+    params = _params()
+    smap = extract_source_map(params, _copy_loader(params, lambda name, w: step(w)), SPEC)
+    assert sum(p.region.numel for p in smap.pieces) == 48 + 6

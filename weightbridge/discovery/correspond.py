@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 from weightbridge.errors import LayoutError
-from weightbridge.types import Correspondence, Overlap, Region, SourceMap
+from weightbridge.types import Correspondence, Overlap, ParamSpec, Region, SourceMap
 
 # tensor -> {distinct region: worker indices}
 _Regions = dict[str, dict[Region, list[int]]]
@@ -42,12 +42,14 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
 
     Raises:
         ValueError: either side is empty.
-        LayoutError: a rollout needs elements no trainer holds (the message names the tensors
-            and element counts), or the two sides disagree on a checkpoint tensor's dtype.
+        LayoutError: a rollout parameter takes no checkpoint element at all (no transfer would
+            ever update it), a rollout needs elements no trainer holds (the message names the
+            tensors and element counts), or the two sides disagree on a checkpoint tensor's dtype.
     """
     if not trainer_maps or not rollout_maps:
         raise ValueError(f"correspond needs at least one trainer and one rollout source map, got "
                          f"{len(trainer_maps)} and {len(rollout_maps)}")
+    _check_sourced(rollout_maps)
     held, trainer_dtypes = _distinct_regions(trainer_maps, "trainer")
     needed, rollout_dtypes = _distinct_regions(rollout_maps, "rollout")
     _check_dtypes(trainer_dtypes, rollout_dtypes)
@@ -93,6 +95,49 @@ def _distinct_regions(maps: Sequence[SourceMap], side: str) -> tuple[_Regions, d
                                   f"bytes, so each tensor needs one dtype on each side")
             regions.setdefault(region.tensor, {}).setdefault(region, []).extend(workers)
     return regions, dtypes
+
+
+def _check_sourced(rollout_maps: Sequence[SourceMap]) -> None:
+    """Every rollout parameter must take at least one checkpoint element on some rollout worker.
+
+    A parameter no piece writes on any worker is never updated: load_weights found nothing for it
+    in the checkpoint spec (its tensor is missing there, or it is state the engine computes
+    itself), so the rollouts would keep serving its initial values. Refused here, before any byte
+    moves. The rule is per parameter name over all rollout workers, not per worker: one TP rank's
+    shard of a padded vocabulary can lie wholly in the padding (no element sourced there) while
+    the other ranks source the same parameter. Partly sourced parameters (padding rows) are fine,
+    and so are trainer parameters no rollout needs.
+    """
+    by_object: dict[int, tuple[SourceMap, list[int]]] = {}
+    for worker, smap in enumerate(rollout_maps):  # replicas share one map object
+        by_object.setdefault(id(smap), (smap, []))[1].append(worker)
+    sourced: set[str] = set()
+    empty: dict[str, tuple[ParamSpec, list[int]]] = {}
+    for smap, workers in by_object.values():
+        written = {piece.param for piece in smap.pieces}
+        sourced |= written
+        for p in smap.params:
+            if p.numel and p.name not in written:
+                empty.setdefault(p.name, (p, []))[1].extend(workers)
+    never = [(p, sorted(workers)) for name, (p, workers) in empty.items() if name not in sourced]
+    if never:
+        raise LayoutError(_unsourced_message(never))
+
+
+def _unsourced_message(never: list[tuple[ParamSpec, list[int]]]) -> str:
+    listed = ", ".join(f"{p.name!r} ({p.shape} {p.dtype}, {_workers(w)})" for p, w in never[:8])
+    more = f" and {len(never) - 8} more" if len(never) > 8 else ""
+    what = "1 rollout parameter" if len(never) == 1 else f"{len(never)} rollout parameters"
+    return (f"no element of the checkpoint spec lands in {what} on any rollout worker, so no "
+            f"transfer would ever update {'it' if len(never) == 1 else 'them'}: {listed}{more}. "
+            f"Pass extract_source_map only the parameters load_weights fills from the checkpoint "
+            f"(leave out state the engine computes itself), or add the checkpoint tensors they "
+            f"load from to the checkpoint spec")
+
+
+def _workers(workers: list[int]) -> str:
+    shown = ", ".join(map(str, workers[:4]))
+    return f"worker{'s' if len(workers) > 1 else ''} {shown}{'...' if len(workers) > 4 else ''}"
 
 
 def _check_dtypes(trainer: dict[str, str], rollout: dict[str, str]) -> None:

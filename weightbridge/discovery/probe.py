@@ -2,9 +2,9 @@
 
 The loader is a black box. Each probe pass offers it the full checkpoint with every element set
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
-indices begin (`runs`, `boxes`). A last pass loads a pseudo-random checkpoint and checks that the map
-reproduces every parameter bit-exactly, so a loader that changes values is refused here, before
-any transfer, instead of corrupting weights later.
+indices begin (`runs`, `boxes`). A last pass loads a pseudo-random checkpoint of both signs
+and checks that the map reproduces every parameter bit-exactly, so a loader that changes values
+is refused here, before any transfer, instead of corrupting weights later.
 
 Typical usage::
 
@@ -16,17 +16,18 @@ The loader contract: ``load_weights(weights)`` takes an iterable of ``(name, ten
 (any order may be read, tensors may be read twice or skipped) and performs *every* step from
 checkpoint tensors to the runtime parameters, post-load shuffles for kernels included, using
 only copies that preserve values (slicing, concatenation, transposes, permutations, padding).
-Value-changing steps (scaling, casting, quantizing) are refused with a `LayoutError`.
+Value-changing steps (scaling, casting, quantizing, ``abs`` / ``relu``) are refused with a
+`LayoutError` that names the parameter and, diagnosed afresh (`diagnose`), the checkpoint tensor.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, NoReturn
 
 import torch
 
 from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
-from weightbridge.discovery.codec import Alphabet, alphabet, digits_to_values
+from weightbridge.discovery.codec import Alphabet, alphabet, digits_to_values, signed_values
 from weightbridge.discovery.diagnose import source_tensor
 from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.errors import LayoutError
@@ -63,9 +64,11 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
         The worker's `SourceMap`. The parameters' contents are overwritten by the probe.
 
     Raises:
-        ValueError: unsupported dtypes, parameters that change shape between passes.
+        ValueError: an empty checkpoint spec, unsupported dtypes, parameters that change shape
+            between passes.
         LayoutError: the loader changes values, or casts a checkpoint tensor to another dtype.
     """
+    _check_spec(spec)
     get = _in_memory_order(params if callable(params) else (lambda: params))
     tindex = TensorIndex(spec.tensors)
     ckpt_dtypes = {t.name: _torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
@@ -97,7 +100,7 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
             runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]], bases, row)
             bad = _check_decoded(name, p, runs, tindex)
             if bad:
-                _refuse(get, load_weights, spec, *bad)
+                _refuse(get, load_weights, spec, bad)
             pieces += _pieces(name, tuple(p.shape), runs, tindex)
             hole = runs.index < 0
             if hole.any():
@@ -105,14 +108,14 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
                 holes[name] = (runs.start[hole], runs.length[hole])
         bad = _check_dtypes(pieces, live, spec)
         if bad:
-            _refuse(get, load_weights, spec, *bad)
+            _refuse(get, load_weights, spec, bad)
         used = {p.region.tensor for p in pieces}
         smap = SourceMap(tuple(param_specs), tuple(pieces), tuple(unsourced),
                          tuple(t.name for t in spec.tensors if t.name not in used))
         if verify:
             bad = _verify(smap, get, load_weights, spec, ckpt_dtypes, holes)
             if bad:
-                _refuse(get, load_weights, spec, *bad)
+                _refuse(get, load_weights, spec, bad)
     return smap
 
 
@@ -162,7 +165,9 @@ def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tenso
 
 def _random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype]
                        ) -> dict[str, torch.Tensor]:
-    """Pseudo-random safe values: views into one random ring per dtype at scattered offsets."""
+    """Pseudo-random safe values of both signs: views into one random ring per dtype at
+    scattered offsets. Negative values catch loaders that change only those (``abs``, ``relu``),
+    which the all-positive index passes cannot see."""
     gen = torch.Generator().manual_seed(_VERIFY_SEED)
     rings: dict[torch.dtype, torch.Tensor] = {}
     out = {}
@@ -171,8 +176,11 @@ def _random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype]
         if dtype not in rings:
             alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            digits = torch.randint(0, alpha.size, (_RANDOM_PERIOD,), generator=gen)
-            ring = _tiled(digits_to_values(digits, alpha), largest + _RING_SPAN)
+            # One draw gives magnitude and sign: draws of size and above are negative.
+            draws = torch.randint(0, 2 * alpha.size, (_RANDOM_PERIOD,), generator=gen)
+            negative = draws >= alpha.size
+            digits = draws - negative * alpha.size
+            ring = _tiled(signed_values(digits, negative, alpha), largest + _RING_SPAN)
             rings[dtype] = ring
         start = (i * 40_503 + 17) % _RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
@@ -194,12 +202,22 @@ def _pieces(name: str, shape: tuple[int, ...], runs: Runs, tindex: TensorIndex) 
     return out
 
 
-Bad = tuple[str, int, str]
-"""A refused element: (parameter, logical flat element, what is wrong and what to do)."""
+class Bad(NamedTuple):
+    """A refused element and what the probe saw there."""
 
-_VALUES_CHANGED = ("Likely cause: the loader changes values (scales, casts, quantizes, adds) or "
-                   "writes values of its own. load_weights must only copy checkpoint values: "
-                   "move value-changing steps out of the probed loader.")
+    param: str
+    element: int
+    """Logical flat index into the parameter."""
+    seen: str
+    """What is wrong at the element, as the probe saw it; `_refuse` adds the source and cause."""
+    cast_from: str | None = None
+    """The checkpoint tensor the probe decoded there, when its dtype differs from the param's."""
+
+
+_VALUES_CHANGED = ("Likely cause: the loader changes values (scales, casts, quantizes, adds, or "
+                   "depends on their sign: abs, clamp, relu) or writes values of its own. "
+                   "load_weights must only copy checkpoint values: move value-changing steps out "
+                   "of the probed loader.")
 
 
 def _check_decoded(name: str, p: torch.Tensor, runs: Runs, tindex: TensorIndex) -> Bad | None:
@@ -210,27 +228,42 @@ def _check_decoded(name: str, p: torch.Tensor, runs: Runs, tindex: TensorIndex) 
     if not bad.any():
         return None
     at = int(runs.start[bad][0])
-    return name, at, (f"parameter {name!r} ({_dtype_name(p.dtype)}, shape {tuple(p.shape)}): "
-                      f"element {at} (index {_coords(at, p.shape)}) holds a value that is no "
-                      f"checkpoint element's index after load_weights. {_VALUES_CHANGED}")
+    return Bad(name, at, f"parameter {name!r} ({_dtype_name(p.dtype)}, shape {tuple(p.shape)}): "
+                         f"element {at} (index {_coords(at, p.shape)}) holds a value that is no "
+                         f"checkpoint element's index after load_weights.")
 
 
 def _check_dtypes(pieces: list[Piece], live: Params, spec: CheckpointSpec) -> Bad | None:
     for piece in pieces:
-        if spec[piece.region.tensor].dtype != _dtype_name(live[piece.param].dtype):
-            return piece.param, piece.offset, _cast_message(
-                piece.region.tensor, spec, piece.param, live[piece.param], piece.offset)
+        p = live[piece.param]
+        if spec[piece.region.tensor].dtype != _dtype_name(p.dtype):
+            return Bad(piece.param, piece.offset,
+                       f"parameter {piece.param!r} ({_dtype_name(p.dtype)}): element "
+                       f"{piece.offset} (index {_coords(piece.offset, p.shape)}) decodes as an "
+                       f"element of a {spec[piece.region.tensor].dtype} checkpoint tensor.",
+                       piece.region.tensor)
     return None
 
 
 def _refuse(get: Callable[[], Params], load_weights: LoadWeights, spec: CheckpointSpec,
-            param: str, element: int, message: str) -> None:
-    """Raise the LayoutError for a bad element, naming a cast when that is what happened."""
-    source = source_tensor(get, load_weights, spec, param, element)
-    p = dict(get())[param]
-    if source is not None and spec[source].dtype != _dtype_name(p.dtype):
-        message = _cast_message(source, spec, param, p, element)
-    raise LayoutError(message)
+            bad: Bad) -> NoReturn:
+    """Raise the LayoutError for a bad element, naming the checkpoint tensor it comes from and a
+    cast when that is what happened.
+
+    The tensor is diagnosed afresh (`source_tensor`), never read off the probe's map: a loader
+    that scales values turns every index into another valid one (doubling a bf16 value adds 128
+    to its bits, so each pass's digit and the recombined index all shift by 128), and the map
+    then names whichever tensor the shifted index falls in.
+    """
+    source = source_tensor(get, load_weights, spec, bad.param, bad.element)
+    p = dict(get())[bad.param]
+    tensor = source if source is not None else bad.cast_from
+    if tensor is not None and spec[tensor].dtype != _dtype_name(p.dtype):
+        raise LayoutError(_cast_message(tensor, spec, bad.param, p, bad.element))
+    origin = "" if source is None else (
+        f" Its value comes from checkpoint tensor {source!r}, which load_weights does not copy "
+        f"unchanged.")
+    raise LayoutError(f"{bad.seen}{origin} {_VALUES_CHANGED}")
 
 
 def _cast_message(tensor: str, spec: CheckpointSpec, param: str, p: torch.Tensor,
@@ -261,21 +294,24 @@ def _verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeight
         bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
         if bad is not None:
             p = live[piece.param]
-            return piece.param, bad, (
-                f"parameter {piece.param!r} ({_dtype_name(p.dtype)}): element {bad} (index "
-                f"{_coords(bad, p.shape)}) should hold an element of {piece.region.tensor!r}, "
-                f"where the probe found it, but load_weights of a random checkpoint put another "
-                f"value there. {_VALUES_CHANGED}")
+            # The tensor the index probe decoded here is not named: when values changed, it
+            # can be any tensor (see `_refuse`).
+            return Bad(piece.param, bad,
+                       f"parameter {piece.param!r} ({_dtype_name(p.dtype)}): element {bad} "
+                       f"(index {_coords(bad, p.shape)}) does not hold the checkpoint value the "
+                       f"probed map predicts after load_weights of a random checkpoint (values "
+                       f"of both signs).")
     for name, (start, length) in holes.items():
         flat = _flat(live[name]).view(_bits_dtype(live[name].dtype))
         for s, n in zip(start.tolist(), length.tolist()):
             nonzero = torch.nonzero(flat[s:s + n] & _magnitude_mask(live[name].dtype))
             if nonzero.numel():
                 at = s + int(nonzero[0])
-                return name, at, (
-                    f"parameter {name!r}: element {at} (index {_coords(at, live[name].shape)}) "
-                    f"takes no checkpoint value in the probe, but load_weights wrote a non-zero "
-                    f"value there from a random checkpoint. {_VALUES_CHANGED}")
+                return Bad(name, at,
+                           f"parameter {name!r}: element {at} (index "
+                           f"{_coords(at, live[name].shape)}) takes no checkpoint value in the "
+                           f"probe, but load_weights wrote a non-zero value there from a random "
+                           f"checkpoint.")
     return None
 
 
@@ -302,6 +338,24 @@ def _in_memory_order(get: Callable[[], Params]) -> Callable[[], Params]:
         return {n: memory_order(p) if isinstance(p, torch.Tensor) else p
                 for n, p in params.items() if n not in aliases}
     return live
+
+
+def _check_spec(spec: CheckpointSpec) -> None:
+    """Refuse a spec that offers the loader nothing, before any probe load: every parameter would
+    come out unsourced, and transfers would silently never update them."""
+    if not isinstance(spec, CheckpointSpec):
+        raise ValueError(f"spec must be a CheckpointSpec, got {type(spec).__name__}: build it "
+                         f"with weightbridge.read_checkpoint_spec(paths) or "
+                         f"CheckpointSpec.from_tensors(state_dict)")
+    if spec.numel:
+        return
+    what = ("has no tensors" if not spec.tensors else
+            f"has only tensors of zero elements ({len(spec)})")
+    raise ValueError(f"the checkpoint spec {what}, so layout discovery has no checkpoint element "
+                     f"to offer load_weights and could map no parameter: build the spec from the "
+                     f"checkpoint that load_weights reads, with "
+                     f"weightbridge.read_checkpoint_spec(paths) or "
+                     f"CheckpointSpec.from_tensors(state_dict)")
 
 
 def _checked_params(params: Params, shapes: dict | None) -> dict[str, torch.Tensor]:
