@@ -18,7 +18,10 @@ One CPU-only step is switched off: vLLM's CPU linear method packs every linear w
 opaque oneDNN / sgl-kernel handle and replaces the parameter with an empty tensor, where no
 transfer can reach it. The worker sets vLLM's own ``_cpu_skip_gemm_dispatch`` flag (which vLLM
 itself sets on MLA's ``kv_b_proj``) on every linear layer, so linear layers keep their weights
-and compute with ``torch.nn.functional.linear``. See docs/engines.md.
+and compute with ``torch.nn.functional.linear``. For the same reason MLA models get vLLM's
+reference ``CPU_MLA`` attention backend explicitly (``--attention-backend CPU_MLA``): on CPUs
+with AMX vLLM would otherwise pick ``AMX_MLA``, which moves ``kv_b_proj`` into packed tensors
+outside the parameters. See docs/engines.md.
 
 Typical usage (one process per TP rank)::
 
@@ -80,6 +83,7 @@ class VllmWorker:
                                    max_model_len=128)
         self.vllm_config = VllmConfig(
             model_config=model_config, device_config=DeviceConfig("cpu"),
+            attention_config=_attention_config(model_config),
             load_config=LoadConfig(load_format="dummy"),
             parallel_config=ParallelConfig(tensor_parallel_size=world_size,
                                            enable_expert_parallel=enable_expert_parallel))
@@ -143,6 +147,26 @@ class VllmWorker:
                 self.model.load_weights(iter(weights))
             process_weights_after_loading(self.model, self.vllm_config.model_config,
                                           torch.device("cpu"))
+
+
+def _attention_config(model_config):
+    """vLLM's ``--attention-backend CPU_MLA`` for MLA models; automatic selection otherwise.
+
+    On x86 CPUs with AMX tiles, vLLM 0.32 picks its ``AMX_MLA`` backend for every MLA model
+    (``CpuPlatform.get_attn_backend_cls``) unless ``CPU_MLA`` is requested explicitly. That
+    backend's post-load step VNNI-packs ``W_UK`` / ``W_UV`` out of ``kv_b_proj`` into tensors
+    that are not parameters and then empties ``kv_b_proj.weight``: a transfer into ``params``
+    could not reach the served values (and the packing kernel rejects the tiny model's dims,
+    ``invalid weight input features 16``). The reference ``CPU_MLA`` backend, what vLLM selects
+    on every CPU without AMX, keeps ``kv_b_proj`` and exposes ``W_UK_T`` / ``W_UV`` as views
+    into it. Asked for explicitly, it is what vLLM runs whether or not the CPU has AMX.
+    """
+    from vllm.config import AttentionConfig
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if getattr(model_config, "use_mla", False):
+        return AttentionConfig(backend=AttentionBackendEnum.CPU_MLA)
+    return AttentionConfig()
 
 
 def _keep_linear_weights(model: torch.nn.Module) -> None:
