@@ -221,10 +221,10 @@ def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_b
 class FailsInRound1(TransferWorker):
     """Rollout 1's assemble raises in round 1 (a kernel error, say)."""
 
-    def on_land(self, r, slots=None):
+    def on_land(self, r, slots=None, expected=None):
         if self.worker.index == 1 and r == 1:
             raise OSError("rollout 1: assemble kernel failed")
-        super().on_land(r, slots)
+        super().on_land(r, slots, expected)
 
 
 class FailsInRound1Rollout(RolloutActor):
@@ -252,10 +252,10 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
 class DiesInRound1(TransferWorker):
     """Rollout 1's process exits in round 1 (an OOM kill, say)."""
 
-    def on_land(self, r, slots=None):
+    def on_land(self, r, slots=None, expected=None):
         if self.worker.index == 1 and r == 1:
             os._exit(3)
-        super().on_land(r, slots)
+        super().on_land(r, slots, expected)
 
 
 class DiesInRound1Rollout(RolloutActor):

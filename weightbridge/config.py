@@ -86,6 +86,10 @@ class TransferConfig:
     """SS: `send_weights` returns once the trainer's bytes are in host memory."""
     receiver_staging: bool = False
     """RS: bytes land in host staging while rollouts generate; installed at a later poll."""
+    checksums: bool = True
+    """Every write's bytes are checksummed by its writer and again by its receiver once the
+    round landed, before anything is assembled; a mismatch fails the update closed, naming
+    the worker, the round and the parameters (`weightbridge.execution.checksum`)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.round_bytes, bool) or not isinstance(self.round_bytes, int) \
@@ -98,6 +102,9 @@ class TransferConfig:
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s!r}")
+        for name in ("sender_staging", "receiver_staging", "checksums"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def mode(self) -> Mode:

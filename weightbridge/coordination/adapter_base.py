@@ -6,6 +6,7 @@ docs/integration.md.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -13,6 +14,12 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
 from weightbridge.coordination.worker import TransferWorker
+
+POLL_BACKOFF = 10
+"""`AdapterWorker._poll_until`'s longest interval, in units of the first."""
+ADAPTER_SPANS = 1 << 12
+"""Spans an adapter worker keeps (nothing reads them per update, as the controller does with
+`TransferWorker.take_spans`): the steps of the last few hundred updates, about 0.5 MB."""
 
 
 class TransferFailed(RuntimeError):
@@ -36,6 +43,7 @@ class AdapterWorker(TransferWorker):
         super().__init__(self.side, params, load_weights, spec, rank=rank, placement=placement,
                          transport=transport, config=config, kernels=kernels)
         self.control = control
+        self.spans = collections.deque(maxlen=ADAPTER_SPANS)
 
     @property
     def options(self) -> TransferConfig:
@@ -59,15 +67,26 @@ class AdapterWorker(TransferWorker):
             raise TimeoutError(f"{self.worker}: {what} within timeout_s="
                                f"{self.config.timeout_s}s")
 
-    def _poll_until(self, predicate, what: str, *, deadline: bool = True) -> None:
-        """Wait for a condition on other workers (no shared condition variable to wait on)."""
+    def _poll_until(self, predicate, what, *, deadline: bool = True) -> None:
+        """Wait for a condition on other workers (no shared condition variable to wait on).
+        ``what``: the timeout message, or a function making it at the timeout.
+
+        The interval starts at the control plane's ``poll_interval_s`` and grows to
+        `POLL_BACKOFF` times it: a long wait (a trainer that comes late) costs a few peer
+        calls a second, not 100 (on meshes every call leaves Monarch state behind,
+        docs/integration.md, "Memory over many updates"). Between polls it waits on
+        ``self.cond``, so a predicate on this worker's own state, which its handlers change
+        under that lock with notify_all, ends the wait at once."""
         end = time.monotonic() + self.config.timeout_s
-        interval = getattr(self.control, "poll_interval_s", self.poll_interval_s)
+        first = getattr(self.control, "poll_interval_s", self.poll_interval_s)
+        interval = first
         while not predicate():
             if deadline and time.monotonic() > end:
-                raise TimeoutError(f"{self.worker}: {what} within timeout_s="
-                                   f"{self.config.timeout_s}s")
-            time.sleep(interval)
+                raise TimeoutError(f"{self.worker}: {what() if callable(what) else what} "
+                                   f"within timeout_s={self.config.timeout_s}s")
+            with self.cond:
+                self.cond.wait(interval)
+            interval = min(interval * 1.5, first * POLL_BACKOFF)
 
 
 def host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ class PeerCall(enum.Enum):
     FAILED = "failed"
     TRANSFERRED = "transferred"
     JOIN = "join"
+    LEAVE = "leave"
     CLAIM = "claim"
     # Rollout workers (`ReceiverAdapter`).
     OFFER = "offer"

@@ -65,7 +65,12 @@ class LocalControl:
 
     @property
     def num_engines(self) -> int:
-        return self._count("rollout") // self.engine_size
+        count, size = self._count("rollout"), self.engine_size
+        if count % size:
+            raise ValueError(f"{count} rollout workers do not make whole engines of "
+                             f"engine_size={size} (rollout 0's); add every worker of each "
+                             f"engine, all with the same engine_size")
+        return count // size
 
     def target(self, worker: WorkerId):
         """The worker object itself (raises `WorkerGone` once killed)."""

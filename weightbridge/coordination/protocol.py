@@ -139,6 +139,11 @@ class WorkerVersions:
     def done(self, relay: Relay) -> None:
         self.installed = relay.version
 
+    def retry(self, relay: Relay) -> None:
+        """Put back a relay `due` returned whose install never started (the poll gave up
+        before any byte moved): the next poll meets it again."""
+        self._relays.insert(0, relay)
+
 
 class StagingSlots:
     """Sender-side bookkeeping of the receivers' host staging slots, per engine (RS modes).

@@ -6,6 +6,7 @@ user's view.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -52,6 +53,7 @@ class ReceiverAdapter(AdapterWorker):
         self._slots: dict[int, tuple] = {}
         self._failure: str | None = None
         """Set when this worker's engine lost a worker: every poll_requests() raises it."""
+        self._polling = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -67,11 +69,28 @@ class ReceiverAdapter(AdapterWorker):
         or a local copy out of a staging slot (RS, async). ``before_update_hook(version)`` runs
         first.
 
+        Bytes enter the parameters only inside this call (or `wait_for_version`): a poll that
+        gives up waiting for a transfer leaves it before any byte moves toward this worker,
+        and the next poll joins again.
+
         Raises:
             TransferFailed: this worker's engine lost a worker during a transfer; the engine
                 is out of the group (docs/integration.md, "Failures").
-            TimeoutError: a transfer this poll joined did not finish within 3 x timeout_s.
+            TimeoutError: the transfer this poll joined did not start within 3 x timeout_s
+                (nothing was written; poll again to join again), or started and did not finish
+                (the parameters may hold part of it).
+            RuntimeError: another thread of this rank is inside poll_requests.
         """
+        if not self._polling.acquire(blocking=False):
+            raise RuntimeError(f"{self.worker}: poll_requests() is already running on this rank "
+                               f"in another thread; an engine rank polls from one thread, "
+                               f"between its inference steps")
+        try:
+            return self._poll()
+        finally:
+            self._polling.release()
+
+    def _poll(self) -> int | None:
         self._check_failed()
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
@@ -90,20 +109,7 @@ class ReceiverAdapter(AdapterWorker):
         if self.before_update_hook is not None:
             self.before_update_hook(due.version)
         if due.slot is None:
-            self._log(("join", due.version))
-            self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
-            with self.cond:
-                # Rank 0 needs up to timeout_s to find a lost worker, then re-plans and
-                # re-sends; meanwhile this worker's parameters may hold part of the update.
-                if not self.cond.wait_for(
-                        lambda: self._session_done >= due.version or self._failure,
-                        timeout=3 * self.config.timeout_s):
-                    raise TimeoutError(
-                        f"{self.worker}: the transfer of version {due.version} did not finish "
-                        f"within 3 x timeout_s={self.config.timeout_s}s; the parameters may "
-                        f"hold part of it: run no inference step with them, and reconnect")
-                self._check_failed()
-                version = self._session_done
+            version = self._join(due)
         else:
             with self.cond:
                 buf, executor, offsets, install_buf = self._slots[due.slot]
@@ -124,6 +130,40 @@ class ReceiverAdapter(AdapterWorker):
         self._call_one(engine_workers(self.control, self.engine)[0], PeerCall.INSTALLED,
                        self.engine_rank, version)
         return version
+
+    def _join(self, due: Relay) -> int:
+        """Take part in the transfer that carries ``due.version`` (or a newer one); returns
+        the version it put into the parameters."""
+        self._log(("join", due.version))
+        self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
+        limit = 3 * self.config.timeout_s
+        done = lambda: self._session_done >= due.version or self._failure  # noqa: E731
+        with self.cond:
+            # Rank 0 needs up to timeout_s to find a lost worker, then re-plans and re-sends.
+            if self.cond.wait_for(done, timeout=limit):
+                self._check_failed()
+                return self._session_done
+        try:  # out of the transfer, unless it already counts this worker
+            left = self._call_one(SEQUENCER, PeerCall.LEAVE, self.worker)
+        except Exception as e:  # noqa: BLE001  (trainer 0 unreachable: state unknown)
+            left, why = False, f"; trainer 0 did not answer ({type(e).__name__}: {e})"
+        else:
+            why = ""
+        if left:
+            with self.cond:
+                self.versions.retry(due)
+            raise TimeoutError(f"{self.worker}: the transfer of version {due.version} did not "
+                               f"start within 3 x timeout_s={limit / 3:g}s (trainer 0 is "
+                               f"waiting for other workers); nothing was written into this "
+                               f"worker's parameters, and its next poll_requests() joins again")
+        with self.cond:
+            if self.cond.wait_for(done, timeout=limit if not why else 0):
+                self._check_failed()
+                return self._session_done
+        raise TimeoutError(f"{self.worker}: the transfer of version {due.version} did not finish "
+                           f"within {3 if why else 6} x timeout_s={limit / 3:g}s{why}; the "
+                           f"parameters may hold part of it: run no inference step with them, "
+                           f"and reconnect")
 
     def wait_for_version(self, version: int, *, timeout_s: float | None = None,
                          poll_interval_s: float = 0.005) -> int:
@@ -150,6 +190,15 @@ class ReceiverAdapter(AdapterWorker):
         return self.version
 
     # -- called by peers (endpoints on a mesh) --------------------------------------------------
+
+    def on_source_map(self):
+        """Probe (connect); first check that this worker's engine is the group's."""
+        if self.engine_size != self.control.engine_size:
+            raise ValueError(f"{self.worker} was built with engine_size={self.engine_size}, but "
+                             f"its transfer group has engines of {self.control.engine_size} "
+                             f"workers; give every ReceiverAdapter of the group the same "
+                             f"engine_size")
+        return super().on_source_map()
 
     def on_setup(self, plan, ranges=(), generation: int = 0) -> dict:
         """Build tables, arenas and staging slots (numbers ``2 * generation`` and the next);
@@ -181,12 +230,15 @@ class ReceiverAdapter(AdapterWorker):
         with self.cond:
             self.coordinator.installed(engine_rank, version)
 
-    def on_land(self, r: int, slots: dict[int, int] | None = None) -> None:
-        """Round r landed (every stage): into the parameters, or into this engine's slot."""
+    def on_land(self, r: int, slots: dict[int, int] | None = None,
+                expected: dict | None = None) -> None:
+        """Round r landed (every stage): checked, then into the parameters, or into this
+        engine's slot."""
         slot = (slots or {}).get(self.engine)
         if slot is None:
-            super().on_land(r)  # straight into the parameters (this worker waits)
+            super().on_land(r, expected=expected)  # into the parameters (this worker waits)
         else:
+            self.verify(r, expected)
             n = self._offsets[r + 1] - self._offsets[r]
             self._staged_view(self._slots[slot][0], r).copy_(self.executor.arena(r)[:n])
 

@@ -24,6 +24,14 @@ from weightbridge.types import Placement, Stage, WorkerId
 TRAINER_0 = WorkerId("trainer", 0)
 
 
+_FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed}
+"""What send_weights raises on a trainer that rank 0 tells of a failed version (`on_failed`)."""
+
+
+class _Disagree(Exception):
+    """Internal: a trainer is inside send_weights with another version."""
+
+
 class SenderAdapter(SenderRecovery, AdapterWorker):
     """A trainer worker's side: `connect` once, `send_weights(version)` after each step."""
 
@@ -37,7 +45,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
                          transport=transport, config=config, kernels=kernels)
         self.stage = SenderStage()
         self._staging: torch.Tensor | None = None
-        self._ready = 0  # non-SS: the version this trainer waits in send_weights with
+        self._ready = 0  # non-SS: the newest version send_weights was called with
+        self._sending: int | None = None  # non-SS: the version send_weights is waiting on now
         self._done = 0  # newest version whose transfer finished
         self._connected = threading.Event()
         self._connect_error: str | None = None
@@ -62,7 +71,7 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         self._generation = 0
         self._broken: str | None = None
         # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
-        self._failures: dict[int, str] = {}
+        self._failures: dict[int, tuple[str, str]] = {}
 
     # -- the user's calls -----------------------------------------------------------------------
 
@@ -131,20 +140,27 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
             if version <= max(self._ready, self._done):
                 raise ValueError(f"send_weights(version={version}) after version "
                                  f"{max(self._ready, self._done)}: versions must increase")
-            self._ready = version
+            self._ready = self._sending = version
             self._log(("ready", version))
             self.cond.notify_all()
-        if self.worker.index == 0:
-            self._run_session(version)
-        with self.cond:
-            # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
-            if not self.cond.wait_for(lambda: self._done >= version or version in self._failures,
-                                      timeout=3 * self.config.timeout_s):
-                raise TimeoutError(f"{self.worker}: the transfer of version {version} did not "
-                                   f"finish within 3 x timeout_s={self.config.timeout_s}s; "
-                                   f"is trainer 0 still running?")
-            if version in self._failures:
-                raise TransferFailed(self._failures.pop(version))
+        try:
+            if self.worker.index == 0:
+                self._run_session(version)
+            with self.cond:
+                # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and
+                # re-sends.
+                if not self.cond.wait_for(
+                        lambda: self._done >= version or version in self._failures,
+                        timeout=3 * self.config.timeout_s):
+                    raise TimeoutError(f"{self.worker}: the transfer of version {version} did "
+                                       f"not finish within 3 x timeout_s="
+                                       f"{self.config.timeout_s}s; is trainer 0 still running?")
+                if version in self._failures:
+                    kind, message = self._failures.pop(version)
+                    raise _FAILURES.get(kind, TransferFailed)(message)
+        finally:
+            with self.cond:
+                self._sending = None
         self._log(("resume", version))
 
     # -- staging (SS) ---------------------------------------------------------------------------
@@ -195,10 +211,19 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
                         return
                 if not self.config.receiver_staging:
                     self._gather(first, deadline=False)
-                # Every trainer stages each version; wait until they hold the same one.
-                self._poll_until(
-                    lambda: len(set(self.control.call(ts, PeerCall.PENDING))) == 1,
-                    "the trainers did not stage the same version")
+                # Every trainer stages each version (a newer one supersedes an older one):
+                # wait until they hold the same one.
+                held: list = []
+
+                def same() -> bool:
+                    held[:] = self.control.call(ts, PeerCall.PENDING)
+                    return len(set(held)) == 1
+
+                self._poll_until(same, lambda: (
+                    "the trainers hold different staged versions ("
+                    + ", ".join(f"{t} holds version {v}" for t, v in zip(ts, held))
+                    + "); every trainer must call send_weights with the same versions, so "
+                      "nothing was sent"))
                 version = self.on_pending()
                 # Pin every staging buffer on that version; if one moved on meanwhile, retry.
                 started = []
@@ -251,10 +276,38 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         """RS off: offer ``version`` to every engine and wait until every rollout joined."""
         self.control.call(self._live_rank0s(), PeerCall.OFFER, version)
         want = set(self._live())
-        self._poll_until(lambda: want <= self._joined,
-                         f"rollout workers {sorted(str(w) for w in want - self._joined)} did "
-                         f"not poll_requests() for version {version}; in sync and SS modes "
-                         f"every rollout must poll between inference steps", deadline=deadline)
+        # The message is made at the timeout: it names the rollouts that had not polled then.
+        self._poll_until(lambda: want <= self._joined, lambda: (
+            f"rollout workers {sorted(str(w) for w in want - self._joined)} did not "
+            f"poll_requests() for version {version}; in sync and SS modes every rollout must "
+            f"poll between inference steps"), deadline=deadline)
+
+    def _wait_for_trainers(self, ts: list[WorkerId], version: int) -> None:
+        """Non-SS: wait until every trainer is inside send_weights(version). A trainer inside
+        send_weights with another version fails the update on every trainer, before any
+        byte moves: rollouts would otherwise install a mix of two versions under one label."""
+        sending: list = []
+
+        def same() -> bool:
+            sending[:] = self.control.call(ts, PeerCall.READY)
+            if any(v is not None and v != version for v in sending):
+                raise _Disagree()
+            return all(v == version for v in sending)
+
+        try:
+            self._poll_until(same, f"not every trainer called send_weights({version})")
+        except _Disagree:
+            calls = ", ".join(f"{t} send_weights({v})" for t, v in zip(ts, sending)
+                              if v is not None)
+            message = (f"the trainers are sending different versions ({calls}); every "
+                       f"trainer must call send_weights with the same version in each update. "
+                       f"Nothing was sent: call send_weights again with one version on every "
+                       f"trainer")
+            waiting = [(t, v) for t, v in zip(ts, sending) if v is not None and t != TRAINER_0]
+            self.control.call_each([t for t, _ in waiting], PeerCall.FAILED,
+                                   [(v, message, "input") for _, v in waiting],
+                                   return_errors=True)
+            raise ValueError(f"{self.worker}: {message}") from None
 
     def _run_session(self, version: int, *, release: bool = True) -> None:
         """Move ``version`` end to end; every other worker's part is called on it.
@@ -275,17 +328,18 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         control, mode = self.control, self.config.mode
         ts = trainers(control)
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
-            self._poll_until(lambda: min(control.call(ts, PeerCall.READY)) >= version,
-                             f"not every trainer called send_weights({version})")
+            self._wait_for_trainers(ts, version)
         if mode.receiver_staging:
             with self._slots_lock:
                 slots = self.slots.begin(version)
         else:
             slots = {}
-            if not mode.sender_staging:
-                self._gather(version)
-            with self.cond:
-                self._session_joined, self._joined = self._joined, set()
+            while True:  # a rollout may leave (its poll timed out) until the swap below
+                self._gather(version, deadline=not mode.sender_staging)
+                with self.cond:  # on_leave takes the same lock: out before, or in for good
+                    if set(self._live()) <= self._joined:
+                        self._session_joined, self._joined = self._joined, set()
+                        break
         moved[0] = True
         run_update(control, self.group, slots=slots)  # the rounds, sequenced from here
         if mode.receiver_staging:
@@ -316,8 +370,10 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         super().on_set_peers(handles)
         self._connected.set()
 
-    def on_ready(self) -> int:
-        return self._ready
+    def on_ready(self) -> int | None:
+        """The version this trainer waits inside send_weights with (None: not inside it)."""
+        with self.cond:
+            return self._sending
 
     def on_pending(self) -> int | None:
         with self.cond:
@@ -341,16 +397,16 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
             self.stage.finish()
             self.cond.notify_all()
 
-    def on_send_round(self, r: int) -> None:
+    def on_send_round(self, r: int) -> dict:
         if self.config.sender_staging:  # the staged copy of this round, packed at send_weights
-            self._write(r, Stage.RECEIVE, self._staged_view(self._staging, r))
-        else:
-            super().on_send_round(r)
+            return self._write(r, Stage.RECEIVE, self._staged_view(self._staging, r))
+        return super().on_send_round(r)
 
-    def on_failed(self, version: int, message: str) -> None:
-        """Rank 0 lost a rollout worker while moving ``version``: send_weights raises."""
+    def on_failed(self, version: int, message: str, kind: str = "transfer") -> None:
+        """Rank 0 could not move ``version``: send_weights raises what ``kind`` names in
+        `_FAILURES` (`TransferFailed` for a lost rollout worker)."""
         with self.cond:
-            self._failures[version] = message
+            self._failures[version] = (kind, message)
             self.cond.notify_all()
 
     def on_transferred(self, version: int) -> None:
@@ -364,6 +420,16 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         with self.cond:
             self._joined.add(worker)
             self.cond.notify_all()
+
+    def on_leave(self, worker: WorkerId) -> bool:
+        """A rollout that joined gives up waiting (its poll timed out): True when it is out
+        before any byte moved toward it; False when the running transfer already counts it
+        (its bytes are on their way: it must wait for the end of the transfer)."""
+        with self.cond:
+            if worker in self._joined:
+                self._joined.discard(worker)
+                return True
+            return False
 
     def on_claim(self, engine: int):
         with self._slots_lock:  # a slot being filled holds no landed version: never claimed

@@ -27,11 +27,16 @@ class SenderRecovery:
         size = control.engine_size
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if not gone:
+            # Every trainer waits in send_weights(version) (not SS): it fails the same way.
+            self._tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}",
+                                "timeout" if isinstance(error, TimeoutError) else "transfer")
             if moved:
                 self._broken = (f"the transfer of version {version} failed after bytes moved "
                                 f"({type(error).__name__}: {cause}) and every rollout worker "
                                 f"still answers, so no engine's weights are known; build a new "
                                 f"group (new adapters, connect()) to go on")
+                # No engine may run a step on what it holds now: every poll raises.
+                control.call(live, PeerCall.FAIL, self._broken, return_errors=True)
             raise error
         lost = sorted({j // size for j in gone})
         self.failed_engines.update(lost)
@@ -97,7 +102,7 @@ class SenderRecovery:
                                 generation=self._generation)
         self.plan = self.group.plan
 
-    def _tell_trainers(self, version: int, message: str) -> None:
+    def _tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
         others = trainers(self.control)[1:]
-        self.control.call(others, PeerCall.FAILED, version, message, return_errors=True)
+        self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
 

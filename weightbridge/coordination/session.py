@@ -68,6 +68,7 @@ def probe_group(control: ControlPlane) -> GroupMaps:
     """
     ts, rs = trainers(control), rollouts(control)
     found = control.call(ts + rs, PeerCall.SOURCE_MAP)
+    check_engines(control, [placement for _, placement, _ in found[len(ts):]])
     check_same_checkpoint([spec for _, _, spec in found[:len(ts)]],
                           [spec for _, _, spec in found[len(ts):]])
     pairs = tuple((smap, placement) for smap, placement, _ in found)
@@ -123,15 +124,24 @@ class ControlSteps:
                  slots: Mapping[int, int] | None = None):
         self.control, self.slots = control, dict(slots or {})
         self.trainers, self.rollouts = trainers(control), list(group.live_rollouts)
+        self.sums: dict[int, dict] = {}
+        """Round -> the writers' checksums of its writes (empty with checksums off); handed
+        to the receivers with land(r), which check them before assembling."""
+
+    def _collect(self, r: int, answers: list) -> None:
+        for sums in answers:
+            self.sums.setdefault(r, {}).update(sums or {})
 
     async def send(self, r: int) -> None:
-        await self.control.call_async(self.trainers, PeerCall.SEND_ROUND, r)
+        self._collect(r, await self.control.call_async(self.trainers, PeerCall.SEND_ROUND, r))
 
     async def forward(self, r: int, stage: Stage) -> None:
-        await self.control.call_async(self.rollouts, PeerCall.FORWARD, r, stage)
+        self._collect(r, await self.control.call_async(self.rollouts, PeerCall.FORWARD, r,
+                                                       stage))
 
     async def land(self, r: int) -> None:
-        await self.control.call_async(self.rollouts, PeerCall.LAND, r, self.slots)
+        await self.control.call_async(self.rollouts, PeerCall.LAND, r, self.slots,
+                                      self.sums.pop(r, {}))
 
 
 def run_update(control: ControlPlane, group: ConnectedGroup, *,
@@ -148,6 +158,18 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     steps = ControlSteps(control, group, slots)
     rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth)
     asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
+
+
+def check_engines(control: ControlPlane, placements: Sequence[Placement]) -> None:
+    """Rollout worker j must be in engine j // engine_size: the group numbers its rollouts
+    engine by engine, and installs an engine's version on exactly its workers."""
+    for j, placement in enumerate(placements):
+        if placement.engine != j // control.engine_size:
+            raise ValueError(f"rollout worker {j} says it is in engine {placement.engine}, but "
+                             f"with engine_size={control.engine_size} the group puts it in "
+                             f"engine {j // control.engine_size}; number rollout workers engine "
+                             f"by engine (rank = engine * engine_size + engine_rank) and give "
+                             f"each engine's workers one engine number")
 
 
 def check_same_checkpoint(trainer_specs: Sequence[CheckpointSpec],

@@ -28,6 +28,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.execution.boxcopy import CopyKernels
+from weightbridge.execution.checksum import checksum
 from weightbridge.execution.executor import WorkerExecutor
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
                                 WorkerPlan)
@@ -37,8 +38,17 @@ Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
 SIDES = ("trainer", "rollout")
 MAX_SPANS = 1 << 16
 """Spans kept for `take_spans` (older ones are dropped: a group nobody reads must not grow)."""
+MAX_EVENTS = 1 << 12
+"""Events kept in `TransferWorker.events` (the newest; about 1,300 updates of a trainer): a
+worker that runs for days must not grow with every update."""
+Checksums = dict[tuple[WorkerId, Range], int]
+"""(receiver, its registered range) -> checksum of the bytes written there in one round."""
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+
+
+class ChecksumMismatch(RuntimeError):
+    """Bytes that arrived in a round buffer differ from what their writer sent."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,8 +123,9 @@ class TransferWorker:
         self.cond = threading.Condition()
         self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
-        self.events: list[tuple[int, str, int]] = []
-        """(sequence number, what, version): what this worker did, ordered process-wide."""
+        self.events: collections.deque = collections.deque(maxlen=MAX_EVENTS)
+        """(sequence number, what, version): what this worker did, ordered process-wide (the
+        newest `MAX_EVENTS`)."""
 
     def _log(self, event: tuple[str, int]) -> None:
         self.events.append((next(_SEQ), *event))
@@ -167,26 +178,55 @@ class TransferWorker:
 
     # -- the rounds of an update --------------------------------------------------------------
 
-    def on_send_round(self, r: int) -> None:
+    def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
-        they landed)."""
+        they landed, with their checksums)."""
         if self.executor.plan.rounds[r].pack:
             self._timed("pack", r, self.executor.pack, r)
-        self._write(r, Stage.RECEIVE)
+        return self._write(r, Stage.RECEIVE)
 
-    def on_forward(self, r: int, stage: Stage) -> None:
+    def on_forward(self, r: int, stage: Stage) -> Checksums:
         """Rollouts: write this stage's bytes of round r (they arrived in an earlier stage)."""
-        self._write(r, stage)
+        return self._write(r, stage)
 
-    def on_land(self, r: int, slots: Mapping[int, int] | None = None) -> None:
-        """Rollouts: round r landed (every stage): assemble it into the parameters."""
+    def on_land(self, r: int, slots: Mapping[int, int] | None = None,
+                expected: Checksums | None = None) -> None:
+        """Rollouts: round r landed (every stage): check what arrived against ``expected``
+        (the writers' checksums), then assemble it into the parameters."""
+        self.verify(r, expected)
         if self.executor.plan.rounds[r].assemble:
             self._timed("assemble", r, self.executor.assemble, r)
 
-    def _write(self, r: int, stage: Stage, buffer: torch.Tensor | None = None) -> None:
+    def verify(self, r: int, expected: Checksums | None) -> None:
+        """Raise `ChecksumMismatch` if a range written into this worker in round r holds
+        other bytes than its writer sent; before anything of the round is assembled."""
+        for (peer, (index, offset, nbytes)), want in (expected or {}).items():
+            if peer != self.worker:
+                continue
+            got = checksum(self.executor.arenas[index][offset:offset + nbytes])
+            if got != want:
+                raise ChecksumMismatch(
+                    f"{self.worker}: the {nbytes} bytes written at offset {offset} of its round "
+                    f"buffer in round {r} differ from what their writer sent (checksum "
+                    f"{got & (2**64 - 1):#018x}, sent {want & (2**64 - 1):#018x}); they hold "
+                    f"{self._params_at(r, offset, nbytes)}. Nothing of round {r} was "
+                    f"assembled into this worker's parameters")
+
+    def _params_at(self, r: int, offset: int, nbytes: int) -> str:
+        """Which parameters' elements a received range of round r carries (for errors)."""
+        plan = self.executor.plan
+        names = sorted({plan.params[c.tensor].name for c in plan.rounds[r].assemble
+                        if offset <= c.buffer_offset < offset + nbytes})
+        return (f"elements of {', '.join(names[:4])}{' and more' if len(names) > 4 else ''}"
+                if names else "bytes this worker forwards to its peers")
+
+    def _write(self, r: int, stage: Stage, buffer: torch.Tensor | None = None) -> Checksums:
         writes = list(self.executor.writes(r, stage, buffer))
+        sums = ({(peer, key): checksum(src) for peer, key, src in writes}
+                if self.config.checksums else {})
         if writes:
             self._timed(stage.value, r, self._write_all, r, stage, writes)
+        return sums
 
     def _write_all(self, r: int, stage: Stage, writes: list) -> None:
         futures = [(peer, self.transport.write(peer, key, src)) for peer, key, src in writes]

@@ -115,9 +115,16 @@ class WorkerExecutor:
             self.kernels.assemble(self._assemble[r], self.arena(r) if buffer is None else buffer)
 
     def round_nbytes(self, r: int) -> tuple[int, int]:
-        """(packed, assembled) bytes of round r: what a staging buffer keeps of the round."""
-        return tuple(0 if t is None else int(t.nbytes)
-                     for t in (self._pack[r], self._assemble[r]))
+        """(sent, assembled) bytes of round r: what a staging buffer keeps of the round.
+
+        Sent bytes reach to the end of the round's last write: the planner pads every overlap
+        to 8 bytes in the buffer (3 bf16 elements pack 6 bytes, the write carries 8), so a
+        staged copy of only the packed bytes would be short of the write.
+        """
+        packed, assembled = (0 if t is None else int(t.nbytes)
+                             for t in (self._pack[r], self._assemble[r]))
+        ends = [w.offset + w.nbytes for w in self.plan.rounds[r].writes]
+        return max([packed, *ends]), assembled
 
     def writes(self, r: int, stage: Stage, buffer: torch.Tensor | None = None
                ) -> Iterator[tuple[WorkerId, Range, torch.Tensor]]:

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
-from monarch.actor import Actor, concurrent_endpoint, current_rank
+from monarch.actor import Actor, ActorError, current_rank, endpoint
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
@@ -98,37 +98,79 @@ class MeshTransport:
 
 
 class TransferAgent(Actor):
-    """Serves the `PeerCall`s of the workers built in its proc (one per transfer group)."""
+    """Serves the `PeerCall`s of the workers built in its proc (one per transfer group).
+
+    A sync actor whose endpoint hands each call to a thread and answers through the call's
+    response port from there, so it serves many calls at once. Not an async actor: Monarch
+    0.7 never closes a stopped async actor's event loop, and each stopped agent left 5 file
+    descriptors (epoll, self-pipe, waker pipe) and its executor's threads in the process,
+    once per session (docs/integration.md, "Memory over many updates").
+    """
 
     def __init__(self):
         self._senders: dict[str, ThreadPoolExecutor] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
-    @concurrent_endpoint
-    async def serve(self, group: str, call: PeerCall, *args):
-        """Run ``call`` on this proc's worker of ``group``. Concurrent: a worker serves its
+    @endpoint(explicit_response_port=True)
+    def serve(self, port, group: str, call: PeerCall, *args) -> None:
+        """Run ``call`` on this proc's worker of ``group``, in a thread: a worker serves its
         peers while its own thread is inside send_weights or poll_requests. A trainer's sends
         run one at a time in arrival order (one thread), so a queued send starts the moment
         the previous one's writes landed."""
-        worker = await asyncio.to_thread(_lookup, group, REGISTER_WAIT_S)
-        if call is PeerCall.SEND_ROUND:
-            pool = self._senders.setdefault(group, ThreadPoolExecutor(1, "weightbridge-send"))
-            # The send thread needs this actor's context (Monarch's current actor), as
-            # asyncio.to_thread would carry it.
+        try:
+            if call is PeerCall.SEND_ROUND:
+                pool = self._senders.get(group)
+                if pool is None:
+                    pool = self._senders[group] = ThreadPoolExecutor(1, "weightbridge-send")
+            else:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(thread_name_prefix="weightbridge-agent")
+                pool = self._pool
+            # The thread needs this actor's context (Monarch's current actor, in contextvars).
             context = contextvars.copy_context()
-            return await asyncio.wrap_future(pool.submit(context.run, call.serve, worker, *args))
-        return await asyncio.to_thread(call.serve, worker, *args)
+            future = pool.submit(context.run, _serve, group, call, args)
+        except Exception as e:  # noqa: BLE001  (an explicit port's caller only hears the port)
+            _fail(port, e, call)
+            return
+        future.add_done_callback(lambda f: _answer(port, f, call))
 
-    @concurrent_endpoint
-    async def release(self, group: str) -> None:
-        """Forget this proc's worker of ``group`` and deregister its RDMA buffers."""
+    @endpoint
+    def release(self, group: str) -> None:
+        """Forget this proc's worker of ``group``, deregister its RDMA buffers and end this
+        agent's threads."""
         with _registered:
             worker = _registry.pop(group, None)
-        pool = self._senders.pop(group, None)
-        if pool is not None:
-            pool.shutdown(wait=False)
         release = getattr(getattr(worker, "transport", None), "release", None)
         if release is not None:
-            await asyncio.to_thread(release)
+            release()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        pools = [self._pool, *self._senders.values()]
+        self._pool, self._senders = None, {}
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=False)
+
+    def __cleanup__(self, exc) -> None:
+        self._shutdown()  # stopped without release (an actor that failed)
+
+
+def _serve(group: str, call: PeerCall, args: tuple):
+    return call.serve(_lookup(group, REGISTER_WAIT_S), *args)
+
+
+def _answer(port, future, call: PeerCall) -> None:
+    """Send a served call's result or error to its caller, as Monarch answers an endpoint."""
+    try:
+        # What Monarch does with a sync endpoint's result.
+        port._resolve_and_send_blocking(future.result())
+    except Exception as e:  # noqa: BLE001  (the caller's future raises it)
+        _fail(port, e, call)
+
+
+def _fail(port, error: Exception, call: PeerCall) -> None:
+    port.exception(ActorError(error, f"Actor call TransferAgent.serve({call.value}) failed."))
 
 
 class MeshControl:
@@ -142,6 +184,33 @@ class MeshControl:
         self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
         self.engine_size = group.engine_size
         self._meshes = {"trainer": group.trainer_agents, "rollout": group.rollout_agents}
+        self._agents: dict[WorkerId, object] = {}
+        """Each peer's agent, sliced once: Monarch 0.7 keeps native state for every slice it
+        sends through (about 10 KB each, never freed), so a slice per call grew every
+        process by that much per peer call (docs/integration.md, "Memory over many
+        updates")."""
+
+    def _agent(self, peer: WorkerId):
+        agent = self._agents.get(peer)
+        if agent is None:  # a race only slices twice; either slice serves
+            agent = self._agents[peer] = self._meshes[peer.side].slice(**{AXIS: peer.index})
+        return agent
+
+    def _run(self, peers: Sequence[WorkerId]):
+        """The agents of ``peers`` as one mesh, when they are two or more consecutive ranks of
+        one side (sliced once, as `_agent`); None otherwise."""
+        if len(peers) < 2:
+            return None
+        side, first = peers[0].side, peers[0].index
+        if any(p.side != side or p.index != first + i for i, p in enumerate(peers)):
+            return None
+        key = (side, first, len(peers))
+        mesh = self._agents.get(key)
+        if mesh is None:
+            whole = self._meshes[side]
+            mesh = self._agents[key] = (whole if first == 0 and len(peers) == _size(whole) else
+                                        whole.slice(**{AXIS: slice(first, first + len(peers))}))
+        return mesh
 
     def _timeout(self, call: PeerCall) -> float | None:
         if call.unbounded:
@@ -151,8 +220,7 @@ class MeshControl:
         return config.peer_timeout_s * (config.depth if call is PeerCall.SEND_ROUND else 1)
 
     def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
-        agent = self._meshes[peer.side].slice(**{AXIS: peer.index})
-        return agent.serve.call_one(self.group.name, call, *args)
+        return self._agent(peer).serve.call_one(self.group.name, call, *args)
 
     def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
                   *, return_errors: bool = False) -> list:
@@ -167,14 +235,29 @@ class MeshControl:
 
     def call(self, peers: Sequence[WorkerId], call: PeerCall, *args,
              return_errors: bool = False) -> list:
-        return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
+        """`call_each` with the same arguments for every peer; one message for consecutive
+        peers (as `call_async`), unless ``return_errors`` asks for each peer's own outcome.
+        Then the first error is raised as soon as Monarch has it, not once every peer
+        answered."""
+        run = None if return_errors else self._run(peers)
+        if run is None:
+            return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
+        return list(run.serve.call(self.group.name, call, *args)
+                    .get(timeout=self._timeout(call)).values())
 
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
-        futures = [self._issue(p, call, args) for p in peers]  # all issued before any wait
+        """One message to the peers' agents when they are consecutive ranks (the rounds' steps
+        go to every trainer or rollout): Monarch keeps about 1.5 KB per call that never goes
+        away in the caller (docs/integration.md, "Memory over many updates"), so one call
+        for all costs the sequencing trainer a few times less than one call per peer."""
         timeout = self._timeout(call)
+        run = self._run(peers)
+        if run is not None:
+            answers = _values(run.serve.call(self.group.name, call, *args))
+        else:  # all issued before any wait
+            answers = asyncio.gather(*(_awaited(self._issue(p, call, args)) for p in peers))
         try:
-            return list(await asyncio.wait_for(
-                asyncio.gather(*(_awaited(f) for f in futures)), timeout))
+            return list(await asyncio.wait_for(answers, timeout))
         except asyncio.TimeoutError:
             names = ", ".join(str(p) for p in peers)
             raise TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
@@ -184,6 +267,11 @@ class MeshControl:
 
 async def _awaited(future):
     return await future
+
+
+async def _values(future) -> list:
+    """A mesh call's answers, in the order of its ranks."""
+    return list((await future).values())
 
 
 @dataclass(frozen=True)
