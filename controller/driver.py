@@ -37,17 +37,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 from monarch.actor import this_host
 
-from controller.timing import UpdateTiming, update_timing, write_dests
+from controller.report import EngineLost, TransferError, UpdateReport
+from controller.timing import update_timing, write_dests
 from meshes.actors import RolloutActor, TrainerActor, load_factory
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig, TransferPlan
+from weightbridge.coordination.control import trainers
 from weightbridge.coordination.sequencer import StepFailed
-from weightbridge.coordination.session import connect_group, run_update
+from weightbridge.coordination.session import (connect_group, plan_group, run_update,
+                                               unanswered)
 from weightbridge.mesh.control import MeshControl, TransferGroup
 from weightbridge.mesh.transport import backend, configure_transport, drop_all
 from weightbridge.planning.simulate import eq1
@@ -55,52 +57,6 @@ from weightbridge.planning.simulate import eq1
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
 PROBE_REPEATS = 3
-
-
-class TransferError(RuntimeError):
-    """An update failed on some worker (a write timed out, a peer died or raised); the message
-    names the failed round and step and what happened."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UpdateReport:
-    """What one update did and how long it took (seconds, wall clock on the controller)."""
-
-    version: int
-    train_step_s: float
-    """Trainers loading the new version (the stand-in optimizer step)."""
-    transfer_s: float
-    """First send to last assemble: the end-to-end weight transfer time."""
-    verify_s: float
-    rdma_bytes: int
-    """Bytes written over RDMA in all stages."""
-    num_params: int
-    """Rollout parameters compared (over all rollout workers)."""
-    mismatched: tuple[str, ...]
-    """``rollout<i>:<param>`` of every parameter whose checksum differs from its loader's."""
-    timing: UpdateTiming | None = None
-    """Every worker's spans and stall windows (actor clocks; see controller/timing.py)."""
-    ideal_s: float = 0.0
-    """Eq. (1) from the link probe at connect."""
-
-    def line(self) -> str:
-        verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
-                   f"load_weights(v{self.version})" if not self.mismatched else
-                   f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters: "
-                   f"{list(self.mismatched[:4])}")
-        rate = self.rdma_bytes / self.transfer_s / 1e6 if self.transfer_s else 0.0
-        return (f"update {self.version}: train_step {self.train_step_s:.3f}s  transfer "
-                f"{self.transfer_s:.3f}s ({self.rdma_bytes / 1e6:.2f} MB over RDMA, "
-                f"{rate:.0f} MB/s)  verify {self.verify_s:.3f}s  | {verdict}"
-                + (f"\n  {self.timing_line()}" if self.timing is not None else ""))
-
-    def timing_line(self) -> str:
-        t = self.timing
-        mean, peak = t.kernel_share()
-        ratio = f"{t.ewtt_s / self.ideal_s:.2f}" if self.ideal_s > 0 else "n/a"
-        return (f"EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  ideal {self.ideal_s:.4f}s  "
-                f"EWTT/ideal {ratio}  pack+assemble {100 * mean:.1f}% of EWTT per worker "
-                f"(busiest {100 * peak:.1f}%)")
 
 
 class MeshTransfer:
@@ -164,6 +120,8 @@ class MeshTransfer:
         """Bytes/s of one RDMA write stream per probed link, measured at connect."""
         self.ideal_s = 0.0
         self.link_rate, self._reroute = link_rate, reroute
+        self.lost_engines: set[int] = set()
+        """Engines left out after they were lost mid-update (`EngineLost`)."""
 
     @property
     def backend(self) -> str:
@@ -239,10 +197,8 @@ class MeshTransfer:
                 elements no trainer holds (raised by the planner); either way before any
                 worker allocates a buffer.
         """
-        _, self.connected = connect_group(self.control, self.config, reroute=self._reroute)
-        self.plan = self.connected.plan
-        self.num_handles = self.connected.num_handles
-        self._dests = write_dests(self.plan.for_worker(w) for w in self.plan.workers)
+        self._maps, connected = connect_group(self.control, self.config, reroute=self._reroute)
+        self._use(connected)
         self.links = ({"configured": self.link_rate} if self.link_rate else
                       self._probe_links())
         egress = self.link_rate or self.links["trainer->rollout"]
@@ -250,6 +206,12 @@ class MeshTransfer:
                            rollout_node_bandwidth=self.link_rate or self.links.get(
                                "rollout->rollout", egress))
         return self.plan
+
+    def _use(self, connected) -> None:
+        """Make ``connected`` (a `ConnectedGroup`) the plan in force."""
+        self.connected, self.plan = connected, connected.plan
+        self.num_handles = connected.num_handles
+        self._dests = write_dests(self.plan.for_worker(w) for w in self.plan.workers)
 
     def _probe_links(self) -> dict[str, float]:
         """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
@@ -289,20 +251,30 @@ class MeshTransfer:
         t0 = time.perf_counter()
         self.trainers.train_step.call(version).get()
         t1 = time.perf_counter()
-        self._transfer(version)
+        try:
+            self._transfer(version)
+        except _Lost as lost:
+            self._recover(version, lost.workers, lost.cause, t1 - t0)
+        return self._report(version, t1 - t0, t1)
+
+    def _report(self, version: int, train_step_s: float, t1: float) -> UpdateReport:
+        """Spans and verification of the update that just ended, on the live rollouts."""
         t2 = time.perf_counter()
-        span_f = [(side, mesh.timings.call()) for side, mesh in
-                  (("trainer", self.trainers), ("rollout", self.rollouts))]
-        check_f = self.rollouts.checksums.call(version)
-        spans = {(side, p.rank): s for side, f in span_f for p, s in f.get().items()}
-        results = _by_rank(check_f.get())
+        live = self._live_rollouts()
+        span_f = [("trainer", 0, self.trainers.timings.call())] + [
+            ("rollout", first, mesh.timings.call()) for first, mesh in live]
+        check_f = [mesh.checksums.call(version) for _, mesh in live]
+        spans = {(side, first + p.rank): s for side, first, f in span_f
+                 for p, s in f.get().items()}
+        results = [r for f in check_f for r in _by_rank(f.get())]
         t3 = time.perf_counter()
         bad, count = [], 0
-        for i, (got, want) in enumerate(results):
+        ranks = [first + i for first, mesh in live for i in range(int(mesh.size()))]
+        for i, (got, want) in zip(ranks, results):
             count += len(want)
             bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
         sent, _ = self.plan.stage_bytes()
-        return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
+        return UpdateReport(version=version, train_step_s=train_step_s, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=int(sent.sum()), num_params=count,
                             mismatched=tuple(bad), timing=update_timing(spans, self._dests),
                             ideal_s=self.ideal_s)
@@ -317,12 +289,76 @@ class MeshTransfer:
         # proc; this is the backstop for a step that neither finishes nor fails.
         deadline = self.config.timeout_s * (self.plan.num_rounds + 2)
         try:
-            run_update(self.control, self.connected, deadline_s=deadline)
+            run_update(self.control, self.connected, deadline_s=deadline, version=version)
         except (StepFailed, asyncio.TimeoutError) as e:
             what = str(e) or f"did not finish within {deadline:g}s"
+            workers = trainers(self.control) + list(self.connected.live_rollouts)
+            lost = unanswered(self.control, workers)
+            names = ", ".join(str(w) for w in lost)
+            if lost and all(w.side == "rollout" for w in lost):
+                raise _Lost(lost, f"update {version} failed: {what}\n{names} did not answer "
+                                  f"a ping within {self.config.notice_timeout_s:g}s (dead or "
+                                  f"stalled)") from e
+            who = (f"{names} did not answer a ping within "
+                   f"{self.config.notice_timeout_s:g}s (dead or stalled)" if lost else
+                   "every worker still answers")
             raise TransferError(
-                f"update {version} failed: {what}\nthe meshes are in an unknown state: "
-                f"close this MeshTransfer and start again") from e
+                f"update {version} failed: {what}\n{who}; the meshes are in an unknown "
+                f"state: close this MeshTransfer and start again") from e
+
+    def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
+        """Leave the engines of the ``lost`` rollout workers out, re-plan over the others from
+        the source maps of connect (no probe), re-send ``version`` (the trainers still hold
+        it), verify, raise `EngineLost`. If that fails too, or no engine is left, raise
+        `TransferError` (the meshes are then in an unknown state)."""
+        size = self.rollout_spec.workers_per_engine
+        self.lost_engines |= {w.index // size for w in lost}
+        survivors = sorted(set(range(self.rollout_spec.engines)) - self.lost_engines)
+        what = (f"{cause}\nengine{'s' if len(self.lost_engines) > 1 else ''} "
+                f"{sorted(self.lost_engines)} excluded")
+        if not survivors:
+            raise TransferError(f"{what}; no engine is left: close this MeshTransfer")
+        excluded = frozenset(j for j in range(self.rollout_spec.num_workers)
+                             if j // size in self.lost_engines)
+        for _, mesh in [(0, self.trainers)] + self._live_rollouts():
+            mesh.timings.call().get()  # drop the failed attempt's spans
+        t1 = time.perf_counter()
+        try:
+            self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
+                                 generation=len(self.lost_engines), reroute=self._reroute))
+            self._transfer(version)
+        except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
+            raise TransferError(f"{what}; re-sending version {version} to the surviving "
+                                f"engines {survivors} failed too ({type(e).__name__}: {e}): "
+                                f"close this MeshTransfer and start again") from e
+        report = self._report(version, train_step_s, t1)
+        raise EngineLost(f"{what}; version {version} was re-sent over a new plan to the "
+                         f"surviving engines {survivors}, which hold it whole "
+                         f"({report.line().splitlines()[0]}); the next update() goes to "
+                         f"them", frozenset(self.lost_engines), report)
+
+    def _live_rollouts(self) -> list[tuple[int, object]]:
+        """(first flat rank, actor mesh) of each run of consecutive live rollout ranks."""
+        size, live = self.rollout_spec.workers_per_engine, []
+        for e in range(self.rollout_spec.engines):
+            if e in self.lost_engines:
+                continue
+            if live and live[-1][1] == e * size:
+                live[-1][1] += size
+            else:
+                live.append([e * size, (e + 1) * size])
+        if live == [[0, self.rollout_spec.num_workers]]:
+            return [(0, self.rollouts)]
+        flat = self.rollouts.flatten("rank")
+        return [(a, flat.slice(rank=slice(a, b))) for a, b in live]
+
+
+class _Lost(Exception):
+    """Internal: rollout workers stopped answering during an update (`_recover` handles it)."""
+
+    def __init__(self, workers: list, cause: str):
+        super().__init__(cause)
+        self.workers, self.cause = workers, cause
 
 
 def _by_rank(values) -> list:

@@ -1,18 +1,22 @@
-"""Fail closed on real Monarch meshes: a rollout process that dies in the middle of a transfer.
+"""Fail closed on real Monarch meshes: a rollout process that dies or stalls mid-transfer.
 
 Trainer TP2 -> two TP2 engines (`meshes/adapter_actors.py`, as in `examples/rl_loop.py`) on
 proc meshes of their own, one `TransferGroup` over both; rollout worker R1 (engine 0) calls
-``os._exit`` at the third round of the second transfer (in its adapter's ``on_forward``,
+``os._exit`` (or stops itself with SIGSTOP: alive, answering nothing) at the third round of
+the second transfer (in its adapter's ``on_forward``,
 which the group's agent runs for trainer 0's sequencer; the adapter class is substituted with
 ``group.receiver(..., cls=...)``). Checked: trainer 0 raises a `TransferFailed` naming R1,
-engine 0 and version 2 within a bound of ``timeout_s``; engine 1 runs one version per step,
+engine 0, version 2, the round and the stage within ``timeout_s`` of the fault; engine 1 runs one version per step,
 bit-exact at every install, and ends on the last version (the next ``send_weights`` goes on
 with it); engine 0's steps fail; every proc is gone afterwards.
 """
 
 import os
+import re
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +31,11 @@ TRAINER_TP, ENGINES, ENGINE_TP = 2, 2, 2
 VICTIM, LAST, TIMEOUT_S = 1, 3, 10.0
 
 
+STALL_ENV = "WB_TEST_STALL_PIDS"
+"""A folder the stalling victim writes its pid into before it stops itself (so the test can
+kill it afterwards: a stopped process does not end when its mesh is stopped)."""
+
+
 class DiesInSecondTransfer(ReceiverAdapter):
     """Rollout worker VICTIM's process exits at round 3 of the second transfer."""
 
@@ -36,8 +45,19 @@ class DiesInSecondTransfer(ReceiverAdapter):
         if stage == Stage.EXTERNAL and self.worker.index == VICTIM:
             self.forwards += 1
             if self.forwards == self.executor.num_rounds + 3:
-                os._exit(1)
+                self.fault()
         super().on_forward(r, stage)
+
+    def fault(self) -> None:
+        os._exit(1)
+
+
+class StallsInSecondTransfer(DiesInSecondTransfer):
+    """Rollout worker VICTIM's process stops (SIGSTOP) at the same point: alive, silent."""
+
+    def fault(self) -> None:
+        (Path(os.environ[STALL_ENV]) / str(os.getpid())).write_text(str(time.monotonic()))
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class FaultyRollout(RLRollout):
@@ -46,24 +66,48 @@ class FaultyRollout(RLRollout):
     receiver_cls = DiesInSecondTransfer
 
 
+class StallingRollout(RLRollout):
+    """`RLRollout` whose adapter is a `StallsInSecondTransfer`."""
+
+    receiver_cls = StallsInSecondTransfer
+
+
+@pytest.mark.parametrize("fault", ["killed", "stalled"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_rollout_proc_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
+def test_a_rollout_proc_lost_mid_transfer_fails_closed_and_the_survivors_go_on(
+        mode, fault, tmp_path, monkeypatch):
     ss = rs = mode == "async"
     config = TransferConfig(sender_staging=ss, receiver_staging=rs, timeout_s=TIMEOUT_S,
                             round_bytes=64 << 10)
+    monkeypatch.setenv(STALL_ENV, str(tmp_path))  # the procs inherit it
+    rollout_cls = FaultyRollout if fault == "killed" else StallingRollout
     before = bootstrap_children()
-    with proc_pair(TRAINER_TP, ENGINES * ENGINE_TP) as (tp, rp):
-        # No group.close(): the victim's proc is gone, and stopping the procs (proc_pair)
-        # ends the agents and the actors with them.
-        group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
-        trainers = tp.spawn("trainer_fc", RLTrainer, "tiny", TRAINER_TP)
-        rollouts = rp.spawn("rollout_fc", FaultyRollout, "tiny", ENGINE_TP)
-        setups = [trainers.setup.call(group), rollouts.setup.call(group)]
-        for f in setups:
-            f.get(timeout=120)
-        trainers.connect.call().get(timeout=300)
-        _check(_drive(trainers, rollouts, ss), ss)
+    try:
+        with proc_pair(TRAINER_TP, ENGINES * ENGINE_TP) as (tp, rp):
+            # No group.close(): the victim's proc is gone or stopped, and stopping the procs
+            # (proc_pair) ends the agents and the actors with them.
+            group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
+            trainers = tp.spawn("trainer_fc", RLTrainer, "tiny", TRAINER_TP)
+            rollouts = rp.spawn("rollout_fc", rollout_cls, "tiny", ENGINE_TP)
+            setups = [trainers.setup.call(group), rollouts.setup.call(group)]
+            for f in setups:
+                f.get(timeout=120)
+            trainers.connect.call().get(timeout=300)
+            run = _drive(trainers, rollouts, ss)
+            stalled = [float(f.read_text()) for f in tmp_path.iterdir()]
+            _kill_stopped(tmp_path)
+            _check(run, ss, stalled_at=stalled[0] if stalled else None)
+    finally:
+        _kill_stopped(tmp_path)
     assert bootstrap_children() - before == set()
+
+
+def _kill_stopped(folder: Path) -> None:
+    for f in folder.iterdir():
+        try:
+            os.kill(int(f.name), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _drive(trainers, rollouts, ss: bool) -> dict:
@@ -98,7 +142,7 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
                 if ss:  # one transfer at a time: the second one carries version 2
                     trainers.finish.call().get(timeout=6 * TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  (the error under test)
-                failures.append((v, str(e), time.monotonic() - start))
+                failures.append((v, str(e), start, time.monotonic()))
         for t in threads:
             t.join(timeout=6 * TIMEOUT_S)
     finally:
@@ -109,15 +153,19 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
     return {"records": records, "engine_errors": engine_errors, "failures": failures}
 
 
-def _check(run: dict, ss: bool) -> None:
+def _check(run: dict, ss: bool, stalled_at: float | None) -> None:
     failures = run["failures"]
-    assert [v for v, _, _ in failures] == [2], [(v, m[-800:]) for v, m, _ in failures]
-    _, message, elapsed = failures[0]
+    assert [v for v, *_ in failures] == [2], [(v, m[-800:]) for v, m, *_ in failures]
+    _, message, start, end = failures[0]
+    elapsed = end - (start if stalled_at is None else stalled_at)  # one clock for all procs
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
+    assert re.search(r"round \d+, (trainers' send|rollouts' (external forward|land))", message), \
+        message[-2000:]
     assert "Engine [0] is excluded" in message and "new group" in message, message[-2000:]
-    # Within timeout_s: peers count as lost after peer_timeout_s, the rest of the budget finds
-    # which and re-plans (and, in sync mode, re-sends the version to the survivors).
-    print(f"TransferFailed after {elapsed:.1f}s (timeout_s={TIMEOUT_S})")
+    # Within timeout_s of the fault: peers count as lost after peer_timeout_s, the rest of the
+    # budget finds which and re-plans (and, in sync mode, re-sends the version to the
+    # survivors). A stalled process (SIGSTOP) answers nothing, so only the timeouts find it.
+    print(f"TransferFailed {elapsed:.1f}s after the fault (timeout_s={TIMEOUT_S})")
     assert elapsed < TIMEOUT_S, elapsed
     assert 0 in run["engine_errors"] and 1 not in run["engine_errors"], run["engine_errors"]
     survivors = [r for r in run["records"] if r["engine"] == 1]

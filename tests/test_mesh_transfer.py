@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 from monarch.actor import ActorError
 
-from controller.driver import MeshTransfer, TransferError
+from controller.driver import EngineLost, MeshTransfer, TransferError
 from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
@@ -262,7 +263,10 @@ class DiesInRound1Rollout(RolloutActor):
     worker_class = DiesInRound1
 
 
-def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
+def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on():
+    """Rollout 1 (engine 1 of 2) exits in round 1 of update 1: `EngineLost` names it, version
+    1 is re-sent to engine 0 over a new plan and verified bit-exact there, and update 2 goes
+    to engine 0 alone (the controller path recovers as the adapters do)."""
     import time
 
     before = bootstrap_children()
@@ -274,12 +278,80 @@ def test_a_dead_worker_fails_the_update_within_a_bounded_time_and_meshes_stop():
     with mt:
         mt.connect()
         t0 = time.monotonic()
-        with pytest.raises(TransferError) as failure:
+        with pytest.raises(EngineLost) as failure:
             mt.update(1)
         elapsed = time.monotonic() - t0
-    message = str(failure.value)
-    assert "update 1 failed" in message and "close this MeshTransfer" in message, message
-    # A write into rollout 1 timed out, or Monarch reported its proc dead (a call failed).
-    assert "into R1" in message or "rollouts' land" in message, message
-    assert elapsed < 3 * timeout_s + 15, elapsed
+        lost = failure.value
+        second = mt.update(2)
+    message = str(lost)
+    assert "update 1 failed" in message and "R1 did not answer a ping" in message, message
+    assert "engine [1] excluded" in message and "surviving engines [0]" in message, message
+    assert lost.lost_engines == {1} and not lost.report.mismatched
+    assert lost.report.num_params > 0 and second.num_params == lost.report.num_params
+    assert not second.mismatched, second.line()
+    assert all(d <= {0} for d in mt._dests.values())  # nothing routed to engine 1
+    print(f"EngineLost after {elapsed:.1f}s (timeout_s={timeout_s}): {message}")
+    assert elapsed < timeout_s + lost.report.transfer_s + lost.report.verify_s, elapsed
+    assert bootstrap_children() - before == set()
+
+
+STALL_ENV = "WB_TEST_STALL_PIDS"
+"""A folder the stalling worker writes its pid and the time into before it stops itself."""
+
+
+class StallsInRound1(TransferWorker):
+    """Rollout 1's process stops (SIGSTOP) in round 1: alive, answering nothing."""
+
+    def on_land(self, r, slots=None, expected=None):
+        if self.worker.index == 1 and r == 1:
+            import signal
+            import time
+            from pathlib import Path
+
+            (Path(os.environ[STALL_ENV]) / str(os.getpid())).write_text(str(time.monotonic()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        super().on_land(r, slots, expected)
+
+
+class StallsInRound1Rollout(RolloutActor):
+    worker_class = StallsInRound1
+
+
+def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, monkeypatch):
+    import signal
+    import time
+
+    monkeypatch.setenv(STALL_ENV, str(tmp_path))  # the procs inherit it
+    before = bootstrap_children()
+    timeout_s = 5
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      rollout_actor=StallsInRound1Rollout,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s))
+    try:
+        with mt:
+            mt.connect()
+            with pytest.raises(EngineLost) as failure:
+                mt.update(1)
+            failed_at = time.monotonic()
+            second = mt.update(2)
+            (stall,) = tmp_path.iterdir()
+            os.kill(int(stall.name), signal.SIGKILL)  # a stopped proc ignores its mesh's stop
+    finally:
+        for f in tmp_path.iterdir():
+            try:
+                os.kill(int(f.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    elapsed = failed_at - float(stall.read_text())  # one monotonic clock for every process
+    message, report = str(failure.value), failure.value.report
+    print(f"EngineLost {elapsed:.1f}s after the stall (timeout_s={timeout_s}): {message}")
+    # Whichever step waits on the stopped process times out first (round 0's land still in
+    # flight, round 1's, or a send writing into it); the ping then names the process.
+    assert re.search(r"update 1 failed: round \d+, (rollouts' land|trainers' send)", message), \
+        message
+    assert "R1 did not answer a ping" in message and "surviving engines [0]" in message, message
+    assert not report.mismatched and not second.mismatched, second.line()
+    # Found within timeout_s; then version 1 is re-sent to engine 0 and verified there.
+    assert elapsed < timeout_s + report.transfer_s + report.verify_s, elapsed
     assert bootstrap_children() - before == set()

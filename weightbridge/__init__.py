@@ -13,7 +13,8 @@ Typical usage::
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
 from weightbridge.coordination.local import run_plan_locally
-from weightbridge.coordination.worker import TransferWorker, WorkerParts
+from weightbridge.coordination.worker import (ChecksumMismatch, ReplicaMismatch, TransferWorker,
+                                              WorkerParts)
 from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec
 from weightbridge.discovery.correspond import correspond
 from weightbridge.discovery.probe import extract_source_map
@@ -67,6 +68,8 @@ __all__ = [
     "TorchCopyKernels",
     "TransferConfig",
     "TransferFailed",
+    "ChecksumMismatch",
+    "ReplicaMismatch",
     "Transfer",
     "TransferPlan",
     "TransferWorker",

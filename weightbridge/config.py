@@ -118,3 +118,11 @@ class TransferConfig:
         ``PEER_SHARE`` of ``timeout_s``, leaving the rest to find which worker is gone and
         re-plan without its engine."""
         return PEER_SHARE * self.timeout_s
+
+    @property
+    def notice_timeout_s(self) -> float:
+        """How long a liveness check (`PeerCall.PING`) or a failure notice (``FAIL``,
+        ``FAILED``) may take: half of what `peer_timeout_s` leaves of ``timeout_s``. A step
+        that timed out is followed by one round of these, so a stall still surfaces, with the
+        lost worker named, within ``timeout_s``; the other half is left for re-planning."""
+        return (1 - PEER_SHARE) / 2 * self.timeout_s

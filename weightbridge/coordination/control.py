@@ -30,6 +30,7 @@ class PeerCall(enum.Enum):
     # Any worker (`TransferWorker`): connect and the rounds of an update.
     SOURCE_MAP = "source_map"
     PING = "ping"
+    DIGEST = "digest"
     SETUP = "setup"
     SET_PEERS = "set_peers"
     SEND_ROUND = "send_round"
@@ -61,6 +62,12 @@ class PeerCall(enum.Enum):
         with the model."""
         return self in (PeerCall.SOURCE_MAP, PeerCall.SETUP)
 
+    @property
+    def notice(self) -> bool:
+        """Calls of the failure path, answered at once by a live worker: bounded by
+        `TransferConfig.notice_timeout_s`, not the peer timeout."""
+        return self in (PeerCall.PING, PeerCall.FAIL, PeerCall.FAILED)
+
     def serve(self, target: Any, *args) -> Any:
         """Run this call on the worker object ``target`` (its ``on_<value>`` handler)."""
         handler = getattr(target, f"on_{self.value}", None)
@@ -89,7 +96,8 @@ class ControlPlane(Protocol):
 
         Raises the first peer's error once all have answered; with ``return_errors`` the errors
         are returned in place of results instead. Calls other than `PeerCall.unbounded` ones
-        are bounded by the plane's peer timeout.
+        are bounded by the plane's peer timeout (`PeerCall.notice` ones by the shorter
+        notice timeout).
         """
         ...
 

@@ -17,14 +17,16 @@ from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
 from weightbridge.coordination.protocol import SenderStage, StagingSlots
 from weightbridge.coordination.sender_recovery import SenderRecovery
-from weightbridge.coordination.session import connect_group, run_update
+from weightbridge.coordination.session import check_replicas, connect_group, run_update
+from weightbridge.coordination.worker import ReplicaMismatch, param_digest
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, Stage, WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)
 
 
-_FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed}
+_FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed,
+             "replica": ReplicaMismatch}
 """What send_weights raises on a trainer that rank 0 tells of a failed version (`on_failed`)."""
 
 
@@ -45,6 +47,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
                          transport=transport, config=config, kernels=kernels)
         self.stage = SenderStage()
         self._staging: torch.Tensor | None = None
+        self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
+        """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
         self._ready = 0  # non-SS: the newest version send_weights was called with
         self._sending: int | None = None  # non-SS: the version send_weights is waiting on now
         self._done = 0  # newest version whose transfer finished
@@ -177,6 +181,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
                 self.executor.pack(r)
                 view = self._staged_view(self._staging, r)
                 view.copy_(self.executor.arena(r)[:view.numel()])
+            if self.config.checksums:  # what replicas compare: the parameters staged now
+                self._staged_digest = (version, param_digest(self.params))
             self.stage.stage(version)
             self._log(("staged", version))
             # Released: logged under the lock the sequencer reads `pending` with, so before any
@@ -329,6 +335,7 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         ts = trainers(control)
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
             self._wait_for_trainers(ts, version)
+        check_replicas(control, self.group, version)  # (SS: each staged copy's digest)
         if mode.receiver_staging:
             with self._slots_lock:
                 slots = self.slots.begin(version)
@@ -369,6 +376,13 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
         self._connected.set()
+
+    def on_digest(self, version: int) -> tuple[int, ...]:
+        if not self.config.sender_staging:
+            return super().on_digest(version)
+        staged, digest = self._staged_digest
+        assert staged == version, (staged, version)  # pinned by STAGE_START before the update
+        return digest
 
     def on_ready(self) -> int | None:
         """The version this trainer waits inside send_weights with (None: not inside it)."""

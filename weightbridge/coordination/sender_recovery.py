@@ -9,7 +9,8 @@ from __future__ import annotations
 from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.coordination.protocol import StagingSlots
-from weightbridge.coordination.session import plan_group
+from weightbridge.coordination.session import plan_group, unanswered
+from weightbridge.coordination.worker import ReplicaMismatch
 
 
 class SenderRecovery:
@@ -22,14 +23,14 @@ class SenderRecovery:
         group is closed if bytes had moved: no engine's state is known)."""
         control, mode = self.control, self.config.mode
         live = self._live()
-        answers = control.call(live, PeerCall.PING, return_errors=True)
-        gone = [w.index for w, a in zip(live, answers) if a is not True]
+        gone = [w.index for w in unanswered(control, live)]
         size = control.engine_size
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if not gone:
             # Every trainer waits in send_weights(version) (not SS): it fails the same way.
-            self._tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}",
-                                "timeout" if isinstance(error, TimeoutError) else "transfer")
+            kind = ("timeout" if isinstance(error, TimeoutError) else
+                    "replica" if isinstance(error, ReplicaMismatch) else "transfer")
+            self._tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
             if moved:
                 self._broken = (f"the transfer of version {version} failed after bytes moved "
                                 f"({type(error).__name__}: {cause}) and every rollout worker "

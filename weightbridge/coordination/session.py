@@ -28,6 +28,7 @@ from typing import Callable, Mapping, Sequence
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
 from weightbridge.coordination.sequencer import active_steps, run_rounds
+from weightbridge.coordination.worker import ReplicaMismatch
 from weightbridge.errors import LayoutError
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan, plan_transfer
@@ -55,6 +56,12 @@ class ConnectedGroup:
     num_handles: int
     """Registered receive ranges, over all rollouts."""
     depth: int
+    replicas: tuple[tuple[int, ...], ...] = ()
+    """Trainers holding the same layout of the checkpoint (data-parallel replicas), compared
+    by `check_replicas` before each update; empty with checksums off."""
+    param_names: tuple[tuple[str | None, ...], ...] = ()
+    """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer (None:
+    not compared)."""
 
 
 def probe_group(control: ControlPlane) -> GroupMaps:
@@ -106,7 +113,56 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
         for w in everyone])
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
                           live_rollouts=tuple(live), num_handles=len(handles),
-                          depth=config.depth)
+                          depth=config.depth,
+                          replicas=replica_sets(maps.trainers) if config.checksums else (),
+                          param_names=tuple(_compared(smap) for smap, _ in maps.trainers))
+
+
+def _compared(smap: SourceMap) -> tuple[str | None, ...]:
+    """A trainer's parameter names in digest order; None for those with elements no
+    checkpoint element lands in (padding may differ between replicas)."""
+    padded = {n for n, _ in smap.unsourced}
+    return tuple(None if n in padded else n for n in sorted(p.name for p in smap.params))
+
+
+def replica_sets(trainer_maps: Sequence[tuple[SourceMap, Placement]]
+                 ) -> tuple[tuple[int, ...], ...]:
+    """Trainers whose source maps are equal (same parameters, same pieces of the checkpoint):
+    data-parallel replicas, which must hold equal bytes. Sets of two or more, in rank order."""
+    sets: dict[tuple, list[int]] = {}
+    for i, (smap, _) in enumerate(trainer_maps):
+        sets.setdefault((smap.params, smap.pieces), []).append(i)
+    return tuple(tuple(s) for s in sets.values() if len(s) > 1)
+
+
+def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int) -> None:
+    """Compare the data-parallel replicas' per-parameter checksums of ``version``.
+
+    The plan takes each element from one holder, so replicas that diverged would be blended
+    element by element into the rollouts without this; it runs before any byte moves.
+
+    Raises:
+        ReplicaMismatch: two replicas hold different bytes for a parameter.
+    """
+    if not group.replicas:
+        return
+    ranks = sorted({i for s in group.replicas for i in s})
+    digests = dict(zip(ranks, control.call([WorkerId("trainer", i) for i in ranks],
+                                           PeerCall.DIGEST, version)))
+    for s in group.replicas:
+        first, names = s[0], group.param_names[s[0]]
+        for other in s[1:]:
+            bad = [n for n, a, b in zip(names, digests[first], digests[other])
+                   if n is not None and a != b]
+            if bad:
+                more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
+                raise ReplicaMismatch(
+                    f"trainers T{first} and T{other} hold the same layout of the checkpoint "
+                    f"(data-parallel replicas) but different bytes for version {version} in "
+                    f"{', '.join(map(repr, bad[:4]))}{more}: a replica diverged (a failed "
+                    f"or non-deterministic gradient reduction, a rank that skipped a step). "
+                    f"Nothing of version {version} was sent; resynchronize the replicas (e.g. "
+                    f"broadcast from one) and send again")
 
 
 def connect_group(control: ControlPlane, config: TransferConfig, *,
@@ -145,19 +201,31 @@ class ControlSteps:
 
 
 def run_update(control: ControlPlane, group: ConnectedGroup, *,
-               slots: Mapping[int, int] | None = None, deadline_s: float | None = None) -> None:
+               slots: Mapping[int, int] | None = None, deadline_s: float | None = None,
+               version: int | None = None) -> None:
     """Move one version: every round, sequenced; returns once the last round landed.
 
     ``slots``: engine -> the staging slot its rollouts land into (receiver staging); engines
-    not in it assemble into their parameters.
+    not in it assemble into their parameters. With ``version``, data-parallel replicas are
+    compared first (`check_replicas`).
 
     Raises:
+        ReplicaMismatch: replicas disagree (before any byte moved).
         StepFailed: a step failed on some worker (names the round and the step).
         asyncio.TimeoutError: the whole update outlasted ``deadline_s``.
     """
+    if version is not None:
+        check_replicas(control, group, version)
     steps = ControlSteps(control, group, slots)
     rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth)
     asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
+
+
+def unanswered(control: ControlPlane, workers: Sequence[WorkerId]) -> list[WorkerId]:
+    """The ``workers`` that do not answer a `PeerCall.PING` within the notice timeout: dead,
+    stalled or cut off. Asked after a step failed, to name who is lost."""
+    answers = control.call(list(workers), PeerCall.PING, return_errors=True)
+    return [w for w, a in zip(workers, answers) if a is not True]
 
 
 def check_engines(control: ControlPlane, placements: Sequence[Placement]) -> None:

@@ -28,7 +28,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.execution.boxcopy import CopyKernels
-from weightbridge.execution.checksum import checksum
+from weightbridge.execution.checksum import checksum, matches
 from weightbridge.execution.executor import WorkerExecutor
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
                                 WorkerPlan)
@@ -49,6 +49,17 @@ _SEQ = itertools.count()
 
 class ChecksumMismatch(RuntimeError):
     """Bytes that arrived in a round buffer differ from what their writer sent."""
+
+
+class ReplicaMismatch(RuntimeError):
+    """Data-parallel trainer replicas (the same layout of the checkpoint) hold different bytes
+    for a parameter; raised before any byte of the update moves."""
+
+
+def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
+    """One checksum per parameter, in name order: what replicas compare."""
+    return tuple(checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
+                 for n in sorted(params))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,10 +147,11 @@ class TransferWorker:
         self.spans.clear()
         return out
 
-    def _timed(self, what: str, r: int, fn, *args) -> None:
+    def _timed(self, what: str, r: int, fn, *args):
         start = time.monotonic_ns()
-        fn(*args)
+        out = fn(*args)
         self.spans.append((what, r, start, time.monotonic_ns()))
+        return out
 
     # -- connect ------------------------------------------------------------------------------
 
@@ -158,6 +170,11 @@ class TransferWorker:
     def on_ping(self) -> bool:
         """Asked who is still there after a transfer failed."""
         return True
+
+    def on_digest(self, version: int) -> tuple[int, ...]:
+        """Trainers: per-parameter checksums of what this trainer sends as ``version`` (its
+        parameters, now), compared with its data-parallel replicas' before the update."""
+        return param_digest(self.params)
 
     def on_setup(self, plan: WorkerPlan, ranges: list[Range] = (), generation: int = 0
                  ) -> dict:
@@ -203,12 +220,11 @@ class TransferWorker:
         for (peer, (index, offset, nbytes)), want in (expected or {}).items():
             if peer != self.worker:
                 continue
-            got = checksum(self.executor.arenas[index][offset:offset + nbytes])
-            if got != want:
+            if not matches(self.executor.arenas[index][offset:offset + nbytes], want):
                 raise ChecksumMismatch(
                     f"{self.worker}: the {nbytes} bytes written at offset {offset} of its round "
-                    f"buffer in round {r} differ from what their writer sent (checksum "
-                    f"{got & (2**64 - 1):#018x}, sent {want & (2**64 - 1):#018x}); they hold "
+                    f"buffer in round {r} differ from what their writer sent (its checksum "
+                    f"{want & (2**64 - 1):#018x} does not match them); they hold "
                     f"{self._params_at(r, offset, nbytes)}. Nothing of round {r} was "
                     f"assembled into this worker's parameters")
 
@@ -222,14 +238,16 @@ class TransferWorker:
 
     def _write(self, r: int, stage: Stage, buffer: torch.Tensor | None = None) -> Checksums:
         writes = list(self.executor.writes(r, stage, buffer))
+        if not writes:
+            return {}
+        return self._timed(stage.value, r, self._write_all, r, stage, writes)
+
+    def _write_all(self, r: int, stage: Stage, writes: list) -> Checksums:
+        futures = [(peer, self.transport.write(peer, key, src)) for peer, key, src in writes]
+        # Summed while the bytes are on their way (nothing writes into the sources before
+        # this round's writes landed).
         sums = ({(peer, key): checksum(src) for peer, key, src in writes}
                 if self.config.checksums else {})
-        if writes:
-            self._timed(stage.value, r, self._write_all, r, stage, writes)
-        return sums
-
-    def _write_all(self, r: int, stage: Stage, writes: list) -> None:
-        futures = [(peer, self.transport.write(peer, key, src)) for peer, key, src in writes]
         for peer, f in futures:  # a failure names the peer, the round and the stage
             try:
                 self.transport.wait([f])
@@ -238,3 +256,4 @@ class TransferWorker:
                     f"{self.worker}: the {stage.value} write of round {r} into {peer} failed "
                     f"({type(e).__name__}: {e}); that worker died or its link stalled for "
                     f"{self.config.peer_timeout_s:g}s") from e
+        return sums

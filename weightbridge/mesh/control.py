@@ -189,6 +189,8 @@ class MeshControl:
         sends through (about 10 KB each, never freed), so a slice per call grew every
         process by that much per peer call (docs/integration.md, "Memory over many
         updates")."""
+        self._last_send: asyncio.Future | None = None
+        """The newest `PeerCall.SEND_ROUND` in flight (`call_async`)."""
 
     def _agent(self, peer: WorkerId):
         agent = self._agents.get(peer)
@@ -215,9 +217,8 @@ class MeshControl:
     def _timeout(self, call: PeerCall) -> float | None:
         if call.unbounded:
             return None
-        # A trainer's sends queue behind each other, up to depth of them.
         config = self.group.config
-        return config.peer_timeout_s * (config.depth if call is PeerCall.SEND_ROUND else 1)
+        return config.notice_timeout_s if call.notice else config.peer_timeout_s
 
     def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
         return self._agent(peer).serve.call_one(self.group.name, call, *args)
@@ -225,10 +226,12 @@ class MeshControl:
     def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
                   *, return_errors: bool = False) -> list:
         futures = [self._issue(p, call, a) for p, a in zip(peers, args)]
-        out = []
-        for f in futures:
+        out, timeout = [], self._timeout(call)
+        for peer, f in zip(peers, futures):
             try:
-                out.append(f.get(timeout=self._timeout(call)))
+                out.append(f.get(timeout=timeout))
+            except TimeoutError:  # Monarch's says only "TimeoutError"
+                out.append(PeerFailed(_timed_out(call, [peer], timeout)))
             except Exception as e:  # noqa: BLE001  (raised below, after every peer answered)
                 out.append(PeerFailed(e))
         return gathered(out, return_errors)
@@ -242,8 +245,11 @@ class MeshControl:
         run = None if return_errors else self._run(peers)
         if run is None:
             return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
-        return list(run.serve.call(self.group.name, call, *args)
-                    .get(timeout=self._timeout(call)).values())
+        try:
+            return list(run.serve.call(self.group.name, call, *args)
+                        .get(timeout=self._timeout(call)).values())
+        except TimeoutError:
+            raise _timed_out(call, peers, self._timeout(call)) from None
 
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
         """One message to the peers' agents when they are consecutive ranks (the rounds' steps
@@ -253,16 +259,26 @@ class MeshControl:
         timeout = self._timeout(call)
         run = self._run(peers)
         if run is not None:
-            answers = _values(run.serve.call(self.group.name, call, *args))
+            answers = asyncio.ensure_future(_values(run.serve.call(self.group.name, call, *args)))
         else:  # all issued before any wait
             answers = asyncio.gather(*(_awaited(self._issue(p, call, args)) for p in peers))
+        if call is PeerCall.SEND_ROUND:
+            # A trainer serves its sends in order, so this one's clock starts once the one
+            # before it answered (bounded itself): a stalled trainer surfaces within one peer
+            # timeout of its stall, not depth of them.
+            before, self._last_send = self._last_send, answers
+            if before is not None and before.get_loop() is asyncio.get_running_loop():
+                await asyncio.wait([before])
         try:
             return list(await asyncio.wait_for(answers, timeout))
         except asyncio.TimeoutError:
-            names = ", ".join(str(p) for p in peers)
-            raise TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
-                               f"(TransferConfig.timeout_s): a peer is stalled or its "
-                               f"process died") from None
+            raise _timed_out(call, peers, timeout) from None
+
+
+def _timed_out(call: PeerCall, peers: Sequence[WorkerId], timeout: float) -> TimeoutError:
+    names = ", ".join(str(p) for p in peers)
+    return TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
+                        f"(TransferConfig.timeout_s): a peer is stalled or its process died")
 
 
 async def _awaited(future):

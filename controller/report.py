@@ -1,0 +1,72 @@
+"""What an update of the controller reports, and how it fails.
+
+`UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
+timing of every worker); `TransferError` what it raises when an update fails, and
+`EngineLost` when rollout engines were lost and left out while the others hold the version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.timing import UpdateTiming
+
+
+class TransferError(RuntimeError):
+    """An update failed on some worker (a write timed out, a peer died or raised); the message
+    names the failed round and step and what happened."""
+
+
+class EngineLost(TransferError):
+    """Rollout engines were lost during an update and left out; the others hold the version
+    whole (re-sent over a new plan) and the `MeshTransfer` goes on with them.
+
+    Attributes:
+        lost_engines: Every engine excluded so far.
+        report: The re-sent update's `UpdateReport` (verified on the surviving engines).
+    """
+
+    def __init__(self, message: str, lost_engines: frozenset[int], report: "UpdateReport"):
+        super().__init__(message)
+        self.lost_engines, self.report = lost_engines, report
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateReport:
+    """What one update did and how long it took (seconds, wall clock on the controller)."""
+
+    version: int
+    train_step_s: float
+    """Trainers loading the new version (the stand-in optimizer step)."""
+    transfer_s: float
+    """First send to last assemble: the end-to-end weight transfer time."""
+    verify_s: float
+    rdma_bytes: int
+    """Bytes written over RDMA in all stages."""
+    num_params: int
+    """Rollout parameters compared (over all rollout workers)."""
+    mismatched: tuple[str, ...]
+    """``rollout<i>:<param>`` of every parameter whose checksum differs from its loader's."""
+    timing: UpdateTiming | None = None
+    """Every worker's spans and stall windows (actor clocks; see controller/timing.py)."""
+    ideal_s: float = 0.0
+    """Eq. (1) from the link probe at connect."""
+
+    def line(self) -> str:
+        verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
+                   f"load_weights(v{self.version})" if not self.mismatched else
+                   f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters: "
+                   f"{list(self.mismatched[:4])}")
+        rate = self.rdma_bytes / self.transfer_s / 1e6 if self.transfer_s else 0.0
+        return (f"update {self.version}: train_step {self.train_step_s:.3f}s  transfer "
+                f"{self.transfer_s:.3f}s ({self.rdma_bytes / 1e6:.2f} MB over RDMA, "
+                f"{rate:.0f} MB/s)  verify {self.verify_s:.3f}s  | {verdict}"
+                + (f"\n  {self.timing_line()}" if self.timing is not None else ""))
+
+    def timing_line(self) -> str:
+        t = self.timing
+        mean, peak = t.kernel_share()
+        ratio = f"{t.ewtt_s / self.ideal_s:.2f}" if self.ideal_s > 0 else "n/a"
+        return (f"EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  ideal {self.ideal_s:.4f}s  "
+                f"EWTT/ideal {ratio}  pack+assemble {100 * mean:.1f}% of EWTT per worker "
+                f"(busiest {100 * peak:.1f}%)")
