@@ -231,7 +231,7 @@ class ReceiverAdapter(AdapterWorker):
             self.coordinator.installed(engine_rank, version)
 
     def on_land(self, r: int, slots: dict[int, int] | None = None,
-                expected: dict | None = None) -> None:
+                expected: tuple[int, ...] | None = None) -> None:
         """Round r landed (every stage): checked, then into the parameters, or into this
         engine's slot."""
         slot = (slots or {}).get(self.engine)

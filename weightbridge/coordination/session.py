@@ -180,13 +180,13 @@ class ControlSteps:
                  slots: Mapping[int, int] | None = None):
         self.control, self.slots = control, dict(slots or {})
         self.trainers, self.rollouts = trainers(control), list(group.live_rollouts)
-        self.sums: dict[int, dict] = {}
+        self.sums: dict[int, tuple[int, ...]] = {}
         """Round -> the writers' checksums of its writes (empty with checksums off); handed
         to the receivers with land(r), which check them before assembling."""
 
     def _collect(self, r: int, answers: list) -> None:
         for sums in answers:
-            self.sums.setdefault(r, {}).update(sums or {})
+            self.sums[r] = self.sums.get(r, ()) + tuple(sums or ())
 
     async def send(self, r: int) -> None:
         self._collect(r, await self.control.call_async(self.trainers, PeerCall.SEND_ROUND, r))
@@ -197,7 +197,7 @@ class ControlSteps:
 
     async def land(self, r: int) -> None:
         await self.control.call_async(self.rollouts, PeerCall.LAND, r, self.slots,
-                                      self.sums.pop(r, {}))
+                                      self.sums.pop(r, ()))
 
 
 def run_update(control: ControlPlane, group: ConnectedGroup, *,
