@@ -40,13 +40,12 @@ import time
 
 from monarch.actor import this_host
 
-from controller.report import EngineLost, TransferError, UpdateReport
+from controller.report import TransferError, UpdateReport, WorkersLost
 from controller.timing import update_timing, write_dests
 from meshes.actors import RolloutActor, TrainerActor, load_factory
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig, TransferPlan
-from weightbridge.coordination.control import trainers
 from weightbridge.coordination.sequencer import StepFailed
 from weightbridge.coordination.session import (connect_group, plan_group, run_update,
                                                unanswered)
@@ -121,7 +120,9 @@ class MeshTransfer:
         self.ideal_s = 0.0
         self.link_rate, self._reroute = link_rate, reroute
         self.lost_engines: set[int] = set()
-        """Engines left out after they were lost mid-update (`EngineLost`)."""
+        """Engines left out after they were lost mid-update (`WorkersLost`)."""
+        self.lost_trainers: set[int] = set()
+        """Trainers left out after they were lost mid-update (their replicas send for them)."""
 
     @property
     def backend(self) -> str:
@@ -249,7 +250,8 @@ class MeshTransfer:
         if self.plan is None:
             raise RuntimeError("call connect() before update()")
         t0 = time.perf_counter()
-        self.trainers.train_step.call(version).get()
+        for f in [mesh.train_step.call(version) for _, mesh in self._live("trainer")]:
+            f.get()
         t1 = time.perf_counter()
         try:
             self._transfer(version)
@@ -258,18 +260,18 @@ class MeshTransfer:
         return self._report(version, t1 - t0, t1)
 
     def _report(self, version: int, train_step_s: float, t1: float) -> UpdateReport:
-        """Spans and verification of the update that just ended, on the live rollouts."""
+        """Spans and verification of the update that just ended, on the live workers."""
         t2 = time.perf_counter()
-        live = self._live_rollouts()
-        span_f = [("trainer", 0, self.trainers.timings.call())] + [
-            ("rollout", first, mesh.timings.call()) for first, mesh in live]
-        check_f = [mesh.checksums.call(version) for _, mesh in live]
+        live = {side: self._live(side) for side in ("trainer", "rollout")}
+        span_f = [(side, first, mesh.timings.call()) for side, runs in live.items()
+                  for first, mesh in runs]
+        check_f = [mesh.checksums.call(version) for _, mesh in live["rollout"]]
         spans = {(side, first + p.rank): s for side, first, f in span_f
                  for p, s in f.get().items()}
         results = [r for f in check_f for r in _by_rank(f.get())]
         t3 = time.perf_counter()
         bad, count = [], 0
-        ranks = [first + i for first, mesh in live for i in range(int(mesh.size()))]
+        ranks = [first + i for first, mesh in live["rollout"] for i in range(int(mesh.size()))]
         for i, (got, want) in zip(ranks, results):
             count += len(want)
             bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
@@ -292,69 +294,79 @@ class MeshTransfer:
             run_update(self.control, self.connected, deadline_s=deadline, version=version)
         except (StepFailed, asyncio.TimeoutError) as e:
             what = str(e) or f"did not finish within {deadline:g}s"
-            workers = trainers(self.control) + list(self.connected.live_rollouts)
-            lost = unanswered(self.control, workers)
-            names = ", ".join(str(w) for w in lost)
-            if lost and all(w.side == "rollout" for w in lost):
-                raise _Lost(lost, f"update {version} failed: {what}\n{names} did not answer "
-                                  f"a ping within {self.config.notice_timeout_s:g}s (dead or "
+            live = self.connected
+            lost = unanswered(self.control, list(live.live_trainers) + list(live.live_rollouts))
+            if lost:
+                raise _Lost(lost, f"update {version} failed: {what}\n"
+                                  f"{', '.join(str(w) for w in lost)} did not answer a ping "
+                                  f"within {self.config.notice_timeout_s:g}s (dead or "
                                   f"stalled)") from e
-            who = (f"{names} did not answer a ping within "
-                   f"{self.config.notice_timeout_s:g}s (dead or stalled)" if lost else
-                   "every worker still answers")
             raise TransferError(
-                f"update {version} failed: {what}\n{who}; the meshes are in an unknown "
-                f"state: close this MeshTransfer and start again") from e
+                f"update {version} failed: {what}\nevery worker still answers; the meshes are "
+                f"in an unknown state: close this MeshTransfer and start again") from e
 
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
-        """Leave the engines of the ``lost`` rollout workers out, re-plan over the others from
-        the source maps of connect (no probe), re-send ``version`` (the trainers still hold
-        it), verify, raise `EngineLost`. If that fails too, or no engine is left, raise
-        `TransferError` (the meshes are then in an unknown state)."""
+        """Leave the ``lost`` trainers and the engines of the lost rollout workers out,
+        re-plan over the others from the source maps of connect (no probe; a lost trainer's
+        regions then come from its replicas), re-send ``version`` (the trainers still hold
+        it), verify, raise `WorkersLost`. If no trainer holds what the rollouts need, no
+        engine is left, or the re-send fails too, raise `TransferError`."""
         size = self.rollout_spec.workers_per_engine
-        self.lost_engines |= {w.index // size for w in lost}
+        self.lost_engines |= {w.index // size for w in lost if w.side == "rollout"}
+        self.lost_trainers |= {w.index for w in lost if w.side == "trainer"}
         survivors = sorted(set(range(self.rollout_spec.engines)) - self.lost_engines)
-        what = (f"{cause}\nengine{'s' if len(self.lost_engines) > 1 else ''} "
-                f"{sorted(self.lost_engines)} excluded")
+        what = cause + "".join(
+            f"\n{name}{'s' if len(ids) > 1 else ''} {sorted(ids)} excluded"
+            for name, ids in (("trainer", self.lost_trainers), ("engine", self.lost_engines))
+            if ids)
         if not survivors:
             raise TransferError(f"{what}; no engine is left: close this MeshTransfer")
         excluded = frozenset(j for j in range(self.rollout_spec.num_workers)
                              if j // size in self.lost_engines)
-        for _, mesh in [(0, self.trainers)] + self._live_rollouts():
+        for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
         t1 = time.perf_counter()
         try:
             self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
-                                 generation=len(self.lost_engines), reroute=self._reroute))
+                                 excluded_trainers=frozenset(self.lost_trainers),
+                                 generation=len(self.lost_engines) + len(self.lost_trainers),
+                                 reroute=self._reroute))
             self._transfer(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
             raise TransferError(f"{what}; re-sending version {version} to the surviving "
                                 f"engines {survivors} failed too ({type(e).__name__}: {e}): "
                                 f"close this MeshTransfer and start again") from e
         report = self._report(version, train_step_s, t1)
-        raise EngineLost(f"{what}; version {version} was re-sent over a new plan to the "
-                         f"surviving engines {survivors}, which hold it whole "
-                         f"({report.line().splitlines()[0]}); the next update() goes to "
-                         f"them", frozenset(self.lost_engines), report)
+        raise WorkersLost(f"{what}; version {version} was re-sent over a new plan to the "
+                          f"surviving engines {survivors}, which hold it whole "
+                          f"({report.line().splitlines()[0]}); the next update() goes to "
+                          f"them", frozenset(self.lost_engines), frozenset(self.lost_trainers),
+                          report)
 
-    def _live_rollouts(self) -> list[tuple[int, object]]:
-        """(first flat rank, actor mesh) of each run of consecutive live rollout ranks."""
-        size, live = self.rollout_spec.workers_per_engine, []
-        for e in range(self.rollout_spec.engines):
-            if e in self.lost_engines:
+    def _live(self, side: str) -> list[tuple[int, object]]:
+        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side."""
+        if side == "trainer":
+            mesh, num, size, lost = (self.trainers, self.trainer_spec.num_workers, 1,
+                                     self.lost_trainers)
+        else:
+            mesh, num = self.rollouts, self.rollout_spec.num_workers
+            size, lost = self.rollout_spec.workers_per_engine, self.lost_engines
+        runs: list[list[int]] = []
+        for unit in range(num // size):  # an engine of rollouts, a trainer
+            if unit in lost:
                 continue
-            if live and live[-1][1] == e * size:
-                live[-1][1] += size
+            if runs and runs[-1][1] == unit * size:
+                runs[-1][1] += size
             else:
-                live.append([e * size, (e + 1) * size])
-        if live == [[0, self.rollout_spec.num_workers]]:
-            return [(0, self.rollouts)]
-        flat = self.rollouts.flatten("rank")
-        return [(a, flat.slice(rank=slice(a, b))) for a, b in live]
+                runs.append([unit * size, (unit + 1) * size])
+        if runs == [[0, num]]:
+            return [(0, mesh)]
+        flat = mesh.flatten("rank")
+        return [(a, flat.slice(rank=slice(a, b))) for a, b in runs]
 
 
 class _Lost(Exception):
-    """Internal: rollout workers stopped answering during an update (`_recover` handles it)."""
+    """Internal: workers stopped answering during an update (`_recover` handles it)."""
 
     def __init__(self, workers: list, cause: str):
         super().__init__(cause)

@@ -2,7 +2,7 @@
 
 `UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
 timing of every worker); `TransferError` what it raises when an update fails, and
-`EngineLost` when rollout engines were lost and left out while the others hold the version.
+`WorkersLost` when workers were lost and left out while the surviving engines hold the version.
 """
 
 from __future__ import annotations
@@ -17,18 +17,21 @@ class TransferError(RuntimeError):
     names the failed round and step and what happened."""
 
 
-class EngineLost(TransferError):
-    """Rollout engines were lost during an update and left out; the others hold the version
-    whole (re-sent over a new plan) and the `MeshTransfer` goes on with them.
+class WorkersLost(TransferError):
+    """Workers were lost during an update and left out: trainers whose regions their replicas
+    also hold, rollout engines. The surviving engines hold the version whole (re-sent over a
+    new plan) and the `MeshTransfer` goes on with them.
 
     Attributes:
-        lost_engines: Every engine excluded so far.
+        lost_engines: Every rollout engine excluded so far.
+        lost_trainers: Every trainer excluded so far.
         report: The re-sent update's `UpdateReport` (verified on the surviving engines).
     """
 
-    def __init__(self, message: str, lost_engines: frozenset[int], report: "UpdateReport"):
+    def __init__(self, message: str, lost_engines: frozenset[int],
+                 lost_trainers: frozenset[int], report: "UpdateReport"):
         super().__init__(message)
-        self.lost_engines, self.report = lost_engines, report
+        self.lost_engines, self.lost_trainers, self.report = lost_engines, lost_trainers, report
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

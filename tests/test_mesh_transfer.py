@@ -16,7 +16,7 @@ import re
 import pytest
 from monarch.actor import ActorError
 
-from controller.driver import EngineLost, MeshTransfer, TransferError
+from controller.driver import WorkersLost, MeshTransfer, TransferError
 from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
@@ -264,7 +264,7 @@ class DiesInRound1Rollout(RolloutActor):
 
 
 def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on():
-    """Rollout 1 (engine 1 of 2) exits in round 1 of update 1: `EngineLost` names it, version
+    """Rollout 1 (engine 1 of 2) exits in round 1 of update 1: `WorkersLost` names it, version
     1 is re-sent to engine 0 over a new plan and verified bit-exact there, and update 2 goes
     to engine 0 alone (the controller path recovers as the adapters do)."""
     import time
@@ -278,7 +278,7 @@ def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on
     with mt:
         mt.connect()
         t0 = time.monotonic()
-        with pytest.raises(EngineLost) as failure:
+        with pytest.raises(WorkersLost) as failure:
             mt.update(1)
         elapsed = time.monotonic() - t0
         lost = failure.value
@@ -290,8 +290,52 @@ def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on
     assert lost.report.num_params > 0 and second.num_params == lost.report.num_params
     assert not second.mismatched, second.line()
     assert all(d <= {0} for d in mt._dests.values())  # nothing routed to engine 1
-    print(f"EngineLost after {elapsed:.1f}s (timeout_s={timeout_s}): {message}")
+    print(f"WorkersLost after {elapsed:.1f}s (timeout_s={timeout_s}): {message}")
     assert elapsed < timeout_s + lost.report.transfer_s + lost.report.verify_s, elapsed
+    assert bootstrap_children() - before == set()
+
+
+class TrainerDiesInRound1(TransferWorker):
+    """Trainer 1's process exits as it is asked to send round 1."""
+
+    def on_send_round(self, r):
+        if self.worker.index == 1 and r == 1:
+            os._exit(3)
+        return super().on_send_round(r)
+
+
+class TrainerDiesInRound1Actor(TrainerActor):
+    worker_class = TrainerDiesInRound1
+
+
+@pytest.mark.parametrize("trainer,lost_ok", [
+    ("nodes=2,gpus=1", True),       # DP2: trainer 0 holds everything trainer 1 sent
+    ("nodes=1,gpus=2,tp=2", False),  # TP2: half the model was only on trainer 1
+], ids=["dp2-rerouted", "tp2-fails-closed"])
+def test_a_lost_trainer_is_rerouted_from_its_replica_or_fails_closed(trainer, lost_ok):
+    before = bootstrap_children()
+    mt = MeshTransfer(TrainerSpec.parse(trainer), RolloutSpec.parse("engines=2,nodes=1,gpus=1"),
+                      "tiny", trainer_actor=TrainerDiesInRound1Actor,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=5))
+    with mt:
+        mt.connect()
+        if lost_ok:
+            with pytest.raises(WorkersLost) as failure:
+                mt.update(1)
+            lost = failure.value
+            assert lost.lost_trainers == {1} and not lost.lost_engines
+            assert "T1 did not answer a ping" in str(lost) and "trainer [1] excluded" in \
+                str(lost) and "surviving engines [0, 1]" in str(lost), str(lost)
+            assert not lost.report.mismatched and lost.report.num_params > 0
+            second = mt.update(2)  # from trainer 0 alone
+            assert not second.mismatched and second.num_params == lost.report.num_params
+            assert all(k[:2] != ("trainer", 1) for k in mt._dests)
+        else:
+            with pytest.raises(TransferError) as failure:
+                mt.update(1)
+            message = str(failure.value)
+            assert not isinstance(failure.value, WorkersLost), message
+            assert "trainer [1] excluded" in message and "no trainer holds" in message, message
     assert bootstrap_children() - before == set()
 
 
@@ -331,7 +375,7 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
     try:
         with mt:
             mt.connect()
-            with pytest.raises(EngineLost) as failure:
+            with pytest.raises(WorkersLost) as failure:
                 mt.update(1)
             failed_at = time.monotonic()
             second = mt.update(2)
@@ -345,7 +389,7 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
                 pass
     elapsed = failed_at - float(stall.read_text())  # one monotonic clock for every process
     message, report = str(failure.value), failure.value.report
-    print(f"EngineLost {elapsed:.1f}s after the stall (timeout_s={timeout_s}): {message}")
+    print(f"WorkersLost {elapsed:.1f}s after the stall (timeout_s={timeout_s}): {message}")
     # Whichever step waits on the stopped process times out first (round 0's land still in
     # flight, round 1's, or a send writing into it); the ping then names the process.
     assert re.search(r"update 1 failed: round \d+, (rollouts' land|trainers' send)", message), \

@@ -49,17 +49,19 @@ class Model:
 
 
 def build(config: TransferConfig, *, num_trainers: int = 2, num_engines: int = 2,
-          sizes: tuple[int, ...] | None = None, transport=None):
+          sizes: tuple[int, ...] | None = None, transport=None, sender_cls=None):
     """(control, [(model, sender)], [(model, receiver)]); ``sizes``: each rollout's own
     engine_size (default: 1 each, an engine per rollout); ``transport(control)`` replaces
-    the control's `LocalTransport` (tests inject faults this way)."""
+    the control's `LocalTransport` and ``sender_cls(rank)`` a trainer's adapter class (tests
+    inject faults this way)."""
     control = LocalControl()
     if transport is not None:
         control.transport = transport(control)
     trainers = []
     for i in range(num_trainers):
         m = Model()
-        trainers.append((m, control.add(SenderAdapter(
+        cls = SenderAdapter if sender_cls is None else sender_cls(i)
+        trainers.append((m, control.add(cls(
             m.params, m.load_weights, SPEC, rank=i, control=control,
             transport=control.transport, config=config))))
     rollouts = []

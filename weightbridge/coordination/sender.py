@@ -72,6 +72,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         """Rank 0, once connected: the `TransferPlan` in force (its ``summary()`` is the byte
         accounting); replaced when a lost engine is planned out."""
         self.failed_engines: set[int] = set()
+        self.failed_trainers: set[int] = set()
+        """Trainers lost mid-transfer (rank 0): their replicas send what they held."""
         self._generation = 0
         self._broken: str | None = None
         # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
@@ -208,8 +210,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         (each superseding the last) and the transfer carries the newest one once all joined.
         """
         try:
-            ts = trainers(self.control)
             while True:
+                ts = self._live_trainers()
                 with self._kick_lock:
                     first = self.on_pending()
                     if first is None:
@@ -242,8 +244,8 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
                     continue
                 try:
                     self._run_session(version)
-                finally:
-                    self.control.call(ts, PeerCall.STAGE_FINISH)
+                finally:  # (a trainer lost in the session is not asked)
+                    self.control.call(self._live_trainers(), PeerCall.STAGE_FINISH)
         except BaseException as e:  # surfaced by the next send_weights / wait_idle
             self.error = e
             with self._kick_lock:
@@ -273,6 +275,10 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         """Every rollout worker of an engine not lost."""
         size = self.control.engine_size
         return [w for w in rollouts(self.control) if w.index // size not in self.failed_engines]
+
+    def _live_trainers(self) -> list[WorkerId]:
+        """Every trainer not lost (trainer 0 first: it runs this)."""
+        return [t for t in trainers(self.control) if t.index not in self.failed_trainers]
 
     def _live_rank0s(self) -> list[WorkerId]:
         return [engine_workers(self.control, e)[0] for e in range(self.control.num_engines)
@@ -332,7 +338,7 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
 
     def _session(self, version: int, moved: list, release: bool) -> None:
         control, mode = self.control, self.config.mode
-        ts = trainers(control)
+        ts = self._live_trainers()
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
             self._wait_for_trainers(ts, version)
         check_replicas(control, self.group, version)  # (SS: each staged copy's digest)

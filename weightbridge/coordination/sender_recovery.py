@@ -7,7 +7,7 @@ docs/integration.md, "Failures", for the guarantees.
 from __future__ import annotations
 
 from weightbridge.coordination.adapter_base import TransferFailed
-from weightbridge.coordination.control import PeerCall, rollouts, trainers
+from weightbridge.coordination.control import PeerCall, rollouts
 from weightbridge.coordination.protocol import StagingSlots
 from weightbridge.coordination.session import plan_group, unanswered
 from weightbridge.coordination.worker import ReplicaMismatch
@@ -17,38 +17,48 @@ class SenderRecovery:
     """`_on_failure` and what it needs; rank 0 of a `SenderAdapter` group only."""
 
     def _on_failure(self, version: int, error: Exception, moved: bool) -> None:
-        """A session call failed: find the rollout workers that are gone, exclude their
-        engines, re-plan over the others, re-send ``version`` where the trainers still hold
-        it, tell every trainer; raise `TransferFailed`. Anything else is raised unchanged (the
-        group is closed if bytes had moved: no engine's state is known)."""
+        """A session call failed: find the workers that are gone (rollouts and trainers),
+        exclude the lost engines and trainers, re-plan over the others (a lost trainer's
+        regions from its replicas), re-send ``version`` where the trainers still hold it, tell
+        every trainer; raise `TransferFailed`. Anything else is raised unchanged (the group is
+        closed if bytes had moved: no engine's state is known)."""
         control, mode = self.control, self.config.mode
         live = self._live()
         gone = [w.index for w in unanswered(control, live)]
+        gone_t = [t.index for t in unanswered(control, self._live_trainers()[1:])]
         size = control.engine_size
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if not gone:
+        if not gone and not gone_t:
             # Every trainer waits in send_weights(version) (not SS): it fails the same way.
             kind = ("timeout" if isinstance(error, TimeoutError) else
                     "replica" if isinstance(error, ReplicaMismatch) else "transfer")
             self._tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
             if moved:
                 self._broken = (f"the transfer of version {version} failed after bytes moved "
-                                f"({type(error).__name__}: {cause}) and every rollout worker "
-                                f"still answers, so no engine's weights are known; build a new "
+                                f"({type(error).__name__}: {cause}) and every worker still "
+                                f"answers, so no engine's weights are known; build a new "
                                 f"group (new adapters, connect()) to go on")
                 # No engine may run a step on what it holds now: every poll raises.
                 control.call(live, PeerCall.FAIL, self._broken, return_errors=True)
             raise error
         lost = sorted({j // size for j in gone})
         self.failed_engines.update(lost)
+        self.failed_trainers.update(gone_t)
         survivors = sorted(set(range(control.num_engines)) - self.failed_engines)
-        what = (f"rollout worker{'s' if len(gone) > 1 else ''} "
-                f"{', '.join(f'R{j} (engine {j // size})' for j in gone)} failed during the "
-                f"transfer of version {version} ({type(error).__name__}: {cause}). Engine"
-                f"{'s' if len(lost) > 1 else ''} {lost} {'are' if len(lost) > 1 else 'is'} "
-                f"excluded from this transfer group: nothing more is sent to it and its other "
-                f"workers' poll_requests() raise. To use it again, restart its workers and "
-                f"build a new group (new adapters, connect()).")
+        names = ([f"R{j} (engine {j // size})" for j in gone] + [f"T{i}" for i in gone_t])
+        what = (f"{'workers' if len(names) > 1 else 'worker'} {', '.join(names)} failed during "
+                f"the transfer of version {version} ({type(error).__name__}: {cause}).")
+        if lost:
+            what += (f" Engine{'s' if len(lost) > 1 else ''} {lost} "
+                     f"{'are' if len(lost) > 1 else 'is'} excluded from this transfer group: "
+                     f"nothing more is sent to it and its other workers' poll_requests() "
+                     f"raise. To use it again, restart its workers and build a new group (new "
+                     f"adapters, connect()).")
+        if gone_t:
+            what += (f" Trainer{'s' if len(gone_t) > 1 else ''} {gone_t} "
+                     f"{'are' if len(gone_t) > 1 else 'is'} excluded: the trainers that hold "
+                     f"the same regions (data-parallel replicas) send them from now on, and "
+                     f"send_weights() is collective over the others.")
         orphans = [w for w in rollouts(control) if w.index // size in lost and w.index not in gone]
         control.call(orphans, PeerCall.FAIL, what, return_errors=True)
         if not survivors:
@@ -76,7 +86,7 @@ class SenderRecovery:
                             f"{e2}); build a new group (new adapters, connect()) to go on.")
             self._tell_trainers(version, self._broken)
             raise TransferFailed(self._broken) from e2
-        message = f"{what} {state} send_weights() goes on with the surviving engines."
+        message = f"{what} {state} send_weights() goes on with the surviving workers."
         self._tell_trainers(version, message)
         raise TransferFailed(message) from error
 
@@ -100,10 +110,11 @@ class SenderRecovery:
         with self._slots_lock:  # a version landing when it failed never completes
             self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
         self.group = plan_group(control, self._maps, self.config, excluded=excluded,
+                                excluded_trainers=frozenset(self.failed_trainers),
                                 generation=self._generation)
         self.plan = self.group.plan
 
     def _tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
-        others = trainers(self.control)[1:]
+        others = self._live_trainers()[1:]
         self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
 

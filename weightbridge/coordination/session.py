@@ -56,6 +56,8 @@ class ConnectedGroup:
     num_handles: int
     """Registered receive ranges, over all rollouts."""
     depth: int
+    live_trainers: tuple[WorkerId, ...] = ()
+    """The trainers the plan sends from (all, unless lost ones were left out; empty: all)."""
     replicas: tuple[tuple[int, ...], ...] = ()
     """Trainers holding the same layout of the checkpoint (data-parallel replicas), compared
     by `check_replicas` before each update; empty with checksums off."""
@@ -83,19 +85,22 @@ def probe_group(control: ControlPlane) -> GroupMaps:
 
 
 def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,
-               excluded: frozenset[int] = frozenset(), generation: int = 0,
+               excluded: frozenset[int] = frozenset(),
+               excluded_trainers: frozenset[int] = frozenset(), generation: int = 0,
                reroute: Callable[[TransferPlan], TransferPlan] | None = None
                ) -> ConnectedGroup:
     """Plan from ``maps`` and set every worker up on it: buffers, registered ranges, handles.
 
     Rollout workers whose index is in ``excluded`` get an empty source map, so no byte is
-    routed to or through them, and they are not called. ``generation`` numbers the receivers'
+    routed to or through them, and they are not called; so do the trainers in
+    ``excluded_trainers``, whose regions then come from the replicas that hold them too
+    (`LayoutError`, naming what no trainer holds, if none does). ``generation`` numbers the receivers'
     staging slots (a re-plan keeps a slot an engine is installing from). ``reroute`` rewrites
     the plan before it is handed out (the same-data-plane P2P ablation).
     """
-    rollout_maps = [(dataclasses.replace(m, pieces=(), unsourced=(), unused=()), p)
-                    if j in excluded else (m, p) for j, (m, p) in enumerate(maps.rollouts)]
-    plan = plan_transfer(list(maps.trainers), rollout_maps, round_bytes=config.round_bytes)
+    trainer_maps = _emptied(maps.trainers, excluded_trainers)
+    plan = plan_transfer(trainer_maps, _emptied(maps.rollouts, excluded),
+                         round_bytes=config.round_bytes)
     if reroute is not None:
         plan = reroute(plan)
     plans = {w: plan.for_worker(w) for w in plan.workers}
@@ -104,7 +109,7 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     found = control.call_each(live, PeerCall.SETUP, [
         (plans[w], sorted(ranges.get(w, ())), generation) for w in live])
     handles = {(w, key): h for w, hs in zip(live, found) for key, h in hs.items()}
-    ts = trainers(control)
+    ts = [w for w in trainers(control) if w.index not in excluded_trainers]
     control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
     everyone = live + ts
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
@@ -112,10 +117,16 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
         ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
         for w in everyone])
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
-                          live_rollouts=tuple(live), num_handles=len(handles),
-                          depth=config.depth,
-                          replicas=replica_sets(maps.trainers) if config.checksums else (),
+                          live_rollouts=tuple(live), live_trainers=tuple(ts),
+                          num_handles=len(handles), depth=config.depth,
+                          replicas=replica_sets(trainer_maps) if config.checksums else (),
                           param_names=tuple(_compared(smap) for smap, _ in maps.trainers))
+
+
+def _emptied(maps, excluded: frozenset[int]) -> list:
+    """``maps`` with the workers in ``excluded`` holding and needing nothing."""
+    return [(dataclasses.replace(m, pieces=(), unsourced=(), unused=()), p)
+            if i in excluded else (m, p) for i, (m, p) in enumerate(maps)]
 
 
 def _compared(smap: SourceMap) -> tuple[str | None, ...]:
@@ -131,7 +142,8 @@ def replica_sets(trainer_maps: Sequence[tuple[SourceMap, Placement]]
     data-parallel replicas, which must hold equal bytes. Sets of two or more, in rank order."""
     sets: dict[tuple, list[int]] = {}
     for i, (smap, _) in enumerate(trainer_maps):
-        sets.setdefault((smap.params, smap.pieces), []).append(i)
+        if smap.pieces:  # (a trainer left out holds nothing)
+            sets.setdefault((smap.params, smap.pieces), []).append(i)
     return tuple(tuple(s) for s in sets.values() if len(s) > 1)
 
 
@@ -179,7 +191,8 @@ class ControlSteps:
     def __init__(self, control: ControlPlane, group: ConnectedGroup,
                  slots: Mapping[int, int] | None = None):
         self.control, self.slots = control, dict(slots or {})
-        self.trainers, self.rollouts = trainers(control), list(group.live_rollouts)
+        self.trainers = list(group.live_trainers or trainers(control))
+        self.rollouts = list(group.live_rollouts)
         self.sums: dict[int, tuple[int, ...]] = {}
         """Round -> the writers' checksums of its writes (empty with checksums off); handed
         to the receivers with land(r), which check them before assembling."""
