@@ -99,10 +99,10 @@ class _DistBaseline(ClosingContext):
             f.get()
         for f in [m.setup_plan.call(self.plan) for m in (self.trainers, self.rollouts)]:
             f.get()
-        self._dests = {("trainer", b.src, 0, self.stage): frozenset() for b in self.plan.buckets}
-        for b in self.plan.buckets:
-            key = ("trainer", b.src, 0, self.stage)
-            self._dests[key] = self._dests[key] | frozenset(b.dsts)
+        dests: dict[tuple, set[int]] = {}
+        for b in self.plan.buckets:  # a ring's rollouts count as written by trainer 0's span
+            dests.setdefault(("trainer", b.src, 0, self.stage), set()).update(b.dsts)
+        self._dests = {k: frozenset(v) for k, v in dests.items()}
 
     def close(self) -> None:
         """Leave the gloo group, stop both actor meshes (the procs are the caller's)."""

@@ -106,9 +106,9 @@ class GlooMember(Standalone):
 
     @endpoint
     async def join_group(self, addr: str, port: int, num_trainers: int, world: int,
-                   timeout_s: float) -> None:
-        """Join the group (blocks until every rank joined); with a one-owner plan also the
-        broadcast group of trainer 0 and the rollouts."""
+                         timeout_s: float) -> None:
+        """Join the group of every rank and the broadcast group of trainer 0 and the rollouts
+        (blocks until every rank joined)."""
         await asyncio.to_thread(self._join, addr, port, num_trainers, world, timeout_s)
 
     def _join(self, addr, port, num_trainers, world, timeout_s) -> None:
