@@ -170,3 +170,17 @@ def test_gloo_baselines_update_every_rollout_bit_exactly_on_meshes():
                         loads = [r for s, r, *_ in spans[("rollout", j)] if s == "load"]
                         assert sorted(loads) == [b.index for b in plan.buckets_to(j)]
     assert bootstrap_children() - before == set()
+
+
+def test_gloo_ranks_find_their_interface_and_the_controller_address(monkeypatch):
+    from controller.baselines.dist import TRANSPORT_ENV, controller_address
+    from controller.baselines.members import interface_of, local_ip
+
+    assert local_ip("127.0.0.1") == "127.0.0.1"
+    assert interface_of("127.0.0.1") == "lo"  # what GLOO_SOCKET_IFNAME gets on this host
+    with pytest.raises(RuntimeError, match="no interface"):
+        interface_of("192.0.2.1")  # TEST-NET-1: on no interface here
+    monkeypatch.setenv(TRANSPORT_ENV, "tcp://10.77.0.1:0")
+    assert controller_address() == "10.77.0.1"  # an emulated cluster's bridge
+    monkeypatch.delenv(TRANSPORT_ENV)
+    assert controller_address() == "127.0.0.1"
