@@ -1,4 +1,5 @@
-"""WeightBridge vs broadcast vs P2P on an emulated cluster whose links are the bottleneck.
+"""WeightBridge vs the baselines users run (gloo broadcast, bucketed P2P) and the same-data-plane
+ablations (in-house broadcast and P2P) on an emulated cluster whose links are the bottleneck.
 
     .venv/bin/python benchmarks/bench_cluster.py            # needs root (network namespaces)
     .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
@@ -7,8 +8,13 @@
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
-hosts it needs, and runs WeightBridge, broadcast and P2P (`controller/baselines.py`) on the
-same procs, model and links (broadcast's head in one more proc on the first trainer host):
+hosts it needs, and runs every mechanism on the same procs, model and links, one after the
+other (`controller/baselines/`): WeightBridge; ``gloo-broadcast`` (``dist.broadcast``, gloo's
+binomial tree), ``ring-broadcast`` (NCCL's ring pattern from gloo send/recv) and
+``bucketed-p2p``, through torch.distributed gloo over the hosts' links (``--bucket-kib``
+buckets of full tensors, each rollout runs its own load_weights per bucket); ``broadcast``
+and ``p2p``, printed as ablations: WeightBridge's own data plane (Monarch RDMA) and plans with
+the baselines' traffic patterns (broadcast's head in one more proc on the first trainer host):
 
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
@@ -53,7 +59,15 @@ def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
                 f"engines=4,{node}") for n in (1, 2, 4)])
 
 
-MECHANISMS = ("weightbridge", "broadcast", "p2p")
+MECHANISMS = ("weightbridge", "gloo-broadcast", "ring-broadcast", "bucketed-p2p", "broadcast",
+              "p2p")
+LABELS = {"broadcast": "broadcast (ablation)", "p2p": "p2p (ablation)"}
+"""Printed names where not the mechanism's: the in-house broadcast and P2P run on WeightBridge's
+own data plane (Monarch RDMA, its plans), so they are same-data-plane ablations, not the
+baselines users run."""
+TRANSPORTS = {"gloo-broadcast": "gloo TCP", "ring-broadcast": "gloo TCP",
+              "bucketed-p2p": "gloo TCP"}
+"""Where the bytes travel, when not Monarch RDMA (its TCP fallback here)."""
 
 
 @contextmanager
@@ -82,7 +96,11 @@ def attached(addrs, tspec, rspec, *, head: bool = False):
 
 
 def run_config(addrs, tspec_text, rspec_text, args) -> dict:
-    from controller.baselines import Broadcast, p2p_plan
+    """{"ideal": WeightBridge's Eq. (1) seconds, mechanism: its last `UpdateReport`} for every
+    mechanism in ``args.mechanisms``, run one after another on the same procs (``args``: the
+    parsed command line; ``bucket_kib`` defaults to 512 when absent)."""
+    from controller.baselines import (Broadcast, BucketedP2P, GlooBroadcast, RingBroadcast,
+                                      p2p_plan)
     from controller.driver import MeshTransfer
     from meshes.spec import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
@@ -96,11 +114,16 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
             kw = dict(procs=procs[:2], config=config, link_rate=rate)
             if mech == "broadcast":
                 runner = Broadcast(tspec, rspec, args.model, head_procs=procs[2], **kw)
+            elif mech in TRANSPORTS:
+                cls = {"gloo-broadcast": GlooBroadcast, "ring-broadcast": RingBroadcast,
+                       "bucketed-p2p": BucketedP2P}[mech]
+                runner = cls(tspec, rspec, args.model, procs=procs[:2],
+                             bucket_bytes=getattr(args, "bucket_kib", 512) << 10)
             else:
                 runner = MeshTransfer(tspec, rspec, args.model,
                                       reroute=p2p_plan if mech == "p2p" else None, **kw)
             with runner:
-                if mech != "broadcast":
+                if isinstance(runner, MeshTransfer):
                     runner.connect()
                 if mech == "weightbridge":
                     ideal = runner.ideal_s
@@ -116,6 +139,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-mbit", type=float, default=50)
     parser.add_argument("--round-kib", type=int, default=512)
+    parser.add_argument("--bucket-kib", type=int, default=512,
+                        help="bucket size of the gloo baselines (full tensors per message)")
     parser.add_argument("--updates", type=int, default=2)
     parser.add_argument("--model", default="medium", help="a name in meshes.qwen3_moe.SIZES")
     parser.add_argument("--rollout-procs", type=int, default=1,
@@ -138,6 +163,8 @@ def main() -> int:
                          control_priority=not args.fifo_links) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        print(f"load average at start: {os.getloadavg()[0]:.2f}; torchstore: not run "
+              f"(docs/performance.md: torchstore 0.1.2 does not run beside torchmonarch 0.7)")
         print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links "
               f"({'FIFO' if args.fifo_links else 'control priority'}); model {args.model}, "
               f"rounds of {args.round_kib} KiB, depth {args.depth}, {args.rollout_procs} procs "
@@ -155,11 +182,13 @@ def main() -> int:
                              "speedup_of_weightbridge": round(t.ewtt_s / wb.ewtt_s, 2),
                              "rdma_mb": round(res[mech].rdma_bytes / 1e6, 2),
                              "depth": args.depth, "rollout_procs": args.rollout_procs,
-                             "links": "fifo" if args.fifo_links else "control priority"})
-                print(f"[{sweep}={x}] {mech:<13} EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  "
-                      f"ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}  "
-                      f"vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x  "
-                      f"({res[mech].rdma_bytes / 1e6:.1f} MB over RDMA, bit-exact)", flush=True)
+                             "links": "fifo" if args.fifo_links else "control priority",
+                             "transport": TRANSPORTS.get(mech, "monarch rdma")})
+                print(f"[{sweep}={x}] {LABELS.get(mech, mech):<20} EWTT {t.ewtt_s:.3f}s  "
+                      f"AGST {t.agst_s:.3f}s  ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}"
+                      f"  vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x  "
+                      f"({res[mech].rdma_bytes / 1e6:.1f} MB over "
+                      f"{TRANSPORTS.get(mech, 'RDMA')}, bit-exact)", flush=True)
             if sweep == "replicas" and x == 4:
                 from controller.timing import chrome_trace
 

@@ -58,7 +58,23 @@ PROBE_BYTES = 8 << 20
 PROBE_REPEATS = 3
 
 
-class MeshTransfer:
+class ClosingContext:
+    """A context manager that runs ``self._start()`` on enter (and ``self.close()`` if that
+    fails, so what had started stops) and ``self.close()`` on exit."""
+
+    def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MeshTransfer(ClosingContext):
     """Both meshes and the plan between them. A context manager: leaving it stops the meshes.
 
     Args:
@@ -95,16 +111,7 @@ class MeshTransfer:
                              "every round); staging modes are for the adapters: use "
                              "TransferGroup.sender/receiver, or drop sender_staging / "
                              "receiver_staging from the config")
-        if ":" not in workers:
-            if workers not in FACTORIES:
-                raise ValueError(f"unknown model {workers!r}: give a demo model "
-                                 f"({sorted(FACTORIES)}) or a worker factory as module:name")
-            from meshes.qwen3_moe import SIZES
-
-            trainer.validate(SIZES[workers])
-            rollout.validate(SIZES[workers])
-            workers = FACTORIES[workers]
-        load_factory(workers)  # fails here, before any proc spawns
+        workers = resolve_workers(workers, trainer, rollout)
         self.trainer_spec, self.rollout_spec, self.workers = trainer, rollout, workers
         self.config = config
         self._given_procs = procs
@@ -131,18 +138,7 @@ class MeshTransfer:
 
     # -- lifetime -------------------------------------------------------------------------------
 
-    def __enter__(self) -> "MeshTransfer":
-        try:
-            self._spawn()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _spawn(self) -> None:
+    def _start(self) -> None:
         t0 = time.perf_counter()
         if self._given_procs is None:
             configure_transport()  # before spawning: children read the config at start-up
@@ -269,16 +265,13 @@ class MeshTransfer:
         spans = {(side, first + p.rank): s for side, first, f in span_f
                  for p, s in f.get().items()}
         results = [r for f in check_f for r in _by_rank(f.get())]
-        t3 = time.perf_counter()
-        bad, count = [], 0
         ranks = [first + i for first, mesh in live["rollout"] for i in range(int(mesh.size()))]
-        for i, (got, want) in zip(ranks, results):
-            count += len(want)
-            bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+        count, bad = mismatches(results, ranks)
+        t3 = time.perf_counter()
         sent, _ = self.plan.stage_bytes()
         return UpdateReport(version=version, train_step_s=train_step_s, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=int(sent.sum()), num_params=count,
-                            mismatched=tuple(bad), timing=update_timing(spans, self._dests),
+                            mismatched=bad, timing=update_timing(spans, self._dests),
                             ideal_s=self.ideal_s)
 
     def _transfer(self, version: int) -> None:
@@ -371,6 +364,33 @@ class _Lost(Exception):
     def __init__(self, workers: list, cause: str):
         super().__init__(cause)
         self.workers, self.cause = workers, cause
+
+
+def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
+    """The factory path of ``workers`` (a demo model name or ``module:name``), with a demo
+    model's specs validated; raises ValueError before anything spawns."""
+    if ":" not in workers:
+        if workers not in FACTORIES:
+            raise ValueError(f"unknown model {workers!r}: give a demo model "
+                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
+        from meshes.qwen3_moe import SIZES
+
+        trainer.validate(SIZES[workers])
+        rollout.validate(SIZES[workers])
+        workers = FACTORIES[workers]
+    load_factory(workers)  # fails here, before any proc spawns
+    return workers
+
+
+def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
+    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
+    (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
+    rollouts in rank order)."""
+    bad, count = [], 0
+    for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
+        count += len(want)
+        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+    return count, tuple(bad)
 
 
 def _by_rank(values) -> list:

@@ -1,4 +1,6 @@
-"""The two mechanisms the paper compares with, on the same meshes and data plane (Monarch RDMA).
+"""Same-data-plane ablations: the paper's two baseline patterns on WeightBridge's own data plane
+(Monarch RDMA) and plan machinery, so only the traffic pattern differs. The baselines users
+actually run (torch.distributed) are in `controller.baselines.dist`.
 
 - **P2P** (`p2p_plan`): every rollout worker gets each piece it needs straight from the trainer
   that holds it. It is WeightBridge's own plan with the forwarding stages rewritten: each
@@ -37,11 +39,13 @@ import numpy as np
 import torch
 from monarch.actor import endpoint
 
-from controller.driver import MeshTransfer, UpdateReport, _by_rank
+from controller.baselines.members import Standalone
+from controller.driver import (ClosingContext, MeshTransfer, UpdateReport, _by_rank, mismatches,
+                               resolve_workers)
 from controller.timing import update_timing
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig, WorkerParts, extract_source_map
+from weightbridge import TransferConfig, WorkerParts
 from weightbridge.mesh.transport import configure_transport, register_ranges, wait_all, write
 from weightbridge.planning.plan import TransferPlan
 from weightbridge.planning.route import RECEIVE
@@ -95,16 +99,11 @@ class HeadActor(RolloutActor):
         self.worker.spans.append(("broadcast", 0, start, time.monotonic_ns()))
 
 
-class BroadcastRollout(RolloutActor):
+class BroadcastRollout(Standalone, RolloutActor):
     """A rollout worker that receives the whole checkpoint and loads it with load_weights.
 
     It is in no transfer group (nothing but the head writes to it), so it keeps its own spans
     and probes its own load_weights once for the tensors its checksums read."""
-
-    def __init__(self, factory: str, spec: RolloutSpec):
-        super().__init__(factory, spec)
-        self.spans: list[tuple[str, int, int, int]] = []
-        self._names: tuple[str, ...] | None = None
 
     @endpoint
     async def full_buffer(self):
@@ -112,15 +111,10 @@ class BroadcastRollout(RolloutActor):
         return await asyncio.to_thread(self._full_buffer)
 
     def _full_buffer(self):
-        # Probing overwrites the parameters: here, before any update.
-        p = self.parts
-        self._names = extract_source_map(p.params, p.load_weights, p.spec).tensors()
-        n = _flat_bytes(p)
+        self._probe()
+        n = _flat_bytes(self.parts)
         self._full = torch.zeros(n, dtype=torch.uint8)
         return register_ranges([self._full], [(0, 0, n)])[(0, 0, n)]
-
-    def _checkpoint(self, version: int):
-        return self.parts.checkpoint(version, self._names)
 
     @endpoint
     async def load_full(self) -> None:
@@ -135,16 +129,10 @@ class BroadcastRollout(RolloutActor):
             pos += t.numel
         with torch.no_grad():
             self.parts.load_weights(pairs)
-        self.spans.append(("load", 0, start, time.monotonic_ns()))
-
-    @endpoint
-    async def timings(self) -> list[tuple[str, int, int, int]]:
-        """This update's spans (the load); clears them."""
-        out, self.spans = self.spans, []
-        return out
+        self._span("load", 0, start)
 
 
-class Broadcast:
+class Broadcast(ClosingContext):
     """Gather to a head on trainer host 0, broadcast the whole checkpoint, load_weights.
 
     Args, Keyword Args: as `MeshTransfer` (``procs`` is required: the trainer and rollout proc
@@ -159,11 +147,7 @@ class Broadcast:
     def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, model: str, *, procs,
                  head_procs=None, config: TransferConfig = TransferConfig(),
                  link_rate: float | None = None):
-        if ":" not in model:  # a demo model: check the rollout layout before anything spawns
-            from meshes.qwen3_moe import SIZES
-
-            if model in SIZES:
-                rollout.validate(SIZES[model])
+        resolve_workers(model, trainer, rollout)  # before anything spawns
         self.trainer_spec, self.rollout_spec, self.model = trainer, rollout, model
         self._tp, self._rp = procs
         self._head_procs, self._owned_head = head_procs, None
@@ -172,31 +156,23 @@ class Broadcast:
         self.rollouts = None
         self.ideal_s = 0.0
 
-    def __enter__(self) -> "Broadcast":
-        try:
-            if self._head_procs is None:
-                from monarch.actor import this_host
+    def _start(self) -> None:
+        if self._head_procs is None:
+            from monarch.actor import this_host
 
-                configure_transport()  # before spawning: children read the config at start-up
-                self._owned_head = this_host().spawn_procs(per_host={"worker": 1},
-                                                           name="bcast_head")
-                self._head_procs = self._owned_head
-            self.gather = MeshTransfer(self.trainer_spec, HEAD_SPEC, self.model,
-                                       config=self.config, procs=(self._tp, self._head_procs),
-                                       rollout_actor=HeadActor, link_rate=self.link_rate)
-            self.gather.__enter__()
-            self.gather.connect()
-            self.head = self.gather.rollouts
-            self.rollouts = self._rp.spawn("bcast_rollout", BroadcastRollout,
-                                           self.gather.workers, self.rollout_spec)
-            self._handles = _by_rank(self.rollouts.full_buffer.call().get())
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            configure_transport()  # before spawning: children read the config at start-up
+            self._owned_head = this_host().spawn_procs(per_host={"worker": 1},
+                                                       name="bcast_head")
+            self._head_procs = self._owned_head
+        self.gather = MeshTransfer(self.trainer_spec, HEAD_SPEC, self.model,
+                                   config=self.config, procs=(self._tp, self._head_procs),
+                                   rollout_actor=HeadActor, link_rate=self.link_rate)
+        self.gather.__enter__()
+        self.gather.connect()
+        self.head = self.gather.rollouts
+        self.rollouts = self._rp.spawn("bcast_rollout", BroadcastRollout,
+                                       self.gather.workers, self.rollout_spec)
+        self._handles = _by_rank(self.rollouts.full_buffer.call().get())
 
     def close(self) -> None:
         errors = []
@@ -241,16 +217,12 @@ class Broadcast:
                       for p, s in self.rollouts.timings.call().get().items()})
         n = self.rollout_spec.num_workers
         timing = update_timing(spans, {("trainer", 0, 0, "broadcast"): frozenset(range(n))})
-        results = _by_rank(self.rollouts.checksums.call(version).get())
+        count, bad = mismatches(_by_rank(self.rollouts.checksums.call(version).get()))
         t3 = time.perf_counter()
-        bad, count = [], 0
-        for i, (got, want) in enumerate(results):
-            count += len(want)
-            bad += [f"rollout{i}:{k}" for k in want if got.get(k) != want[k]]
         plan = self.gather.plan
         gathered = int(plan.stage_bytes()[0].sum())
         whole = plan.correspondence.nbytes  # the head needs every byte of the checkpoint
         return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=gathered + n * whole,
-                            num_params=count, mismatched=tuple(bad), timing=timing,
+                            num_params=count, mismatched=bad, timing=timing,
                             ideal_s=self.ideal_s)
