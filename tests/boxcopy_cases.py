@@ -156,3 +156,52 @@ def bad_tables() -> dict[str, tuple[list[BoxCopy], list[torch.Tensor], str]]:
                         [t, torch.zeros(2, dtype=torch.bfloat16, device="meta")],
                         "several devices"),
     }
+
+
+def rounding_values(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Finite values that exercise a narrowing cast: random bits (NaNs replaced), every 3rd a
+    bf16/fp16 rounding tie, every 7th in the fp16/bf16 subnormal range, some beyond fp16's max."""
+    t = random_bits(dtype, shape, seed).clone()
+    flat = t.view(-1)
+    flat[torch.isnan(flat)] = 1.5
+    if dtype == torch.float32:
+        b = flat.view(torch.int32)
+        b[::3] = b[::3] & ~0xFFFF | 0x8000  # a bf16 tie
+        b[1::3] = b[1::3] & ~0x1FFF | 0x1000  # an fp16 tie
+    g = torch.Generator().manual_seed(seed)
+    sub = flat[2::7]
+    sub.copy_(((torch.rand(sub.numel(), generator=g, dtype=torch.float64) - 0.5) * 1.3e-4)
+              .to(dtype))
+    flat[5::11] = 70000.0 if dtype != torch.float16 else 65504.0
+    return t
+
+
+def conversion_layout(tensors) -> tuple[list[BoxCopy], int]:
+    """Converting boxes between the fp32, bf16 and fp16 tensors ``tensors`` (shapes (37, 45),
+    (29, 31), (23, 19)): plain, transposed, reversed, strided, plus one plain copy. Every box
+    is aligned to its buffer dtype, as a plan places them."""
+    f32, b16, f16 = tensors
+    spec = [
+        (box(0, f32, (0, 0), (37, 45)), "bfloat16"),
+        (box(0, f32, (1, 2), (30, 40), order=(1, 0)), "bfloat16"),  # transposed
+        (box(0, f32, (0, 3), (37, 41), reverse=(0,)), "float16"),  # reversed rows
+        (box(0, f32, (0, 0), (12, 15), steps=(3, 3)), "float16"),  # strided
+        (box(1, b16, (0, 0), (29, 31)), "float16"),
+        (box(1, b16, (2, 1), (20, 30), order=(1, 0)), "float32"),  # widening, transposed
+        (box(2, f16, (0, 0), (23, 19)), "bfloat16"),
+        (box(2, f16, (3, 0), (20, 19), reverse=(1,)), "float32"),
+        (box(1, b16, (0, 0), (5, 7)), None),  # a plain copy in the same table
+    ]
+    out, pos = [], 0
+    for c, dtype in spec:
+        size = tensors[c.tensor].element_size() if dtype is None else getattr(torch, dtype).itemsize
+        pos = -(-pos // 4) * 4 + 4
+        out.append(BoxCopy(c.tensor, c.offset, c.shape, c.strides, pos, dtype))
+        pos += math.prod(c.shape) * size
+    return out, pos
+
+
+def conversion_tensors(seed: int = 0) -> list[torch.Tensor]:
+    return [rounding_values(torch.float32, (37, 45), seed),
+            rounding_values(torch.bfloat16, (29, 31), seed + 1),
+            rounding_values(torch.float16, (23, 19), seed + 2)]
