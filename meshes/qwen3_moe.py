@@ -225,7 +225,7 @@ class FsdpTrainerShard:
     wherever the cut falls, usually inside a tensor, and the last one ends in padding.
     """
 
-    def __init__(self, c: MoEConfig, world: int, rank: int):
+    def __init__(self, c: MoEConfig, world: int, rank: int, *, dtype: torch.dtype = torch.bfloat16):
         if not 0 <= rank < world:
             raise ValueError(f"FSDP rank {rank} is not in [0, world={world})")
         self.c, self.world, self.rank = c, world, rank
@@ -237,7 +237,7 @@ class FsdpTrainerShard:
             pos += t.numel
         self.shard_numel = -(-pos // world)
         self.shard_start = rank * self.shard_numel
-        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=torch.bfloat16)}
+        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=dtype)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         flat, lo = self.params["flat_param"], self.shard_start

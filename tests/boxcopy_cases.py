@@ -155,6 +155,12 @@ def bad_tables() -> dict[str, tuple[list[BoxCopy], list[torch.Tensor], str]]:
         "two devices": ([BoxCopy(0, 0, (1,), (1,), 0), BoxCopy(1, 0, (1,), (1,), 2)],
                         [t, torch.zeros(2, dtype=torch.bfloat16, device="meta")],
                         "several devices"),
+        "fp8 conversion": ([BoxCopy(0, 0, (2,), (1,), 0, "float8_e4m3fn")], [t],
+                           "convert only between"),
+        "int conversion": ([BoxCopy(0, 0, (2,), (1,), 0, "float32")],
+                           [torch.zeros(4, dtype=torch.int16)], "convert only between"),
+        "unaligned conversion": ([BoxCopy(0, 0, (2,), (1,), 2, "float32")], [t],
+                                 "not a multiple of 4"),
     }
 
 
@@ -205,3 +211,35 @@ def conversion_tensors(seed: int = 0) -> list[torch.Tensor]:
     return [rounding_values(torch.float32, (37, 45), seed),
             rounding_values(torch.bfloat16, (29, 31), seed + 1),
             rounding_values(torch.float16, (23, 19), seed + 2)]
+
+
+def assert_conversions_match_reference(kernels, device: str = "cpu") -> None:
+    """Every box of `conversion_layout` packed in one table, and each assembled on its own
+    (they overlap), bit for bit against the reference; the packed bytes also against
+    ``tensor.to(dtype)`` itself (the cast a loader performs). Assembled buffers are finite
+    values: NaN bits of a conversion are not part of the contract (docs/kernels.md)."""
+    tensors = conversion_tensors()
+    copies, nbytes = conversion_layout(tensors)
+    assert_pack_matches_reference(kernels, copies, tensors, nbytes, device=device)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    on = [t.to(device) for t in tensors]
+    kernels.pack(kernels.build_table(copies, on), buffer)
+    for c in copies:
+        dtype = getattr(torch, c.buffer_dtype) if c.buffer_dtype else tensors[c.tensor].dtype
+        view, flip = box_view(tensors[c.tensor], c)
+        want = (view.flip(flip) if flip else view).to(dtype)
+        got = buffer[c.buffer_offset:c.buffer_offset + want.numel() * dtype.itemsize].cpu()
+        assert torch.equal(got, want.contiguous().view(-1).view(torch.uint8)), c
+    finite = [rounding_values(t.dtype, tuple(t.shape), seed=9) for t in tensors]
+    for c in copies:  # a buffer of finite values of each box's buffer dtype
+        dtype = getattr(torch, c.buffer_dtype) if c.buffer_dtype else tensors[c.tensor].dtype
+        source = {t.dtype: t for t in finite}.get(dtype, finite[0].to(dtype))
+        values = source.reshape(-1)[:math.prod(c.shape)]
+        buf = torch.zeros(nbytes, dtype=torch.uint8)
+        buf[c.buffer_offset:c.buffer_offset + values.numel() * dtype.itemsize] = (
+            values.contiguous().view(torch.uint8))
+        ref, got = [t.clone() for t in tensors], [t.to(device, copy=True) for t in tensors]
+        TorchCopyKernels().assemble(TorchCopyKernels().build_table([c], ref), buf)
+        kernels.assemble(kernels.build_table([c], got), buf.to(device))
+        for e, g in zip(ref, got):
+            assert torch.equal(bits(g.cpu()), bits(e)), c

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from boxcopy_cases import (DTYPES, assert_assemble_matches_reference, assert_pack_matches_reference,
+from boxcopy_cases import (DTYPES, assert_assemble_matches_reference,
+                           assert_conversions_match_reference, assert_pack_matches_reference,
                            bad_tables, bits, box, disjoint, layout, random_bits, random_buffer,
                            tables)
 from hypothesis import HealthCheck, given, settings
@@ -166,6 +167,12 @@ def test_bad_copies_raise_value_error_in_build_table(implementation, name):
     copies, tensors, message = bad_tables()[name]
     with pytest.raises(ValueError, match=message):
         implementation().build_table(copies, tensors)
+
+
+def test_converting_boxes_cast_as_torch_does_in_the_same_call(cpu):
+    """fp32 <-> bf16 <-> fp16 boxes (plain, transposed, reversed, strided; rounding ties,
+    subnormals, overflow) next to a plain box: the bytes are ``tensor.to(dtype)``'s."""
+    assert_conversions_match_reference(cpu)
 
 
 def test_unmergeable_rank_five_box_is_rejected_by_the_fast_path():

@@ -23,7 +23,7 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 
 from boxcopy_cases import (assert_assemble_matches_reference,  # noqa: E402
-                           assert_pack_matches_reference, bad_tables, box, disjoint, layout,
+                           assert_conversions_match_reference, assert_pack_matches_reference, bad_tables, box, disjoint, layout,
                            random_bits, tables)
 from hypothesis import given, settings  # noqa: E402
 
@@ -134,6 +134,21 @@ def test_forwarding_copy_runs_in_the_same_assemble_launch():
     ref.assemble(ref.build_table(copies, [ref_param, ref_forward]), recv)
     assert torch.equal(param.view(torch.int16), ref_param.view(torch.int16))
     assert torch.equal(forward, ref_forward)
+
+
+def test_converting_boxes_cast_as_torch_does_in_the_same_launch():
+    """fp32 <-> bf16 <-> fp16 boxes in one pack launch with a plain box, several tiles per box
+    and a folded tail: bit for bit torch's casts (ties to even, subnormals, overflow to inf)."""
+    assert_conversions_match_reference(SMALL_TILES, device=DEVICE)
+
+
+def test_converting_rows_are_not_widened_and_keep_their_dtype_codes():
+    from kernels.descriptors import BCODE, DTYPE_CODES, TCODE
+    t = torch.zeros(64, dtype=torch.float32, device=DEVICE)
+    desc = build_descriptors([BoxCopy(0, 0, (64,), (1,), 0, "bfloat16")], [t], block_cols=16)
+    rows = desc.copies.cpu()
+    assert (rows[:, ESIZE] == 4).all() and (rows[:, TCODE] == DTYPE_CODES["float32"]).all()
+    assert (rows[:, BCODE] == DTYPE_CODES["bfloat16"]).all() and desc.nbytes == 128
 
 
 @settings(max_examples=30, deadline=None)
