@@ -4,9 +4,9 @@ A box with a ``buffer_dtype`` (a plan's dtype conversion: float32 trainer weight
 bfloat16 the rollouts load) is moved by value instead of by bits, inside the same pack or
 assemble launch. Every value goes through float32, exactly (bfloat16 and float16 widen
 exactly), and is rounded once, to nearest even, as torch's casts round: to bfloat16 by integer
-arithmetic on the float32 bits (torch's own formula, NaN -> 0x7FC0), which is exact on every
-backend and in the interpreter; to float16 by the hardware conversion in round-to-nearest-even
-mode. Dtype codes: 1 float32, 2 bfloat16, 3 float16 (`kernels.descriptors.DTYPE_CODES`); 0
+arithmetic on the float32 bits (torch's formula; NaN -> 0x7FFF, as torch's CUDA casts give),
+exact on every backend and in the interpreter; to float16 by the hardware conversion in
+round-to-nearest-even mode. Dtype codes: 1 float32, 2 bfloat16, 3 float16 (`kernels.descriptors.DTYPE_CODES`); 0
 marks a plain box.
 """
 
@@ -37,7 +37,7 @@ def _store_f32(ptr, offsets, x, mask, code):
         # torch's round_to_nearest_even: add 0x7FFF plus the lowest kept bit, keep the top half.
         # Logical shifts on int32 bits: mask off the sign extension of the arithmetic shift.
         r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        r = tl.where(x != x, 0x7FC0, r)
+        r = tl.where(x != x, 0x7FFF, r)
         tl.store(ptr.to(tl.pointer_type(tl.int16)) + offsets, r.to(tl.int16), mask=mask)
     else:
         tl.store(ptr.to(tl.pointer_type(tl.float16)) + offsets,

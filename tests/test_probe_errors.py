@@ -153,6 +153,26 @@ def test_cast_with_scaling_is_refused_naming_tensor_param_and_both_dtypes(ckpt_d
         assert re.search(rf"(?<![a-z]){dtype}\b", message), f"{dtype!r} not named: {message}"
 
 
+def test_block_scaled_fp8_loader_is_refused_saying_it_is_not_supported_yet():
+    """DeepSeek-V3 style: 128 x 128 blocks of a bf16 weight quantized to float8_e4m3fn with a
+    per-block scale (amax / 448) in weight_scale_inv. Value-dependent, so not a cast."""
+    spec = CheckpointSpec((TensorSpec("layers.0.mlp.w", (256, 256), "bfloat16"),))
+    params = {"blk0.w": torch.zeros(256, 256, dtype=torch.float8_e4m3fn),
+              "blk0.w_scale_inv": torch.zeros(2, 2)}
+
+    @torch.no_grad()
+    def load_weights(weights) -> None:
+        for _, w in weights:
+            blocks = w.float().view(2, 128, 2, 128)
+            scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            q = (blocks / scale[:, None, :, None]).view(256, 256)
+            params["blk0.w"].copy_(q.to(torch.float8_e4m3fn))
+            params["blk0.w_scale_inv"].copy_(scale)
+    with pytest.raises(LayoutError, match=r"'blk0\.w'.*float8_e4m3fn.*block-scaled FP8.*not "
+                                          r"supported yet"):
+        extract_source_map(params, load_weights, spec)
+
+
 @pytest.mark.parametrize("quantize", [
     pytest.param(lambda w: w.to(torch.float8_e4m3fn).to(w.dtype), id="fp8-roundtrip"),
     pytest.param(lambda w: w.round(), id="round"),

@@ -285,7 +285,12 @@ def _cast_message(tensor: str, spec: CheckpointSpec, bad: Bad, p: torch.Tensor) 
             f"the cast (scales, quantizes with scales, rounds another way, flushes subnormals, "
             f"or depends on the sign), which a weight transfer cannot reproduce from the "
             f"trainer's bytes. Cast with copy_ / .to(dtype) only, and move other value-changing "
-            f"steps out of load_weights.")
+            f"steps out of load_weights.{_FP8_HINT if p.dtype.itemsize == 1 else ''}")
+
+
+_FP8_HINT = (" Quantizing to float8 with scales computed from the values (block-scaled FP8: a "
+             "float8 weight plus a scale tensor such as weight_scale_inv) is not supported yet: "
+             "load these weights unquantized (bf16 / fp16), or quantize after each transfer.")
 
 
 # --------------------------------------------------------------------------------------------
