@@ -51,12 +51,17 @@ def box(tensor_index: int, t: torch.Tensor, starts, counts, *, steps=None, rever
 
 
 def layout(copies: list[BoxCopy], tensors, gaps) -> tuple[list[BoxCopy], int]:
-    """Place the boxes back to back in the buffer with the given byte gaps; returns nbytes."""
+    """Place the boxes back to back in the buffer with the given byte gaps; returns nbytes.
+    A converting box (``buffer_dtype``) is aligned to its buffer dtype, as plans place them."""
     out, pos = [], 0
     for c, gap in zip(copies, gaps):
         pos += gap
-        out.append(BoxCopy(c.tensor, c.offset, c.shape, c.strides, pos))
-        pos += math.prod(c.shape) * tensors[c.tensor].element_size()
+        size = tensors[c.tensor].element_size()
+        if c.buffer_dtype is not None:
+            size = getattr(torch, c.buffer_dtype).itemsize
+            pos = -(-pos // size) * size
+        out.append(BoxCopy(c.tensor, c.offset, c.shape, c.strides, pos, c.buffer_dtype))
+        pos += math.prod(c.shape) * size
     return out, pos
 
 
@@ -83,17 +88,24 @@ def _positions(view: torch.Tensor) -> list[int]:
     return idx.flatten().tolist()
 
 
+_FLOATS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
 @st.composite
-def tables(draw, max_tensors: int = 4, max_copies: int = 8, max_size: int = 12):
+def tables(draw, max_tensors: int = 4, max_copies: int = 8, max_size: int = 12,
+           conversions: bool = False):
     """(copies, tensors, nbytes): random tensors (dtypes, shapes, transposed storage) and boxes
-    (sub-ranges, steps, reversed dims, permuted dims), packed with random unaligned gaps."""
+    (sub-ranges, steps, reversed dims, permuted dims), packed with random unaligned gaps. With
+    ``conversions``, boxes of fp32 / bf16 / fp16 tensors may draw a ``buffer_dtype`` too (their
+    tensors then hold finite values: NaN bits are no part of a conversion's contract)."""
     tensors = []
     for i in range(draw(st.integers(1, max_tensors))):
         dtype = draw(st.sampled_from(DTYPES))
         shape = tuple(draw(st.lists(st.integers(1, max_size), min_size=1, max_size=3)))
-        t = random_bits(dtype, shape, seed=draw(st.integers(0, 2**16)))
+        make = rounding_values if conversions and dtype in _FLOATS else random_bits
+        t = make(dtype, shape, seed=draw(st.integers(0, 2**16)))
         if t.dim() >= 2 and draw(st.booleans()):
-            t = random_bits(dtype, shape[::-1], seed=i).transpose(0, -1)  # column-major storage
+            t = make(dtype, shape[::-1], seed=i).transpose(0, -1)  # column-major storage
         tensors.append(t)
     copies = []
     for _ in range(draw(st.integers(1, max_copies))):
@@ -105,7 +117,11 @@ def tables(draw, max_tensors: int = 4, max_copies: int = 8, max_size: int = 12):
                   for n, s, k in zip(t.shape, starts, steps)]
         reverse = [d for d in range(t.dim()) if draw(st.integers(0, 4)) == 0]
         order = draw(st.permutations(range(t.dim())))
-        copies.append(box(i, t, starts, counts, steps=steps, reverse=reverse, order=order))
+        c = box(i, t, starts, counts, steps=steps, reverse=reverse, order=order)
+        if conversions and t.dtype in _FLOATS:
+            c = BoxCopy(c.tensor, c.offset, c.shape, c.strides, 0,
+                        draw(st.sampled_from([None, *_FLOATS.values()])))
+        copies.append(c)
     gaps = [draw(st.sampled_from([0, 0, 0, 1, 2, 3, 8])) for _ in copies]
     copies, nbytes = layout(copies, tensors, gaps)
     return copies, tensors, nbytes

@@ -156,6 +156,16 @@ def test_random_tables_assemble_like_reference(cpu, case):
     assert_assemble_matches_reference(cpu, disjoint(copies, tensors), tensors, nbytes)
 
 
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tables(conversions=True))
+def test_random_tables_with_conversions_pack_and_assemble_like_reference(cpu, case):
+    """Converting boxes mixed with plain ones of every dtype, strides, reversals, transposes."""
+    copies, tensors, nbytes = case
+    assert_pack_matches_reference(cpu, copies, tensors, nbytes)
+    assert_assemble_matches_reference(cpu, disjoint(copies, tensors), tensors, nbytes)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors a user can cause
 # ---------------------------------------------------------------------------------------------

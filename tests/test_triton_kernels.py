@@ -158,6 +158,16 @@ def test_random_tables_match_reference(case):
     _check(SMALL_TILES, copies, tensors, nbytes)
 
 
+@settings(max_examples=20, deadline=None)
+@given(case=tables(max_tensors=3, max_copies=5, max_size=9, conversions=True))
+def test_random_tables_with_conversions_pack_like_reference(case):
+    """Converting and plain boxes in one pack launch. (Assemble of random buffers would compare
+    NaN bits, which conversions do not promise: `assert_conversions_match_reference` covers
+    assemble on finite values.)"""
+    copies, tensors, nbytes = case
+    assert_pack_matches_reference(SMALL_TILES, copies, tensors, nbytes, device=DEVICE)
+
+
 @pytest.mark.parametrize("name", list(bad_tables()))
 def test_bad_copies_raise_the_same_value_errors_as_the_core(name):
     copies, tensors, message = bad_tables()[name]

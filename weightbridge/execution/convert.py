@@ -54,23 +54,23 @@ class ConvertTable:
 
     def pack(self, buffer: torch.Tensor) -> None:
         """Cast every box's tensor elements into the buffer (``buffer`` 4-byte aligned)."""
-        views = self._buffer_views(buffer)
-        plain = [(v, b.view) for v, b in zip(views, self._boxes) if not b.flip]
-        if plain:
-            torch._foreach_copy_([v for v, _ in plain], [t for _, t in plain])
-        for v, b in zip(views, self._boxes):
-            if b.flip:
-                v.copy_(b.view.flip(b.flip))
+        self._copy(buffer, to_buffer=True)
 
     def assemble(self, buffer: torch.Tensor) -> None:
         """Cast every box's buffer elements into its tensor."""
-        views = self._buffer_views(buffer)
-        plain = [(v, b.view) for v, b in zip(views, self._boxes) if not b.flip]
+        self._copy(buffer, to_buffer=False)
+
+    def _copy(self, buffer: torch.Tensor, *, to_buffer: bool) -> None:
+        pairs = [(v, b) for v, b in zip(self._buffer_views(buffer), self._boxes)]
+        plain = [(v, b.view) if to_buffer else (b.view, v) for v, b in pairs if not b.flip]
         if plain:
-            torch._foreach_copy_([t for _, t in plain], [v for v, _ in plain])
-        for v, b in zip(views, self._boxes):
-            if b.flip:
-                b.view.copy_(v.flip(b.flip))
+            torch._foreach_copy_([dst for dst, _ in plain], [src for _, src in plain])
+        for v, b in pairs:
+            if b.flip:  # flip makes a copy: flip the side read from
+                if to_buffer:
+                    v.copy_(b.view.flip(b.flip))
+                else:
+                    b.view.copy_(v.flip(b.flip))
 
     def _buffer_views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         for ref, views in self._cache:
