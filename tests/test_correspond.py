@@ -126,6 +126,13 @@ def test_casts_become_wire_conversions_in_the_narrower_dtype(trainer, rollout, w
     assert o.nbytes == 6 * torch.empty(0, dtype=getattr(torch, wire)).element_size()
 
 
+def test_same_parameter_dtype_from_different_checkpoint_dtypes_is_refused():
+    """bf16 on both sides, but one side casts it from an fp32 checkpoint: two specs."""
+    r = Region("w", (0,), (4,), (1,))
+    with pytest.raises(LayoutError, match="bfloat16 cast from float32.*different checkpoint"):
+        correspond([_single(r, "bfloat16")], [_cast(_single(r, "bfloat16"), "float32")])
+
+
 def test_trainer_holding_a_rounded_cast_is_refused():
     """bf16 trainer params cast from fp32 cannot give the fp32 values an fp32 rollout loads."""
     r = Region("w", (0,), (4,), (1,))

@@ -164,12 +164,14 @@ def wire_dtypes(trainer: dict[str, tuple[str, str]], rollout: dict[str, tuple[st
     out: dict[str, tuple[str, str | None, str | None]] = {}
     differ, lossy, unsupported = [], [], []
     for tensor, (r_dtype, r_ckpt) in rollout.items():
-        if tensor not in trainer or trainer[tensor][0] == r_dtype:
+        if tensor not in trainer:
             continue
         t_dtype, t_ckpt = trainer[tensor]
         if t_ckpt != r_ckpt:
             differ.append(f"{tensor!r} (trainer {_as(trainer[tensor])}, rollout "
                           f"{_as(rollout[tensor])})")
+        elif t_dtype == r_dtype:
+            continue  # the same bytes on both sides (both copy, or both cast alike)
         elif t_ckpt != t_dtype and not exact_cast(t_ckpt, t_dtype):
             lossy.append(f"{tensor!r} ({_as(trainer[tensor])}, rollout {r_dtype})")
         elif t_dtype not in CONVERTIBLE_DTYPES or r_dtype not in CONVERTIBLE_DTYPES:
