@@ -9,6 +9,8 @@ rollout (bf16 checkpoint, fp32 parameters) gets bf16 bytes and converts in its a
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -108,3 +110,92 @@ def test_fp32_master_trainers_of_a_bf16_checkpoint_send_bf16():
     assert {(o.dtype, o.source_dtype) for o in plan.correspondence.overlaps} == {
         ("bfloat16", "float32")}
     _update_and_check(spec, trainers, rollouts, plan, CpuCopyKernels(), seeds=(8, 9))
+
+
+@pytest.mark.parametrize("staging", [(False, False), (True, True)], ids=["sync", "async"])
+def test_adapters_install_bit_exact_bf16_versions_from_fp32_trainers(staging):
+    """The user-actor path (SenderAdapter / ReceiverAdapter, in one process): fp32 trainers
+    send, bf16 rollouts install; with staging on both sides the converted bytes go through the
+    host staging copies too."""
+    from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig
+    from weightbridge.coordination.local_control import LocalControl
+
+    spec = checkpoint_spec(CONFIG, "float32")
+    versions = {v: _checkpoint(spec, 50 + v) for v in range(3)}
+    config = TransferConfig(sender_staging=staging[0], receiver_staging=staging[1],
+                            round_bytes=96 << 10, timeout_s=30)
+    control = LocalControl()
+    trainers, rollouts = [], []
+    for i in range(2):
+        shard = TrainerShard(CONFIG, 2, i, 1, 0, dtype=torch.float32)
+        shard.load_weights(versions[0].items())
+        trainers.append((shard, control.add(SenderAdapter(
+            shard.params, shard.load_weights, spec, rank=i, control=control,
+            transport=control.transport, config=config))))
+    for k in range(2):
+        shard = RolloutShard(CONFIG, 2, k, 1, 0)
+        shard.load_weights(versions[0].items())
+        rollouts.append((shard, control.add(ReceiverAdapter(
+            shard.params, shard.load_weights, spec, rank=k, engine=0, engine_rank=k,
+            engine_size=2, control=control, transport=control.transport, config=config))))
+    reference = {}
+    for v, ckpt in versions.items():
+        for k in range(2):
+            ref = RolloutShard(CONFIG, 2, k, 1, 0)
+            ref.load_weights(ckpt.items())
+            reference[v, k] = ref.params
+    errors: list[BaseException] = []
+    done = [False]
+    barrier = threading.Barrier(2, action=lambda: done.__setitem__(
+        0, all(a.version == 2 for _, a in rollouts)))
+
+    def connect(adapter):
+        try:
+            adapter.connect()
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    def train(shard, adapter):
+        try:
+            for v in (1, 2):
+                shard.load_weights(versions[v].items())  # the optimizer step
+                adapter.send_weights(v)
+            if adapter.worker.index == 0 and config.sender_staging:
+                adapter.wait_idle()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    def serve(shard, adapter):
+        try:
+            for _ in range(2000):
+                v = adapter.poll_requests()
+                if v is not None:
+                    want = reference[v, adapter.engine_rank]
+                    for name, p in shard.params.items():
+                        assert torch.equal(p.view(torch.uint8), want[name].view(torch.uint8)), \
+                            (v, name)
+                barrier.wait(timeout=30)
+                if done[0]:
+                    return
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    _join([threading.Thread(target=connect, args=(a,)) for _, a in trainers])  # probes all
+    assert not errors, errors
+    _join([threading.Thread(target=train, args=t) for t in trainers]
+          + [threading.Thread(target=serve, args=r) for r in rollouts])
+    assert not errors, errors
+    assert all(a.version == 2 for _, a in rollouts)
+    assert {(o.dtype, o.source_dtype) for o in trainers[0][1].plan.correspondence.overlaps} \
+        == {("bfloat16", "float32")}
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a worker hung"
