@@ -10,12 +10,13 @@ def _box_tile(copies,  # *int64 [C, NUM_FIELDS] box descriptors (kernels/descrip
               tiles,  # *int64 [T, 3] (copy row, first row, first column) per program
               NUM_FIELDS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """This program's box: (tensor address, buffer byte offset, element size, element offsets
-    in the tensor, element indices in the buffer box, mask), offsets [BLOCK_ROWS, BLOCK_COLS]."""
+    in the tensor, element indices in the buffer box, mask, tensor dtype code, buffer dtype
+    code), offsets [BLOCK_ROWS, BLOCK_COLS]; the codes are 0 for a plain box (kernels/_convert)."""
     pid = tl.program_id(0).to(tl.int64)
     copy = tl.load(tiles + pid * 3)
     row0 = tl.load(tiles + pid * 3 + 1)
     col0 = tl.load(tiles + pid * 3 + 2)
-    d = copies + copy * NUM_FIELDS  # field order: ADDR BUF ESIZE NROWS N1 N2 N3 S0 S1 S2 S3
+    d = copies + copy * NUM_FIELDS  # ADDR BUF ESIZE NROWS N1 N2 N3 S0 S1 S2 S3 TCODE BCODE
     addr = tl.load(d + 0)
     buf = tl.load(d + 1)
     esize = tl.load(d + 2)
@@ -27,6 +28,8 @@ def _box_tile(copies,  # *int64 [C, NUM_FIELDS] box descriptors (kernels/descrip
     s1 = tl.load(d + 8)
     s2 = tl.load(d + 9)
     s3 = tl.load(d + 10)
+    tcode = tl.load(d + 11)
+    bcode = tl.load(d + 12)
     rows = row0 + tl.arange(0, BLOCK_ROWS).to(tl.int64)
     cols = col0 + tl.arange(0, BLOCK_COLS).to(tl.int64)
     if nrows == n2:  # rank <= 2 (dims 0 and 1 have size 1): no division at all
@@ -41,7 +44,7 @@ def _box_tile(copies,  # *int64 [C, NUM_FIELDS] box descriptors (kernels/descrip
     tensor_offsets = row_offsets[:, None] + cols[None, :] * s3
     buffer_indices = rows[:, None] * n3 + cols[None, :]  # the box is row-major in the buffer
     mask = (rows < nrows)[:, None] & (cols < n3)[None, :]
-    return addr, buf, esize, tensor_offsets, buffer_indices, mask
+    return addr, buf, esize, tensor_offsets, buffer_indices, mask, tcode, bcode
 
 
 @triton.jit

@@ -13,6 +13,9 @@ tensors' device:
     NROWS  N0 * N1 * N2: rows of the box (every dim but the innermost)
     N1, N2, N3     sizes of dims 1..3 (dim 0 is NROWS / (N1 * N2)); N3 is the innermost dim
     S0, S1, S2, S3 strides of dims 0..3 in elements of ESIZE bytes, any sign
+    TCODE, BCODE   0 for a plain box; for a converting box (a ``buffer_dtype``) the dtype codes
+                   of the tensor and of the buffer elements (kernels/_convert.py): the box is
+                   then moved by value, and ESIZE and strides are the tensor's
 
 ``tiles`` [T, 3], one row per program of a launch: (copy row, first box row, first column). A
 program moves the BLOCK_ROWS x BLOCK_COLS elements of its box from there, masked at the edges.
@@ -41,8 +44,10 @@ from weightbridge.execution.boxcopy import MAX_RANK, check_rank, copy_columns, m
 # MAX_RANK (weightbridge.execution.boxcopy) is the number of box dims the kernels address after
 # merging. To raise it: add N/S fields here, pad to the new rank where `merge_dims` is called,
 # and decompose the extra row dims in `kernels/_tile.py`.
-ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3 = range(11)
-NUM_FIELDS = 11
+ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3, TCODE, BCODE = range(13)
+NUM_FIELDS = 13
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+"""TCODE / BCODE of each convertible dtype; the branches of kernels/_convert.py use them."""
 BLOCK_ROWS = 16
 """Default box rows per program."""
 BLOCK_COLS = 128
@@ -99,16 +104,17 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
     strides = torch.cat([torch.zeros((count, MAX_RANK), dtype=torch.int64), strides],
                         1)[:, -MAX_RANK:]
     addr = cols["data_ptr"] + cols["offset"] * cols["itemsize"]
-    buf, esize = cols["buffer_offset"], cols["itemsize"]
-    shape, strides, esize = _widen(addr, buf, shape, strides, esize)
-    addr, buf, esize, shape, strides = _fold(addr, buf, esize, shape, strides, block_cols)
+    buf, esize, codes = cols["buffer_offset"], cols["itemsize"], cols["codes"]
+    shape, strides, esize = _widen(addr, buf, shape, strides, esize, codes[:, 0] == 0)
+    addr, buf, esize, shape, strides, codes = _fold(addr, buf, esize, shape, strides, codes,
+                                                    cols["buffer_itemsize"], block_cols)
     nrows = shape[:, 0] * shape[:, 1] * shape[:, 2]
     if bool((nrows >= 2**31).any()):  # the kernels split row indices in int32
         i = int((nrows >= 2**31).nonzero()[0, 0])
         raise ValueError(f"{copies[int(cols['index'][i])]} has {int(nrows[i])} rows (all dims "
                          "but the innermost); the kernels take fewer than 2**31: split the box")
     table = torch.stack([addr, buf, esize, nrows, shape[:, 1], shape[:, 2], shape[:, 3],
-                         *strides.unbind(1)], dim=1)
+                         *strides.unbind(1), *codes.unbind(1)], dim=1)
     tiles = _tiles(table, block_rows, block_cols)
     return Descriptors(table.to(device), tiles.to(device), cols["nbytes"], cols["overlap"],
                        device, block_rows, block_cols, tuple(tensors))
@@ -129,17 +135,32 @@ def _columns(copies: Sequence[Any], tensors: Sequence[torch.Tensor]) -> dict[str
         "shape": cols.shape[keep], "strides": cols.strides[keep],
         "buffer_offset": cols.buffer_offset[keep], "itemsize": cols.itemsize[keep],
         "data_ptr": data_ptr[cols.tensor[keep]], "device": next(iter(devices), None),
+        "codes": _dtype_codes(copies, tensors, cols.converting)[keep],
+        "buffer_itemsize": cols.buffer_itemsize[keep],
         "nbytes": cols.nbytes, "overlap": cols.buffer_overlap,
     }
 
 
+def _dtype_codes(copies: Sequence[Any], tensors: Sequence[torch.Tensor],
+                 converting: torch.Tensor) -> torch.Tensor:
+    """[C, 2] (tensor dtype code, buffer dtype code) per copy; zeros for plain copies."""
+    codes = torch.zeros((len(copies), 2), dtype=torch.int64)
+    for i in converting.nonzero()[:, 0].tolist():
+        c = copies[i]
+        codes[i, 0] = DTYPE_CODES[str(tensors[c.tensor].dtype).removeprefix("torch.")]
+        codes[i, 1] = DTYPE_CODES[c.buffer_dtype]
+    return codes
+
+
 def _widen(addr: torch.Tensor, buf: torch.Tensor, shape: torch.Tensor, strides: torch.Tensor,
-           esize: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Move k contiguous innermost elements as one wider element where that is exact."""
+           esize: torch.Tensor, plain: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Move k contiguous innermost elements as one wider element where that is exact (plain
+    boxes only: a converting box moves values)."""
     shape, strides, esize = shape.clone(), strides.clone(), esize.clone()
     for wide in (4, 2):
         k = wide // esize  # 0 where the element is already wider
-        ok = (k > 1) & (strides[:, -1] == 1) & (addr % wide == 0) & (buf % wide == 0)
+        ok = plain & (k > 1) & (strides[:, -1] == 1) & (addr % wide == 0) & (buf % wide == 0)
         k = torch.where(ok, k, 1)
         ok &= (shape[:, -1] % k == 0) & (strides[:, :-1] % k[:, None] == 0).all(dim=1)
         k = torch.where(ok, k, 1)
@@ -149,7 +170,7 @@ def _widen(addr: torch.Tensor, buf: torch.Tensor, shape: torch.Tensor, strides: 
     return shape, strides, esize
 
 
-def _fold(addr, buf, esize, shape, strides, block_cols: int):
+def _fold(addr, buf, esize, shape, strides, codes, buffer_itemsize, block_cols: int):
     """Give boxes with a long innermost dim full-width tiles (exact: the buffer stays row-major).
 
     A 1-d box longer than block_cols becomes (N // block_cols, block_cols) plus a 1-d tail box;
@@ -170,10 +191,13 @@ def _fold(addr, buf, esize, shape, strides, block_cols: int):
     t_shape[:, -1] = n[tail] % block_cols
     t_strides = torch.zeros_like(strides[tail])
     t_strides[:, -1] = s[tail]
+    # A converting box's buffer elements have the buffer dtype's size; a plain one's ESIZE.
+    bsize = torch.where(codes[:, 0] == 0, esize, buffer_itemsize)
     return (torch.cat([addr, addr[tail] + full[tail] * s[tail] * esize[tail]]),
-            torch.cat([buf, buf[tail] + full[tail] * esize[tail]]),
+            torch.cat([buf, buf[tail] + full[tail] * bsize[tail]]),
             torch.cat([esize, esize[tail]]),
-            torch.cat([shape, t_shape]), torch.cat([strides, t_strides]))
+            torch.cat([shape, t_shape]), torch.cat([strides, t_strides]),
+            torch.cat([codes, codes[tail]]))
 
 
 def _tiles(table: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tensor:

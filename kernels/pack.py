@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._convert import _convert
 from kernels._launch import check_launch
 from kernels._tile import _box_tile, _move
 from kernels.descriptors import NUM_FIELDS, Descriptors
@@ -25,9 +26,12 @@ def _pack_kernel(copies,  # *int64 [C, NUM_FIELDS] box descriptors
                  NUM_FIELDS: tl.constexpr,  # columns of `copies`
                  BLOCK_ROWS: tl.constexpr,  # box rows per program
                  BLOCK_COLS: tl.constexpr):  # innermost-dim elements per program
-    addr, buf, esize, tensor_offsets, buffer_indices, mask = _box_tile(
+    addr, buf, esize, tensor_offsets, buffer_indices, mask, tcode, bcode = _box_tile(
         copies, tiles, NUM_FIELDS, BLOCK_ROWS, BLOCK_COLS)
-    _move(addr, tensor_offsets, buffer_address + buf, buffer_indices, mask, esize)
+    if tcode == 0:
+        _move(addr, tensor_offsets, buffer_address + buf, buffer_indices, mask, esize)
+    else:  # a converting box: tensor dtype -> buffer dtype, round to nearest even
+        _convert(addr, tensor_offsets, tcode, buffer_address + buf, buffer_indices, bcode, mask)
 
 
 def pack(desc: Descriptors, buffer: torch.Tensor, *, num_warps: int = 4) -> None:

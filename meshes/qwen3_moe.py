@@ -45,8 +45,8 @@ SIZES = {
 "small" (~200M, for benchmarks)."""
 
 
-def checkpoint_spec(c: MoEConfig) -> CheckpointSpec:
-    """HF names and shapes of a Qwen3-MoE checkpoint."""
+def checkpoint_spec(c: MoEConfig, dtype: str = "bfloat16") -> CheckpointSpec:
+    """HF names and shapes of a Qwen3-MoE checkpoint, every tensor of ``dtype``."""
     t = [("model.embed_tokens.weight", (c.vocab, c.hidden))]
     for i in range(c.layers):
         p = f"model.layers.{i}."
@@ -65,13 +65,15 @@ def checkpoint_spec(c: MoEConfig) -> CheckpointSpec:
                   (q + "up_proj.weight", (c.moe_intermediate, c.hidden)),
                   (q + "down_proj.weight", (c.hidden, c.moe_intermediate))]
     t += [("model.norm.weight", (c.hidden,)), ("lm_head.weight", (c.vocab, c.hidden))]
-    return CheckpointSpec(tuple(TensorSpec(n, s, "bfloat16") for n, s in t))
+    return CheckpointSpec(tuple(TensorSpec(n, s, dtype) for n, s in t))
 
 
 class RolloutShard:
-    """One rank of a TP x EP rollout engine, parameters in the inference layout."""
+    """One rank of a TP x EP rollout engine, parameters in the inference layout (of ``dtype``:
+    its loader's ``copy_`` casts a checkpoint of another dtype, as vLLM's loaders do)."""
 
-    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int):
+    def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
+                 dtype: torch.dtype = torch.bfloat16):
         self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
         self.local_experts = c.experts // ep
         vocab_padded = -(-c.vocab // (64 * tp)) * 64 * tp
@@ -91,7 +93,7 @@ class RolloutShard:
                        p + "mlp.gate.weight": (c.experts, c.hidden),
                        p + "mlp.experts.w13_weight": (self.local_experts, 2 * inter, c.hidden),
                        p + "mlp.experts.w2_weight": (self.local_experts, c.hidden, inter)}
-        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self.params = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c, tp, r = self.c, self.tp, self.tp_rank
@@ -136,11 +138,11 @@ class TrainerShard:
     Stage ``pp_rank`` of ``pp`` holds layers ``[pp_rank * L, (pp_rank + 1) * L)`` with
     ``L = layers // pp``, renumbered from 0 as Megatron does (stage 1's ``decoder.layers.0`` is
     checkpoint layer L); the embedding lives on the first stage, the final norm and the output
-    layer on the last.
+    layer on the last. Parameters are of ``dtype`` (float32: a trainer keeping fp32 weights).
     """
 
     def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
-                 pp: int = 1, pp_rank: int = 0):
+                 pp: int = 1, pp_rank: int = 0, dtype: torch.dtype = torch.bfloat16):
         if c.layers % pp or not 0 <= pp_rank < pp:
             raise ValueError(f"pp={pp}, pp_rank={pp_rank}: pp must divide the model's "
                              f"{c.layers} layers and 0 <= pp_rank < pp")
@@ -172,7 +174,7 @@ class TrainerShard:
                            (2 * c.moe_intermediate, c.hidden),
                            f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight":
                            (c.hidden, c.moe_intermediate)}
-        self.params = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in shapes.items()}
+        self.params = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c, r = self.c, self.tp_rank
@@ -223,7 +225,7 @@ class FsdpTrainerShard:
     wherever the cut falls, usually inside a tensor, and the last one ends in padding.
     """
 
-    def __init__(self, c: MoEConfig, world: int, rank: int):
+    def __init__(self, c: MoEConfig, world: int, rank: int, *, dtype: torch.dtype = torch.bfloat16):
         if not 0 <= rank < world:
             raise ValueError(f"FSDP rank {rank} is not in [0, world={world})")
         self.c, self.world, self.rank = c, world, rank
@@ -235,7 +237,7 @@ class FsdpTrainerShard:
             pos += t.numel
         self.shard_numel = -(-pos // world)
         self.shard_start = rank * self.shard_numel
-        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=torch.bfloat16)}
+        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=dtype)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         flat, lo = self.params["flat_param"], self.shard_start

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
+
 from meshes.qwen3_moe import FsdpTrainerShard, MoEConfig, TrainerShard
 
 
@@ -80,14 +82,15 @@ class TrainerSpec:
         pp, dp = rest % self.pp, rest // self.pp
         return {"dp": dp, "pp": pp, "ep": ep, "tp": tp}
 
-    def shard(self, model: MoEConfig, worker: int) -> TrainerShard | FsdpTrainerShard:
+    def shard(self, model: MoEConfig, worker: int, *, dtype: torch.dtype = torch.bfloat16
+              ) -> TrainerShard | FsdpTrainerShard:
         """Worker ``worker``'s shard: FSDP rank ``worker``, or its TP/EP/PP ranks' Megatron-like
-        shard (DP replicas build the same shard)."""
+        shard (DP replicas build the same shard), with parameters of ``dtype``."""
         if self.fsdp:
-            return FsdpTrainerShard(model, self.num_workers, worker)
+            return FsdpTrainerShard(model, self.num_workers, worker, dtype=dtype)
         c = self.coords(worker)
         return TrainerShard(model, self.tp, c["tp"], self.ep, c["ep"], pp=self.pp,
-                            pp_rank=c["pp"])
+                            pp_rank=c["pp"], dtype=dtype)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

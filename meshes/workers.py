@@ -24,28 +24,32 @@ from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import WorkerParts
 
 
-def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint of ``version``; ``names`` restricts it to the tensors a worker reads."""
+def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = None, *,
+               dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint of ``version`` in ``dtype``; ``names`` restricts it to the tensors a
+    worker reads."""
     wanted = None if names is None else set(names)
     for i, t in enumerate(checkpoint_spec(config).tensors):
         if wanted is None or t.name in wanted:
             gen = torch.Generator().manual_seed(version * 1_000_003 + i)
-            yield t.name, torch.randn(t.shape, generator=gen).to(torch.bfloat16)
+            yield t.name, torch.randn(t.shape, generator=gen).to(dtype)
 
 
-def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int) -> WorkerParts:
-    """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`)."""
+def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int, *,
+              trainer_dtype: torch.dtype = torch.bfloat16) -> WorkerParts:
+    """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`). The trainers hold
+    ``trainer_dtype`` parameters and the checkpoint is written in it; the rollouts are bf16
+    and cast it on load."""
     config = SIZES[size]
     spec.validate(config)
     if side == "trainer":
-        shard = spec.shard(config, rank)
+        shard = spec.shard(config, rank, dtype=trainer_dtype)
     else:
         c = spec.coords(rank)
         shard = RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"])
     return WorkerParts(params=shard.params, load_weights=shard.load_weights,
-                       spec=checkpoint_spec(config),
-                       checkpoint=functools.partial(checkpoint, config))
+                       spec=checkpoint_spec(config, str(trainer_dtype).removeprefix("torch.")),
+                       checkpoint=functools.partial(checkpoint, config, dtype=trainer_dtype))
 
 
 tiny = functools.partial(qwen3_moe, "tiny")
@@ -53,3 +57,7 @@ medium = functools.partial(qwen3_moe, "medium")
 small = functools.partial(qwen3_moe, "small")
 FACTORIES = {name: f"meshes.workers:{name}" for name in SIZES}
 """Demo model name -> its factory's import path."""
+tiny_fp32_trainer = functools.partial(qwen3_moe, "tiny", trainer_dtype=torch.float32)
+"""The tiny model with float32 trainers and an fp32 checkpoint (``--workers
+meshes.workers:tiny_fp32_trainer``): the bf16 rollouts' loaders cast it, so the plan sends
+bfloat16, converted in the trainers' pack."""

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from boxcopy_cases import (DTYPES, assert_assemble_matches_reference, assert_pack_matches_reference,
+from boxcopy_cases import (DTYPES, assert_assemble_matches_reference,
+                           assert_conversions_match_reference, assert_pack_matches_reference,
                            bad_tables, bits, box, disjoint, layout, random_bits, random_buffer,
                            tables)
 from hypothesis import HealthCheck, given, settings
@@ -155,6 +156,16 @@ def test_random_tables_assemble_like_reference(cpu, case):
     assert_assemble_matches_reference(cpu, disjoint(copies, tensors), tensors, nbytes)
 
 
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=tables(conversions=True))
+def test_random_tables_with_conversions_pack_and_assemble_like_reference(cpu, case):
+    """Converting boxes mixed with plain ones of every dtype, strides, reversals, transposes."""
+    copies, tensors, nbytes = case
+    assert_pack_matches_reference(cpu, copies, tensors, nbytes)
+    assert_assemble_matches_reference(cpu, disjoint(copies, tensors), tensors, nbytes)
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors a user can cause
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +177,12 @@ def test_bad_copies_raise_value_error_in_build_table(implementation, name):
     copies, tensors, message = bad_tables()[name]
     with pytest.raises(ValueError, match=message):
         implementation().build_table(copies, tensors)
+
+
+def test_converting_boxes_cast_as_torch_does_in_the_same_call(cpu):
+    """fp32 <-> bf16 <-> fp16 boxes (plain, transposed, reversed, strided; rounding ties,
+    subnormals, overflow) next to a plain box: the bytes are ``tensor.to(dtype)``'s."""
+    assert_conversions_match_reference(cpu)
 
 
 def test_unmergeable_rank_five_box_is_rejected_by_the_fast_path():

@@ -1,7 +1,10 @@
 """correspond: a partition of the needed elements, each part naming its holders and needers."""
 
+import dataclasses
+
 import numpy as np
 import pytest
+import torch
 
 from planning_layouts import SHAPES, Builder, fsdp_trainer, fused_rollout, tp_trainer
 from weightbridge import LayoutError, ParamSpec, Piece, Region, SourceMap, correspond
@@ -86,10 +89,61 @@ def test_missing_elements_name_tensor_and_count():
         correspond([trainer], [rollout])
 
 
-def test_dtype_mismatch_between_sides_is_a_layout_error():
+def test_dtype_mismatch_between_sides_without_a_cast_is_a_layout_error():
+    """Neither map records a cast: they describe checkpoints of different dtypes."""
     r = Region("w", (0,), (4,), (1,))
-    with pytest.raises(LayoutError, match="dtype"):
+    with pytest.raises(LayoutError, match="dtype.*different checkpoint specs"):
         correspond([_single(r, "float32")], [_single(r, "bfloat16")])
+
+
+def _cast(smap: SourceMap, source: str) -> SourceMap:
+    """The map with every piece recording a cast from ``source`` (what the probe records)."""
+    return SourceMap(smap.params, tuple(dataclasses.replace(p, cast_from=source)
+                                        for p in smap.pieces))
+
+
+@pytest.mark.parametrize("trainer, rollout, wire, source, target", [
+    # fp32 trainer, bf16 rollout casting the fp32 checkpoint: the trainers' pack converts
+    (("float32", None), ("bfloat16", "float32"), "bfloat16", "float32", None),
+    (("float32", None), ("float16", "float32"), "float16", "float32", None),
+    # equal widths convert on the trainers
+    (("bfloat16", None), ("float16", "bfloat16"), "float16", "bfloat16", None),
+    # a widening rollout cast: bf16 on the wire, the rollouts' assemble widens
+    (("bfloat16", None), ("float32", "bfloat16"), "bfloat16", None, "float32"),
+    # trainers widened the bf16 checkpoint exactly (fp32 master copy): still bf16 on the wire
+    (("float32", "bfloat16"), ("bfloat16", None), "bfloat16", "float32", None),
+    # both sides cast the same way: plain bytes
+    (("bfloat16", "float32"), ("bfloat16", "float32"), "bfloat16", None, None),
+])
+def test_casts_become_wire_conversions_in_the_narrower_dtype(trainer, rollout, wire, source,
+                                                             target):
+    r = Region("w", (0,), (6,), (1,))
+    t_map, r_map = _single(r, trainer[0]), _single(r, rollout[0])
+    t_map = _cast(t_map, trainer[1]) if trainer[1] else t_map
+    r_map = _cast(r_map, rollout[1]) if rollout[1] else r_map
+    (o,) = correspond([t_map], [r_map]).overlaps
+    assert (o.dtype, o.source_dtype, o.target_dtype) == (wire, source, target)
+    assert o.nbytes == 6 * torch.empty(0, dtype=getattr(torch, wire)).element_size()
+
+
+def test_same_parameter_dtype_from_different_checkpoint_dtypes_is_refused():
+    """bf16 on both sides, but one side casts it from an fp32 checkpoint: two specs."""
+    r = Region("w", (0,), (4,), (1,))
+    with pytest.raises(LayoutError, match="bfloat16 cast from float32.*different checkpoint"):
+        correspond([_single(r, "bfloat16")], [_cast(_single(r, "bfloat16"), "float32")])
+
+
+def test_trainer_holding_a_rounded_cast_is_refused():
+    """bf16 trainer params cast from fp32 cannot give the fp32 values an fp32 rollout loads."""
+    r = Region("w", (0,), (4,), (1,))
+    with pytest.raises(LayoutError, match="rounded cast.*'w'"):
+        correspond([_cast(_single(r, "bfloat16"), "float32")], [_single(r, "float32")])
+
+
+def test_conversion_the_kernels_do_not_implement_is_refused():
+    r = Region("w", (0,), (4,), (1,))
+    with pytest.raises(LayoutError, match="convert only between.*'w'.*float8_e4m3fn"):
+        correspond([_single(r, "bfloat16")], [_cast(_single(r, "float8_e4m3fn"), "bfloat16")])
 
 
 def test_empty_sides_are_rejected():

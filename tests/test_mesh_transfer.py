@@ -64,6 +64,25 @@ def test_a_third_arena_is_bit_identical_too(procs):
             assert not report.mismatched, report.line()
 
 
+def test_fp32_trainers_update_bf16_rollouts_converting_in_their_pack(procs):
+    """The trainers hold and write fp32; the rollouts' loaders cast it to bf16. The plan sends
+    bf16 (half the bytes of the fp32 checkpoint), converted in the trainers' pack, and every
+    rollout parameter matches its own loader of the fp32 checkpoint after each update."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"),
+                      "meshes.workers:tiny_fp32_trainer", config=CONFIG, procs=procs) as mt:
+        plan = mt.connect()
+        overlaps = plan.correspondence.overlaps
+        assert {(o.dtype, o.source_dtype) for o in overlaps} == {("bfloat16", "float32")}
+        planned = sum(t.nbytes for r in plan.rounds for t in r.transfers)
+        assert plan.correspondence.nbytes == 2 * sum(o.region.numel for o in overlaps)
+        for version in (1, 2, 3):
+            report = mt.update(version)
+            assert not report.mismatched, report.line()
+            assert report.num_params > 0
+            assert report.rdma_bytes == planned  # the bf16 plan's bytes, not fp32's
+
+
 class SkipsExpertTrainer(TrainerActor):
     """A trainer whose loader drops expert 0 of layer 0: no trainer holds those tensors."""
 

@@ -23,7 +23,7 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 
 from boxcopy_cases import (assert_assemble_matches_reference,  # noqa: E402
-                           assert_pack_matches_reference, bad_tables, box, disjoint, layout,
+                           assert_conversions_match_reference, assert_pack_matches_reference, bad_tables, box, disjoint, layout,
                            random_bits, tables)
 from hypothesis import given, settings  # noqa: E402
 
@@ -136,11 +136,36 @@ def test_forwarding_copy_runs_in_the_same_assemble_launch():
     assert torch.equal(forward, ref_forward)
 
 
+def test_converting_boxes_cast_as_torch_does_in_the_same_launch():
+    """fp32 <-> bf16 <-> fp16 boxes in one pack launch with a plain box, several tiles per box
+    and a folded tail: bit for bit torch's casts (ties to even, subnormals, overflow to inf)."""
+    assert_conversions_match_reference(SMALL_TILES, device=DEVICE)
+
+
+def test_converting_rows_are_not_widened_and_keep_their_dtype_codes():
+    from kernels.descriptors import BCODE, DTYPE_CODES, TCODE
+    t = torch.zeros(64, dtype=torch.float32, device=DEVICE)
+    desc = build_descriptors([BoxCopy(0, 0, (64,), (1,), 0, "bfloat16")], [t], block_cols=16)
+    rows = desc.copies.cpu()
+    assert (rows[:, ESIZE] == 4).all() and (rows[:, TCODE] == DTYPE_CODES["float32"]).all()
+    assert (rows[:, BCODE] == DTYPE_CODES["bfloat16"]).all() and desc.nbytes == 128
+
+
 @settings(max_examples=30, deadline=None)
 @given(case=tables(max_tensors=3, max_copies=5, max_size=9))
 def test_random_tables_match_reference(case):
     copies, tensors, nbytes = case
     _check(SMALL_TILES, copies, tensors, nbytes)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=tables(max_tensors=3, max_copies=5, max_size=9, conversions=True))
+def test_random_tables_with_conversions_pack_like_reference(case):
+    """Converting and plain boxes in one pack launch. (Assemble of random buffers would compare
+    NaN bits, which conversions do not promise: `assert_conversions_match_reference` covers
+    assemble on finite values.)"""
+    copies, tensors, nbytes = case
+    assert_pack_matches_reference(SMALL_TILES, copies, tensors, nbytes, device=DEVICE)
 
 
 @pytest.mark.parametrize("name", list(bad_tables()))

@@ -207,3 +207,68 @@ def test_deepseek_v3_mla_tp2_map_replays_vllm_load_bit_exactly(spawn_ranks):
                                                 shared + "up_proj.weight"}
         bias = "model.layers.1.mlp.gate.e_score_correction_bias"
         assert res["dtypes"][bias] == "torch.float32" and _rows(smap, bias) == set(range(4))
+
+
+# --------------------------------------------------------------------------------------------
+# An fp32 trainer updating a bf16 vLLM engine (its loaders cast the fp32 checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+def _fp32_checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
+    """`models.checkpoint`'s values kept in float32 (full mantissas: the cast rounds them)."""
+    out = {}
+    for t in models.checkpoint_spec(model).tensors:
+        gen = torch.Generator().manual_seed(version * 7919 + len(out))
+        values = torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.05
+        out[t.name] = values + 1.0 if t.name.endswith("norm.weight") else values
+    return out
+
+
+def update_from_fp32(rank: int, world_size: int, port: int, model: str) -> dict:
+    """Probe the bf16 engine against the fp32 checkpoint an fp32 trainer writes, plan with a
+    trainer that holds that checkpoint, and run two updates; compare with vLLM's own reload of
+    each fp32 checkpoint."""
+    from examples.engines.vllm_rollout import VllmWorker
+    from weightbridge import (CheckpointSpec, CpuCopyKernels, Placement, TensorSpec,
+                              plan_transfer, run_plan_locally)
+
+    spec = CheckpointSpec(tuple(TensorSpec(t.name, t.shape, "float32")
+                                for t in models.checkpoint_spec(model).tensors))
+    worker = VllmWorker(model, rank=rank, world_size=world_size, master_port=port)
+    try:
+        smap = extract_source_map(worker.params, worker.load_weights, spec)
+        trainer = {t.name: torch.zeros(t.shape) for t in spec.tensors}
+
+        def trainer_load(weights):
+            for name, w in weights:
+                trainer[name].copy_(w)
+        tmap = extract_source_map(trainer, trainer_load, spec)
+        plan = plan_transfer([(tmap, Placement("t0"))], [(smap, Placement("r0", engine=0))],
+                             round_bytes=1 << 20)
+        differ = []
+        for version in (1, 2):
+            ckpt = _fp32_checkpoint(model, version)
+            trainer_load(ckpt.items())
+            run_plan_locally(plan, [trainer], [worker.params], kernels=CpuCopyKernels())
+            got = _snapshot(worker.params)
+            worker.load_weights(ckpt.items())  # vLLM's own cast of the same checkpoint
+            differ.append(_differ(got, _snapshot(worker.params)))
+        overlaps = plan.correspondence.overlaps
+        return {"casts": {(p.param, p.cast_from) for p in smap.pieces}, "differ": differ,
+                "wire": {(o.dtype, o.source_dtype) for o in overlaps},
+                "nbytes": plan.correspondence.nbytes,
+                "numel": sum(o.region.numel for o in overlaps),
+                "dtypes": {n: str(p.dtype) for n, p in worker.params.items()}}
+    finally:
+        worker.close()
+
+
+def test_qwen3_moe_bf16_engine_is_updated_bit_exactly_from_fp32_trainer_weights(spawn_ranks):
+    """vLLM's loaders (fused qkv, stacked experts, padded vocabulary) ``copy_`` the fp32
+    checkpoint into bf16 parameters: mapped as casts, sent as bf16, equal to vLLM's reload."""
+    (res,) = spawn_ranks(update_from_fp32, 1, "qwen3_moe")
+    assert res["differ"] == [[], []], res["differ"]
+    bf16 = {n for n, d in res["dtypes"].items() if d == "torch.bfloat16"}
+    assert bf16 and {p for p, c in res["casts"] if c == "float32"} == bf16
+    assert res["wire"] == {("bfloat16", "float32")}
+    assert res["nbytes"] == 2 * res["numel"]  # half of what sending fp32 would move

@@ -14,11 +14,19 @@ positive normal numbers, which form one contiguous range of bit patterns in ever
 write into padding, and it decodes as "no source"). Digit d is the pattern ``first_normal + d``,
 so decoding is one integer subtraction on the raw bits and, inside a slice-copy, the raw bits
 themselves advance by a constant: the probe finds copy boundaries without decoding every element.
+
+A loader that casts (``param.copy_(fp32_tensor)`` into a bf16 parameter) keeps the *value* of a
+digit only if the value exists in both dtypes. `cast_alphabet` is the alphabet for that case:
+the normal numbers of the least precise dtype involved that are normal and finite in all of them
+(one contiguous range of its bit patterns). Checkpoint tensors hold those values converted to
+their own dtype (exact), and parameters are read back converted to the alphabet's dtype (exact
+again), so a cast is a copy of digits.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +83,31 @@ def alphabet(dtype: torch.dtype) -> Alphabet:
     size = _float_bits(finfo.max, dtype) - first + 1
     # Enough moduli for any checkpoint: 8-bit alphabets (~120 symbols) need the most passes.
     return Alphabet(dtype, first, size, _primes_below(size - 1, 10))
+
+
+@functools.cache
+def cast_alphabet(dtypes: tuple[torch.dtype, ...]) -> Alphabet:
+    """The alphabet whose values every dtype of ``dtypes`` holds exactly, as normal numbers.
+
+    Its dtype is the one with the fewest mantissa bits (every other then holds each of its
+    values exactly, inside the common exponent range); its patterns run from the largest
+    smallest-normal of the dtypes to the largest value finite in all of them.
+    """
+    for dt in dtypes:
+        alphabet(dt)  # refuses unsupported dtypes
+    narrow = min(dtypes, key=lambda dt: (_mantissa_bits(dt), torch.finfo(dt).bits))
+    tiny = max(torch.finfo(dt).tiny for dt in dtypes)
+    top = min(torch.finfo(dt).max for dt in dtypes)
+    first = _float_bits(tiny, narrow)
+    last = _float_bits(top, narrow)
+    if float(torch.tensor(last, dtype=BITS_DTYPE[narrow.itemsize]).view(narrow)) > top:
+        last -= 1  # the conversion rounded up past the common maximum
+    size = last - first + 1
+    return Alphabet(narrow, first, size, _primes_below(size - 1, 10))
+
+
+def _mantissa_bits(dtype: torch.dtype) -> int:
+    return round(-math.log2(torch.finfo(dtype).eps))
 
 
 def encode(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:

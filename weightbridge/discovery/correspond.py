@@ -17,13 +17,16 @@ per-dim grid with numpy.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence
 
 import numpy as np
+import torch
 
 from weightbridge.errors import LayoutError
-from weightbridge.types import Correspondence, Overlap, ParamSpec, Region, SourceMap
+from weightbridge.types import (CONVERTIBLE_DTYPES, Correspondence, Overlap, ParamSpec, Region,
+                               SourceMap, dtype_itemsize)
 
 # tensor -> {distinct region: worker indices}
 _Regions = dict[str, dict[Region, list[int]]]
@@ -44,7 +47,8 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
         ValueError: either side is empty.
         LayoutError: a rollout parameter takes no checkpoint element at all (no transfer would
             ever update it), a rollout needs elements no trainer holds (the message names the
-            tensors and element counts), or the two sides disagree on a checkpoint tensor's dtype.
+            tensors and element counts), or the two sides' dtypes of a checkpoint tensor cannot
+            be converted into each other exactly (`wire_dtypes`).
     """
     if not trainer_maps or not rollout_maps:
         raise ValueError(f"correspond needs at least one trainer and one rollout source map, got "
@@ -52,23 +56,25 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
     _check_sourced(rollout_maps)
     held, trainer_dtypes = _distinct_regions(trainer_maps, "trainer")
     needed, rollout_dtypes = _distinct_regions(rollout_maps, "rollout")
-    _check_dtypes(trainer_dtypes, rollout_dtypes)
+    wire = wire_dtypes(trainer_dtypes, rollout_dtypes)
     overlaps: list[Overlap] = []
     missing: dict[str, int] = {}
     for tensor, wanted in needed.items():
         cells, num_missing = _refine(held.get(tensor, {}), wanted)
         if num_missing:
             missing[tensor] = num_missing
-        dtype = rollout_dtypes[tensor]
-        overlaps.extend(Overlap(region, dtype, holders, needers)
+        dtype, source, target = wire.get(tensor, (rollout_dtypes[tensor][0], None, None))
+        overlaps.extend(Overlap(region, dtype, holders, needers, source, target)
                         for region, holders, needers in cells)
     if missing:
         raise LayoutError(_missing_message(missing))
     return Correspondence(tuple(overlaps), len(trainer_maps), len(rollout_maps))
 
 
-def _distinct_regions(maps: Sequence[SourceMap], side: str) -> tuple[_Regions, dict[str, str]]:
-    """Group every piece's region by tensor, with the workers that have it; and tensor dtypes.
+def _distinct_regions(maps: Sequence[SourceMap], side: str
+                      ) -> tuple[_Regions, dict[str, tuple[str, str]]]:
+    """Group every piece's region by tensor, with the workers that have it; and per tensor
+    (parameter dtype, checkpoint dtype: the piece's ``cast_from`` or the parameter's).
 
     Replicas usually pass the same map object, so each distinct object is walked once.
     """
@@ -76,7 +82,7 @@ def _distinct_regions(maps: Sequence[SourceMap], side: str) -> tuple[_Regions, d
     for worker, smap in enumerate(maps):
         by_object.setdefault(id(smap), (smap, []))[1].append(worker)
     regions: _Regions = {}
-    dtypes: dict[str, str] = {}
+    dtypes: dict[str, tuple[str, str]] = {}
     for smap, workers in by_object.values():
         param_dtype = {p.name: p.dtype for p in smap.params}
         seen_param = None
@@ -88,11 +94,12 @@ def _distinct_regions(maps: Sequence[SourceMap], side: str) -> tuple[_Regions, d
                     raise LayoutError(f"{side} worker {workers[0]} has a piece into parameter "
                                       f"{piece.param!r}, which its SourceMap.params does not "
                                       f"list; rebuild the map with extract_source_map")
-            known = dtypes.setdefault(region.tensor, dtype)
-            if known != dtype:
+            pair = (dtype, piece.cast_from or dtype)
+            known = dtypes.setdefault(region.tensor, pair)
+            if known != pair:
                 raise LayoutError(f"{side} workers load checkpoint tensor {region.tensor!r} into "
-                                  f"both {known} and {dtype} parameters; WeightBridge moves "
-                                  f"bytes, so each tensor needs one dtype on each side")
+                                  f"both {_as(known)} and {_as(pair)} parameters; each tensor "
+                                  f"needs one dtype on each side (one wire dtype per tensor)")
             regions.setdefault(region.tensor, {}).setdefault(region, []).extend(workers)
     return regions, dtypes
 
@@ -140,13 +147,81 @@ def _workers(workers: list[int]) -> str:
     return f"worker{'s' if len(workers) > 1 else ''} {shown}{'...' if len(workers) > 4 else ''}"
 
 
-def _check_dtypes(trainer: dict[str, str], rollout: dict[str, str]) -> None:
-    bad = [(t, trainer[t], d) for t, d in rollout.items() if t in trainer and trainer[t] != d]
-    if bad:
-        lines = ", ".join(f"{t!r} (trainer {a}, rollout {b})" for t, a, b in bad[:5])
-        raise LayoutError(f"trainer and rollout parameters disagree on the dtype of {len(bad)} "
-                          f"checkpoint tensors: {lines}. WeightBridge moves bytes and does not "
-                          f"convert; load both sides in the same dtype")
+def wire_dtypes(trainer: dict[str, tuple[str, str]], rollout: dict[str, tuple[str, str]]
+                ) -> dict[str, tuple[str, str | None, str | None]]:
+    """Per checkpoint tensor whose two sides' parameter dtypes differ: (wire dtype, trainer dtype
+    if the trainers' pack converts, rollout dtype if the rollouts' assemble converts).
+
+    Both sides give (parameter dtype, checkpoint dtype). A rollout's value is its loader's cast
+    of the checkpoint value; the trainers' value is that checkpoint value itself when they load
+    it without a cast or widen it exactly, so converting the trainers' value rounds exactly as
+    the rollout's loader does. The wire dtype is the narrower one (the fewest bytes; equal
+    widths convert on the trainers, so rollouts only copy): float32 trainers send bfloat16 to
+    bfloat16 rollouts. Raises LayoutError when the sides name different checkpoint dtypes,
+    when the trainers hold a rounded copy (a lossy cast), or for a conversion the kernels do not
+    implement (`CONVERTIBLE_DTYPES`).
+    """
+    out: dict[str, tuple[str, str | None, str | None]] = {}
+    differ, lossy, unsupported = [], [], []
+    for tensor, (r_dtype, r_ckpt) in rollout.items():
+        if tensor not in trainer:
+            continue
+        t_dtype, t_ckpt = trainer[tensor]
+        if t_ckpt != r_ckpt:
+            differ.append(f"{tensor!r} (trainer {_as(trainer[tensor])}, rollout "
+                          f"{_as(rollout[tensor])})")
+        elif t_dtype == r_dtype:
+            continue  # the same bytes on both sides (both copy, or both cast alike)
+        elif t_ckpt != t_dtype and not exact_cast(t_ckpt, t_dtype):
+            lossy.append(f"{tensor!r} ({_as(trainer[tensor])}, rollout {r_dtype})")
+        elif t_dtype not in CONVERTIBLE_DTYPES or r_dtype not in CONVERTIBLE_DTYPES:
+            unsupported.append(f"{tensor!r} (trainer {t_dtype}, rollout {r_dtype})")
+        elif dtype_itemsize(r_dtype) <= dtype_itemsize(t_dtype):
+            out[tensor] = (r_dtype, t_dtype, None)
+        else:
+            out[tensor] = (t_dtype, None, r_dtype)
+    if differ:
+        raise LayoutError(f"trainer and rollout source maps disagree on the dtype of "
+                          f"{len(differ)} checkpoint tensors: {_listed(differ)}. Neither side "
+                          f"records a cast that explains it, so they were probed with different "
+                          f"checkpoint specs: probe both sides with the spec of the checkpoint "
+                          f"the trainer writes (a rollout loader that casts it is mapped, its "
+                          f"pieces record cast_from)")
+    if lossy:
+        raise LayoutError(f"trainer parameters hold a rounded cast of {len(lossy)} checkpoint "
+                          f"tensors that rollouts load in another dtype: {_listed(lossy)}. The "
+                          f"trainers' bytes no longer determine the rollouts' values; give the "
+                          f"trainer parameters the checkpoint's dtype (or the rollouts' dtype)")
+    if unsupported:
+        raise LayoutError(f"the copy kernels convert only between {', '.join(CONVERTIBLE_DTYPES)}"
+                          f", but {len(unsupported)} checkpoint tensors need another conversion: "
+                          f"{_listed(unsupported)}. Load those tensors in the same dtype on both "
+                          f"sides (block-scaled float8 rollouts are not supported yet)")
+    return out
+
+
+@functools.cache
+def exact_cast(source: str, target: str) -> bool:
+    """Whether every finite value of dtype ``source`` is exactly a value of ``target``."""
+    src, dst = getattr(torch, source), getattr(torch, target)
+    if src.itemsize > 2:
+        return src == dst or (src.itemsize <= dst.itemsize and dst.is_floating_point
+                              and torch.finfo(dst).eps <= torch.finfo(src).eps
+                              and torch.finfo(dst).max >= torch.finfo(src).max)
+    bits = torch.arange(2 ** (8 * src.itemsize), dtype=torch.int32)
+    values = bits.to({1: torch.uint8, 2: torch.int16}[src.itemsize]).view(src)
+    values = values[torch.isfinite(values.float())]
+    back = values.to(dst).to(src)
+    return bool(torch.equal(back.float(), values.float()))
+
+
+def _as(pair: tuple[str, str]) -> str:
+    dtype, ckpt = pair
+    return dtype if dtype == ckpt else f"{dtype} cast from {ckpt}"
+
+
+def _listed(items: list[str]) -> str:
+    return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
 def _missing_message(missing: dict[str, int]) -> str:

@@ -1,7 +1,8 @@
 """Replay a `SourceMap`: the meaning of a map, and the oracle that tests and the probe check.
 
 For each piece, the checkpoint region is a strided view of its tensor and the parameter side a
-strided view of the parameter's logical elements; replaying copies one into the other.
+strided view of the parameter's logical elements; replaying copies one into the other (cast to
+the parameter's dtype, rounding to nearest even, for a piece with ``cast_from``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
             flat = work.view(-1)
             for piece in pieces:
                 dst, flipped = param_view(flat, piece)
-                src = _bits(region_view(checkpoint[piece.region.tensor], piece.region))
+                src = _bits(_source(piece, checkpoint[piece.region.tensor], dst.dtype))
                 _bits(dst).copy_(src.flip(flipped) if flipped else src)
             if work is not param:
                 param.copy_(work)
@@ -57,10 +58,10 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
 def first_mismatch(piece: Piece, param: torch.Tensor, tensor: torch.Tensor) -> int | None:
     """Logical flat index of the first parameter element that differs (bitwise) from the
     checkpoint element the piece says it holds, or None when all match."""
-    if param.dtype != tensor.dtype:
+    if (param.dtype != tensor.dtype) != (piece.cast_from is not None):
         return piece.offset
     dst, flipped = param_view(param.detach().contiguous().view(-1), piece)
-    src = _bits(region_view(tensor, piece.region))
+    src = _bits(_source(piece, tensor, param.dtype))
     if flipped:
         src = src.flip(flipped)
     diff = torch.nonzero(_bits(dst) != src)
@@ -68,6 +69,13 @@ def first_mismatch(piece: Piece, param: torch.Tensor, tensor: torch.Tensor) -> i
         return None
     i = diff[0].tolist()
     return piece.offset + sum(a * s for a, s in zip(i, piece.strides))
+
+
+def _source(piece: Piece, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The piece's checkpoint elements as the parameter holds them: cast (round to nearest
+    even) when the piece records a cast."""
+    view = region_view(tensor, piece.region)
+    return view if piece.cast_from is None else view.to(dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

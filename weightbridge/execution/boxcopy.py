@@ -19,7 +19,10 @@ Implementations:
   Triton launch per pack or assemble.
 
 All of them move raw bits (never float arithmetic), accept 1-, 2- and 4-byte element types, any
-buffer alignment and negative strides, and validate in ``build_table``: a copy a user got wrong
+buffer alignment and negative strides, and validate in ``build_table``. The one exception is a
+box with a ``buffer_dtype`` (a plan's dtype conversion): its elements are cast, rounding to
+nearest even, between the tensor's dtype and the buffer's (`CONVERTIBLE_DTYPES`), in the same
+pack or assemble call as the other boxes. Validation is in ``build_table``: a copy a user got wrong
 raises `ValueError` there, before any byte moves. Two boxes of one table may read the same
 buffer bytes (assemble can scatter received bytes both into a parameter and into a forwarding
 buffer), but `pack` refuses a table whose boxes write overlapping buffer bytes. Boxes that write
@@ -33,7 +36,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from weightbridge.types import BoxCopy
+from weightbridge.types import CONVERTIBLE_DTYPES, BoxCopy, dtype_itemsize
 
 SUPPORTED_ITEMSIZES = (1, 2, 4)
 """Element sizes, in bytes, every implementation moves (as int8, int16 or int32 bits)."""
@@ -83,6 +86,8 @@ class CopyColumns:
     buffer_offset: torch.Tensor  # [C] bytes
     itemsize: torch.Tensor  # [C] bytes per element of the copy's tensor
     numel: torch.Tensor  # [C]
+    converting: torch.Tensor  # [C] bool: the box has a buffer_dtype (pack/assemble convert)
+    buffer_itemsize: torch.Tensor  # [C] bytes per element in the buffer
     nbytes: int
     """Buffer bytes the table needs: one past the last byte any copy touches."""
     buffer_overlap: bool
@@ -132,6 +137,7 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
         itemsizes[i], spans[i] = tensors[i].element_size(), tensor_span(tensors[i])
     itemsize = itemsizes[tensor]
     numel = shape.prod(dim=1)
+    converting, buffer_itemsize = _buffer_dtypes(copies, tensors, itemsize)
 
     # Lowest and highest storage offset a box touches (empty boxes touch nothing).
     reach = (shape - 1).clamp(min=0) * strides
@@ -145,14 +151,37 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
             "its first element; fix the box's offset, shape or strides")
 
     start = buffer_offset
-    end = start + numel * itemsize
+    end = start + numel * buffer_itemsize
     nonempty = numel > 0
     nbytes = int(end[nonempty].max()) if bool(nonempty.any()) else 0
     order = torch.argsort(start[nonempty], stable=True)
     s, e = start[nonempty][order], end[nonempty][order]
     overlap = bool((e[:-1] > s[1:]).any()) if len(s) > 1 else False
-    return CopyColumns(tensor, offset, shape, strides, buffer_offset, itemsize, numel, nbytes,
-                       overlap)
+    return CopyColumns(tensor, offset, shape, strides, buffer_offset, itemsize, numel, converting,
+                       buffer_itemsize, nbytes, overlap)
+
+
+def _buffer_dtypes(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor],
+                   itemsize: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(converting mask, buffer element size) per copy; ValueError for a conversion the kernels
+    do not implement or a converting box whose buffer offset is not aligned to its elements."""
+    converting = torch.zeros(len(copies), dtype=torch.bool)
+    buffer_itemsize = itemsize.clone()
+    for i, c in enumerate(copies):
+        name = getattr(c, "buffer_dtype", None)
+        if name is None:
+            continue
+        have = str(tensors[c.tensor].dtype).removeprefix("torch.")
+        if name not in CONVERTIBLE_DTYPES or have not in CONVERTIBLE_DTYPES:
+            raise ValueError(f"{c} converts {have} <-> {name}; the copy kernels convert only "
+                             f"between {', '.join(CONVERTIBLE_DTYPES)}")
+        size = dtype_itemsize(name)
+        if c.buffer_offset % size:
+            raise ValueError(f"{c} converts to {name} at buffer byte {c.buffer_offset}, not a "
+                             f"multiple of {size}; align converting boxes to their buffer dtype")
+        converting[i] = name != have
+        buffer_itemsize[i] = size
+    return converting, buffer_itemsize
 
 
 def merge_dims(shape: torch.Tensor, strides: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,23 +336,32 @@ class TorchCopyKernels:
         check_buffer(buffer, table.nbytes, None)
         check_packable(table.buffer_overlap)
         for c in table.copies:
-            view, flipped = self._int_view(table, c)
-            box = torch.empty(c.shape, dtype=view.dtype, device=view.device)
-            box.copy_(view.flip(flipped) if flipped else view)
+            view, flipped = self._view(table, c)
+            box = torch.empty(c.shape, dtype=self._buffer_dtype(c, view), device=view.device)
+            box.copy_(view.flip(flipped) if flipped else view)  # a converting box casts here
             buffer[c.buffer_offset:c.buffer_offset + box.numel() * box.element_size()].copy_(
                 box.view(-1).view(torch.uint8))
 
     def assemble(self, table: ReferenceTable, buffer: torch.Tensor) -> None:
         check_buffer(buffer, table.nbytes, None)
         for c in table.copies:
-            view, flipped = self._int_view(table, c)
+            view, flipped = self._view(table, c)
             # An aligned temporary: the box may start at any byte of the buffer.
-            box = torch.empty(c.shape, dtype=view.dtype, device=view.device)
+            box = torch.empty(c.shape, dtype=self._buffer_dtype(c, view), device=view.device)
             box.view(-1).view(torch.uint8).copy_(
                 buffer[c.buffer_offset:c.buffer_offset + box.numel() * box.element_size()])
             view.copy_(box.flip(flipped) if flipped else box)
 
     @staticmethod
-    def _int_view(table: ReferenceTable, copy: BoxCopy) -> tuple[torch.Tensor, list[int]]:
-        t = table.tensors[copy.tensor]
-        return box_view(t.view(INT_DTYPES[t.element_size()]), copy)
+    def _view(table: ReferenceTable, copy: BoxCopy) -> tuple[torch.Tensor, list[int]]:
+        """The box's tensor elements: as integers (bits) for a plain box, as floats for a
+        converting one (torch's cast rounds to nearest even)."""
+        t = table.tensors[copy.tensor].detach()
+        if getattr(copy, "buffer_dtype", None) is None:
+            t = t.view(INT_DTYPES[t.element_size()])
+        return box_view(t, copy)
+
+    @staticmethod
+    def _buffer_dtype(copy: BoxCopy, view: torch.Tensor) -> torch.dtype:
+        name = getattr(copy, "buffer_dtype", None)
+        return view.dtype if name is None else getattr(torch, name)

@@ -15,7 +15,8 @@
   scratch tensor of `TRANSPOSE_CHUNK` elements: rows copied contiguously, then torch's blocked
   transpose, about 8x faster than a plain strided copy, which misses the TLB on every element).
 
-Every copy moves integer views of the tensors (bits, never floats). A box whose buffer offset is
+Every copy moves integer views of the tensors (bits, never floats), except a box with a
+``buffer_dtype``, which `weightbridge.execution.convert` casts in the same call. A box whose buffer offset is
 not a multiple of its element size is moved as bytes (the tensor viewed as uint8 with one more
 dim), so any alignment works. The buffer-side views of a table are cached for the last two buffer
 objects it was used with (the depth-2 transfer buffers), keyed by object identity: pass the same
@@ -39,6 +40,7 @@ import torch
 
 from weightbridge.execution.boxcopy import (INT_DTYPES, check_buffer, check_packable, check_rank,
                                             copy_columns, flat_span, merge_dims)
+from weightbridge.execution.convert import ConvertTable
 from weightbridge.types import BoxCopy
 
 GATHER_MAX_BOX = 512
@@ -81,18 +83,20 @@ class CpuTable:
     (the staging tensors are shared)."""
 
     __slots__ = ("nbytes", "buffer_overlap", "device", "num_launches", "_direct", "_special",
-                 "_gathers", "_scratch", "_cache")
+                 "_gathers", "_convert", "_scratch", "_cache")
 
     def __init__(self, nbytes: int, buffer_overlap: bool, device: torch.device | None,
-                 direct: list[_Direct], special: list[_Direct], gathers: list[_Gather]) -> None:
+                 direct: list[_Direct], special: list[_Direct], gathers: list[_Gather],
+                 convert: ConvertTable) -> None:
         self.nbytes = nbytes
         """Buffer bytes the table needs."""
         self.buffer_overlap = buffer_overlap
         self.device = device
         self.num_launches = (bool(direct) + sum(1 + d.transposed for d in special)
-                             + sum(len(g.groups) + 1 for g in gathers))
+                             + sum(len(g.groups) + 1 for g in gathers) + convert.num_launches)
         """torch calls per pack or assemble."""
         self._direct, self._special, self._gathers = direct, special, gathers
+        self._convert = convert
         self._scratch: dict[int, torch.Tensor] = {}
         for d in special:  # one scratch per element size, as large as the largest sub-box
             have = self._scratch.get(d.itemsize)
@@ -120,7 +124,9 @@ class CpuCopyKernels:
 
     def build_table(self, copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> CpuTable:
         cols = copy_columns(copies, tensors)
-        rows = (cols.numel > 0).nonzero()[:, 0]
+        converting = cols.converting & (cols.numel > 0)
+        convert = ConvertTable([copies[i] for i in converting.nonzero()[:, 0].tolist()], tensors)
+        rows = ((cols.numel > 0) & ~converting).nonzero()[:, 0]
         shape, strides = merge_dims(cols.shape[rows], cols.strides[rows])
         check_rank(copies, rows, shape)
         tensor, offset, isz = cols.tensor[rows], cols.offset[rows], cols.itemsize[rows]
@@ -136,7 +142,9 @@ class CpuCopyKernels:
         numel = shape.prod(dim=1)
 
         gathered = _pick_gathered(numel)
-        device = tensors[int(tensor[0])].device if len(rows) else None
+        device = (tensors[int(tensor[0])].device if len(rows) else
+                  tensors[int(cols.tensor[converting.nonzero()[0, 0]])].device if len(convert)
+                  else None)
         spans: dict[tuple[int, int], torch.Tensor] = {}
 
         def span(t: int, n: int) -> torch.Tensor:
@@ -154,7 +162,8 @@ class CpuCopyKernels:
         special = [s for d in special
                    for s in _split(d, TRANSPOSE_CHUNK if d.transposed else FLIP_CHUNK)]
         gathers = _gathers(gathered, tensor, offset, shape, strides, boff, isz, numel, span)
-        return CpuTable(cols.nbytes, cols.buffer_overlap, device, direct, special, gathers)
+        return CpuTable(cols.nbytes, cols.buffer_overlap, device, direct, special, gathers,
+                        convert)
 
     def pack(self, table: CpuTable, buffer: torch.Tensor) -> None:
         check_buffer(buffer, table.nbytes, table.device)
@@ -178,6 +187,8 @@ class CpuCopyKernels:
             for span, src, lo, hi in g.groups:
                 torch.index_select(span, 0, src, out=g.staging[lo:hi])
             ints[g.itemsize].index_copy_(0, g.positions, g.staging)
+        if len(table._convert):
+            table._convert.pack(buffer)
 
     def assemble(self, table: CpuTable, buffer: torch.Tensor) -> None:
         check_buffer(buffer, table.nbytes, table.device)
@@ -197,6 +208,8 @@ class CpuCopyKernels:
             torch.index_select(ints[g.itemsize], 0, g.positions, out=g.staging)
             for span, src, lo, hi in g.groups:
                 span.index_copy_(0, src, g.staging[lo:hi])
+        if len(table._convert):
+            table._convert.assemble(buffer)
 
 
 def _row_major(shape: Sequence[int]) -> tuple[int, ...]:

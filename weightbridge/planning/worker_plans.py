@@ -1,7 +1,8 @@
 """One worker's view of a plan: copy descriptors and writes per round, built once per plan.
 
 Inside buffers, bytes are in canonical checkpoint order: a run of an overlap's elements,
-row-major. A sender packs with its own pieces' strides and a receiver assembles with its own, so
+row-major, in the overlap's wire dtype; a box between a parameter of another dtype and the
+buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts. A sender packs with its own pieces' strides and a receiver assembles with its own, so
 transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
 
 Typical usage (an executor at connect)::
@@ -12,6 +13,7 @@ Typical usage (an executor at connect)::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -83,7 +85,10 @@ def _add_copies(out: list, chunks, buffer_offset: int, overlaps, finder: "_Piece
         for start, count in _flat_boxes(overlap.region.count, chunk.start,
                                         chunk.start + chunk.count):
             for param_index, piece in targets:
-                out.append(_box(param_index, piece, overlap.region, start, count, sub))
+                box = _box(param_index, piece, overlap.region, start, count, sub)
+                if finder.dtypes[param_index] != overlap.dtype:  # pack or assemble converts
+                    box = dataclasses.replace(box, buffer_dtype=overlap.dtype)
+                out.append(box)
             sub += math.prod(count) * size
 
 
@@ -129,6 +134,7 @@ class _PieceFinder:
 
     def __init__(self, smap, *, all_pieces: bool):
         self.index = {p.name: i for i, p in enumerate(smap.params)}
+        self.dtypes = [p.dtype for p in smap.params]
         self.by_tensor: dict[str, list[Piece]] = {}
         for piece in smap.pieces:
             self.by_tensor.setdefault(piece.region.tensor, []).append(piece)

@@ -18,10 +18,11 @@ from weightbridge.types.maps import BoxCopy, Piece, Region, SourceMap, pieces_by
 from weightbridge.types.plans import (BufferWrite, Chunk, Correspondence, Overlap, Placement,
                                       Range, Round, Stage, Transfer, WorkerId, WorkerPlan,
                                       WorkerRound)
-from weightbridge.types.specs import CheckpointSpec, ParamSpec, TensorSpec, dtype_itemsize
+from weightbridge.types.specs import (CONVERTIBLE_DTYPES, CheckpointSpec, ParamSpec, TensorSpec,
+                                      dtype_itemsize)
 
 __all__ = [
-    "BoxCopy", "BufferWrite", "CheckpointSpec", "Chunk", "Correspondence", "Overlap", "ParamSpec",
+    "BoxCopy", "BufferWrite", "CONVERTIBLE_DTYPES", "CheckpointSpec", "Chunk", "Correspondence", "Overlap", "ParamSpec",
     "Piece", "Placement", "Range", "Region", "Round", "SourceMap", "Stage", "TensorSpec",
     "Transfer", "WorkerId", "WorkerPlan", "WorkerRound", "dtype_itemsize", "pieces_by_param",
 ]

@@ -100,6 +100,9 @@ class Piece:
     """Logical flat index in the parameter of the region's first element."""
     strides: tuple[int, ...]
     """Parameter flat-index step per region dim."""
+    cast_from: str | None = None
+    """The checkpoint tensor's dtype when the loader casts it into a parameter of another dtype
+    (round to nearest even, as ``param.copy_(tensor)`` does); None for a plain copy."""
 
     @property
     def transposed(self) -> bool:
@@ -187,3 +190,7 @@ class BoxCopy:
     """Storage stride, in elements, of each box dim."""
     buffer_offset: int
     """Byte offset of the box in the buffer."""
+    buffer_dtype: str | None = None
+    """Dtype of the box's elements in the buffer when it differs from the tensor's: packing
+    converts tensor -> buffer and assembling buffer -> tensor, rounding to nearest even (see
+    `weightbridge.types.CONVERTIBLE_DTYPES`). None: the bits move unchanged."""

@@ -59,11 +59,18 @@ class Overlap:
     region: Region
     """The elements (a sub-box of every source-map region that contains any of them)."""
     dtype: str
-    """Element dtype name, the same on both sides."""
+    """Dtype of the elements on the wire (in every round buffer): the narrower of the two
+    sides' parameter dtypes, so the bytes, rounds and Eq. (1) ideal are counted in it."""
     holders: tuple[int, ...]
     """Trainer indices holding every element, sorted (never empty)."""
     needers: tuple[int, ...]
     """Rollout indices needing every element, sorted (never empty)."""
+    source_dtype: str | None = None
+    """The trainers' parameter dtype when it differs from `dtype`: their pack converts (e.g.
+    float32 trainer weights sent as the bfloat16 the rollouts load)."""
+    target_dtype: str | None = None
+    """The rollouts' parameter dtype when it differs from `dtype`: their assemble converts (a
+    widening cast, e.g. bfloat16 sent, float32 loaded)."""
 
     @property
     def nbytes(self) -> int:

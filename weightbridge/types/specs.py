@@ -121,3 +121,8 @@ def dtype_itemsize(dtype: str) -> int:
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}; expected a torch dtype name such as "
                          f"'bfloat16'") from None
+
+
+CONVERTIBLE_DTYPES = ("float32", "bfloat16", "float16")
+"""Dtypes the copy kernels convert between on pack or assemble (any pair, round to nearest
+even through float32, as torch casts). Other casts (to or from float8) are refused at connect."""

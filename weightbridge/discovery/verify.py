@@ -1,0 +1,167 @@
+"""The probe's last pass: load a pseudo-random checkpoint and check the map reproduces it.
+
+The index passes only see where values go; this pass sees what happens to them. Values of both
+signs catch loaders that depend on the sign (``abs``, ``relu``). For a casting loader (a piece
+with ``cast_from``) the expected value is the checkpoint value cast to the parameter's dtype,
+rounding to nearest even, as torch's ``copy_`` does and as the trainer's pack reproduces; the
+random values of a cast source dtype are salted with exact rounding ties and with values in the
+target dtype's subnormal range, so a loader that truncates, rounds ties away from zero or
+flushes subnormals is refused here rather than corrupting weights on the first update.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping, NamedTuple
+
+import torch
+
+from weightbridge.discovery.codec import BITS_DTYPE, alphabet, signed_values
+from weightbridge.discovery.replay import first_mismatch
+from weightbridge.types import CheckpointSpec, SourceMap
+
+Params = Mapping[str, torch.Tensor]
+LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
+
+_VERIFY_SEED = 0x5EED
+_RING_SPAN = 65_521
+"""Random verification tensors are views into one random ring at offsets below this."""
+_RANDOM_PERIOD = (1 << 20) + 7
+"""Period of the random ring: odd, so rows of power-of-two tensors never line up with it."""
+_TIE_EVERY, _SUBNORMAL_EVERY = 5, 35
+"""In the ring of a cast source dtype: every 5th value is a rounding tie of each target dtype,
+every 35th (never a tie) lies in its subnormal range."""
+
+
+class Bad(NamedTuple):
+    """A refused element and what the probe saw there."""
+
+    param: str
+    element: int
+    """Logical flat index into the parameter."""
+    seen: str
+    """What is wrong at the element, as the probe saw it; `_refuse` adds the source and cause."""
+    cast_from: str | None = None
+    """The checkpoint tensor the probe decoded there, when its dtype differs from the param's."""
+
+
+def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
+                      casts: dict[torch.dtype, set[torch.dtype]] | None = None
+                      ) -> dict[str, torch.Tensor]:
+    """Pseudo-random safe values of both signs: views into one random ring per dtype at
+    scattered offsets. ``casts`` maps a checkpoint dtype to the parameter dtypes a loader casts
+    it to; their ties and subnormals are mixed into that dtype's ring."""
+    gen = torch.Generator().manual_seed(_VERIFY_SEED)
+    rings: dict[torch.dtype, torch.Tensor] = {}
+    out = {}
+    for i, t in enumerate(spec.tensors):
+        dtype = dtypes[t.name]
+        if dtype not in rings:
+            alpha = alphabet(dtype)
+            largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
+            # One draw gives magnitude and sign: draws of size and above are negative.
+            draws = torch.randint(0, 2 * alpha.size, (_RANDOM_PERIOD,), generator=gen)
+            negative = draws >= alpha.size
+            digits = draws - negative * alpha.size
+            period = signed_values(digits, negative, alpha)
+            for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
+                _salt(period, target, k, gen)
+            rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // _RANDOM_PERIOD))
+        start = (i * 40_503 + 17) % _RING_SPAN
+        out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
+    return out
+
+
+def _salt(values: torch.Tensor, target: torch.dtype, k: int, gen: torch.Generator) -> None:
+    """Turn some of ``values`` (in place) into rounding ties and subnormals of ``target``."""
+    source = values.dtype
+    drop = _mantissa(source) - _mantissa(target)
+    bits = values.view(bits_dtype(source))
+    if drop > 0:  # a narrowing cast: the dropped bits are exactly one half
+        ties = bits[k % _TIE_EVERY::_TIE_EVERY]
+        ties.copy_(ties & ~((1 << drop) - 1) | (1 << (drop - 1)))
+    tiny = torch.finfo(target).tiny
+    sub = values[1 + k:: _SUBNORMAL_EVERY]  # offsets 1 + k and k differ mod _TIE_EVERY
+    magnitude = torch.rand(sub.numel(), generator=gen, dtype=torch.float64) * tiny
+    negative = sub.view(BITS_DTYPE[source.itemsize]) < 0
+    sub.copy_(torch.where(negative, -magnitude, magnitude).to(source))
+
+
+def _mantissa(dtype: torch.dtype) -> int:
+    return int(round(-torch.log2(torch.tensor(torch.finfo(dtype).eps)).item()))
+
+
+def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights,
+           spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
+           holes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Bad | None:
+    """Load a pseudo-random checkpoint through load_weights; the map must reproduce it."""
+    casts: dict[torch.dtype, set[torch.dtype]] = {}
+    for piece in smap.pieces:
+        if piece.cast_from is not None:
+            casts.setdefault(getattr(torch, piece.cast_from), set()).add(
+                dict(get())[piece.param].dtype)
+    checkpoint = random_checkpoint(spec, dtypes, casts)
+    fill_zero(get())
+    load_weights(iter(checkpoint.items()))
+    live = get()
+    for piece in smap.pieces:
+        bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
+        if bad is not None:
+            p = live[piece.param]
+            cast = ("" if piece.cast_from is None else
+                    f" cast from {piece.cast_from} rounding to nearest even")
+            # The tensor the index probe decoded here is not named: when values changed, it
+            # can be any tensor (see `_refuse`).
+            return Bad(piece.param, bad,
+                       f"parameter {piece.param!r} ({dtype_name(p.dtype)}): element {bad} "
+                       f"(index {coords(bad, p.shape)}) does not hold the checkpoint value"
+                       f"{cast} the probed map predicts after load_weights of a random "
+                       f"checkpoint (values of both signs"
+                       f"{', rounding ties and subnormals' if cast else ''}).")
+    for name, (start, length) in holes.items():
+        flat = flat_view(live[name]).view(bits_dtype(live[name].dtype))
+        for s, n in zip(start.tolist(), length.tolist()):
+            nonzero = torch.nonzero(flat[s:s + n] & _magnitude_mask(live[name].dtype))
+            if nonzero.numel():
+                at = s + int(nonzero[0])
+                return Bad(name, at,
+                           f"parameter {name!r}: element {at} (index "
+                           f"{coords(at, live[name].shape)}) takes no checkpoint value in the "
+                           f"probe, but load_weights wrote a non-zero value there from a random "
+                           f"checkpoint.")
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers (shared with the probe)
+# --------------------------------------------------------------------------------------------
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def flat_view(p: torch.Tensor) -> torch.Tensor:
+    """Elements in logical row-major order (a view when contiguous)."""
+    return p.detach().reshape(-1)
+
+
+def fill_zero(params: Params) -> None:
+    for p in dict(params).values():
+        p.detach().zero_()
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32}[dtype.itemsize]
+
+
+def _magnitude_mask(dtype: torch.dtype) -> int:
+    """All bits but the sign: zero and negative zero both pass as 'no value written'."""
+    return {1: 0x7F, 2: 0x7FFF, 4: 0x7FFFFFFF}[dtype.itemsize]
+
+
+def coords(flat: int, shape: torch.Size) -> tuple[int, ...]:
+    out = []
+    for size in reversed(tuple(shape)):
+        out.append(flat % size)
+        flat //= size
+    return tuple(reversed(out))
