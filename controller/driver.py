@@ -242,7 +242,7 @@ class MeshTransfer:
         _, self.connected = connect_group(self.control, self.config, reroute=self._reroute)
         self.plan = self.connected.plan
         self.num_handles = self.connected.num_handles
-        self._dests = write_dests(self.plan.for_worker(w) for w in self.plan.workers)
+        self._dests = write_dests(self.plan.worker_plans().values())
         self.links = ({"configured": self.link_rate} if self.link_rate else
                       self._probe_links())
         egress = self.link_rate or self.links["trainer->rollout"]
