@@ -1,11 +1,12 @@
 """Calibrate the simulator on the emulated cluster, then check its predictions at every point.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/calibrate_sim.py   # needs root
-    .venv/bin/python benchmarks/calibrate_sim.py --from out/calibrate_sim/runs.pkl  # re-fit only
+    .venv/bin/python benchmarks/calibrate_sim.py --from out/calibrate_sim/runs_procs1.pkl  # re-fit
+    .venv/bin/python benchmarks/calibrate_sim.py --from RUN2.pkl --fit-from RUN1.pkl
 
 Runs WeightBridge (`MeshTransfer`) at every point of `benchmarks/bench_cluster.py` (same
 configs, model, links, round size and depth), keeps every update's actor spans and the plan,
-and pickles them to out/calibrate_sim/runs.pkl. Then:
+and pickles them to out/calibrate_sim/runs_procs<rollout procs>.pkl. Then:
 
 1. fit: `weightbridge.planning.calibrate.fit_overheads` fits the per-step fixed costs, the
    control-message latency, the per-write cost, the copy and checksum rates and the links'
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import statistics
 import subprocess
 import sys
 import time
@@ -85,6 +85,8 @@ def main() -> int:
     parser.add_argument("--from", dest="source", help="re-fit a pickled run instead of running")
     parser.add_argument("--fit", nargs="+", default=["replicas=1", "trainer nodes=4"],
                         help="labels of the points the parameters are fitted on")
+    parser.add_argument("--fit-from", help="fit on the points of this pickled run instead "
+                        "(then no point predicted was measured in the fit)")
     parser.add_argument("--link-mbit", type=float, default=50)
     parser.add_argument("--round-kib", type=int, default=512)
     parser.add_argument("--updates", type=int, default=3)
@@ -101,18 +103,20 @@ def main() -> int:
         name = f"runs_procs{args.rollout_procs}.pkl"
         (OUT / name).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> {OUT / name}")
-    fitted = [r for r in runs if r.label in args.fit]
+    pool = pickle.loads(Path(args.fit_from).read_bytes()) if args.fit_from else runs
+    fitted = [r for r in pool if r.label in args.fit]
     if not fitted:
         raise SystemExit(f"--fit {args.fit} names none of the points "
-                         f"{[r.label for r in runs]}")
+                         f"{[r.label for r in pool]}")
     overheads = fit_overheads(fitted)
-    print(f"fitted on {[r.label for r in fitted]}: {overheads}")
+    print(f"fitted on {[r.label for r in fitted]}"
+          f"{' of ' + args.fit_from if args.fit_from else ''}: {overheads}")
     print(f"{'point':<18} {'fit':>4} {'measured':>9} {'predicted':>9} {'error':>7} "
           f"{'ideal':>7} {'no-overhead model':>17}  load")
     worst = 0.0
     for run in runs:
         cluster = point_cluster(run)
-        measured = statistics.median(run.ewtt_s[1:] or run.ewtt_s)
+        measured = run.measured_s
         est = simulate(run.plan, cluster, overheads=overheads, depth=run.depth)
         bare = simulate(run.plan, cluster)
         err = est.ewtt / measured - 1

@@ -88,7 +88,7 @@ class _Network:
     """Flows over capacity-limited resources, rates max-min fair, recomputed on every change."""
 
     def __init__(self, capacity: np.ndarray, penalized: np.ndarray, penalty: float):
-        self.capacity = capacity
+        self.capacity = capacity.astype(np.float64)
         self.penalized, self.penalty = penalized, penalty
         self.flows: dict[int, list] = {}  # id -> [resources, remaining bytes, on_done]
         self.rate: dict[int, float] = {}
@@ -121,31 +121,28 @@ class _Network:
         if not ids:
             self.rate = {}
             return
-        width = max(len(self.flows[i][0]) for i in ids)
-        res = np.full((len(ids), width), -1, dtype=np.int64)
-        for k, i in enumerate(ids):
-            r = self.flows[i][0]
-            res[k, :len(r)] = r
-        valid = res >= 0
-        left = self.capacity.astype(np.float64).copy()
+        # Every flow lists 4 resources; shorter lists are padded with the last, unlimited one.
+        res = np.array([self.flows[i][0] for i in ids], dtype=np.int64)
+        left = self.capacity.copy()
         if self.penalty:
-            count = np.bincount(res[valid], minlength=len(left))
-            extra = np.maximum(count - 1, 0) * self.penalized
-            left /= 1 + self.penalty * extra
+            count = np.bincount(res.ravel(), minlength=len(left))
+            left /= 1 + self.penalty * np.maximum(count - 1, 0) * self.penalized
         capacity = left.copy()
         rate = np.zeros(len(ids))
         live = np.ones(len(ids), dtype=bool)
         level = 0.0
         while live.any():
-            count = np.bincount(res[live][valid[live]], minlength=len(left))
+            count = np.bincount(res[live].ravel(), minlength=len(left))
             used = count > 0
             share = np.full(len(left), math.inf)
             share[used] = left[used] / count[used]
             step = share.min()
+            if not math.isfinite(step):  # only the unlimited resource left (not reached)
+                break
             level += step
             left[used] -= step * count[used]
             full = used & (left <= 1e-9 * capacity)
-            hit = live & (np.isin(res, np.flatnonzero(full)) & valid).any(1)
+            hit = live & full[res].any(1)
             rate[hit] = level
             live &= ~hit
         self.rate = dict(zip(ids, rate.tolist()))
@@ -168,9 +165,11 @@ class _Update:
         self.net = _Network(np.concatenate([
             np.full(2 * self.W, cluster.gpu_nic_bandwidth * rdma),
             np.full(2 * self.N, cluster.inter_node_bandwidth * rdma),
-            np.full(2 * self.W, cluster.intra_node_bandwidth)]),
-            np.arange(4 * self.W + 2 * self.N) < 2 * self.W + 2 * self.N, oh.flow_penalty)
+            np.full(2 * self.W, cluster.intra_node_bandwidth), [math.inf]]),
+            np.arange(4 * self.W + 2 * self.N + 1) < 2 * self.W + 2 * self.N, oh.flow_penalty)
+        self.unlimited = 4 * self.W + 2 * self.N
         self.steps = _steps(plan)
+        self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -215,6 +214,10 @@ class _Update:
                 or (r > 0 and not self.issued[r - 1])):
             return
         self.issued[r] = True
+        if (r, RECEIVE) not in self.active:
+            self.forward(r, EXTERNAL)
+            self.maybe_send(r + 1)
+            return
         replies = _Join(self.num_trainers, lambda: self.forward(r, EXTERNAL))
         for i in range(self.num_trainers):
             c = self.oh.control_s
@@ -249,6 +252,9 @@ class _Update:
         oh = self.oh
         then = ((lambda: self.forward(r, INTERNAL)) if stage == EXTERNAL else
                 (lambda: self.land(r)))
+        if (r, stage) not in self.active:  # the sequencer issues only steps with writes
+            then()
+            return
         R = self.W - self.num_trainers
         replies = _Join(R, then)
         for j in range(self.num_trainers, self.W):
@@ -300,7 +306,7 @@ class _Update:
     def resources(self, stage: int, src: int, dst: int) -> tuple[int, ...]:
         W, N = self.W, self.N
         if stage == INTERNAL:
-            return (2 * W + 2 * N + src, 3 * W + 2 * N + dst)
+            return (2 * W + 2 * N + src, 3 * W + 2 * N + dst, self.unlimited, self.unlimited)
         return (src, W + dst, 2 * W + self.node[src], 2 * W + N + self.node[dst])
 
 
