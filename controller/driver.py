@@ -208,7 +208,7 @@ class MeshTransfer(ClosingContext):
         """Make ``connected`` (a `ConnectedGroup`) the plan in force."""
         self.connected, self.plan = connected, connected.plan
         self.num_handles = connected.num_handles
-        self._dests = write_dests(self.plan.for_worker(w) for w in self.plan.workers)
+        self._dests = write_dests(self.plan.worker_plans().values())
 
     def _probe_links(self) -> dict[str, float]:
         """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine

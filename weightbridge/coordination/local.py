@@ -65,7 +65,7 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
                                    placement=Placement(w.side), transport=control.transport,
                                    config=config, kernels=kernels))
     # The plan is given: hand it out as connect would after planning (no probe).
-    plans = {w: plan.for_worker(w) for w in plan.workers}
+    plans = plan.worker_plans()
     ranges = incoming_ranges(plans.values(), depth)
     for w in plan.workers:
         control.call([w], PeerCall.SETUP, plans[w], sorted(ranges.get(w, ())))

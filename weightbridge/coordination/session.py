@@ -103,7 +103,7 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
                          round_bytes=config.round_bytes)
     if reroute is not None:
         plan = reroute(plan)
-    plans = {w: plan.for_worker(w) for w in plan.workers}
+    plans = plan.worker_plans()
     ranges = incoming_ranges(plans.values(), config.depth)
     live = [w for w in rollouts(control) if w.index not in excluded]
     found = control.call_each(live, PeerCall.SETUP, [

@@ -215,6 +215,14 @@ class TransferPlan:
 
         return worker_plan(self, worker)
 
+    def worker_plans(self, workers: Sequence[WorkerId] | None = None
+                     ) -> dict[WorkerId, WorkerPlan]:
+        """``for_worker`` of every worker (or of ``workers``), built together: sorting, merging
+        and the copies of replicas shared, so all of them cost about what planning did."""
+        from weightbridge.planning.worker_plans import worker_plans
+
+        return worker_plans(self, workers)
+
     def worker_summary(self, max_rows: int = 16) -> str:
         """One line per worker: its node and the MB it sends and receives in each stage."""
         sent, recv = self.stage_bytes()

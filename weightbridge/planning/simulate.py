@@ -33,6 +33,7 @@ import numpy as np
 
 from weightbridge.planning.plan import TransferPlan
 from weightbridge.planning.route import INTERNAL
+from weightbridge.planning.timeline import Overheads, timeline_ewtt
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,10 +50,22 @@ class Cluster:
     """Bytes per second a node sends (and, separately, receives) over RDMA."""
     intra_node_bandwidth: float
     """Bytes per second a GPU sends (and, separately, receives) over NVLink."""
+    nic_bandwidth: float | None = None
+    """Bytes per second one GPU's own NIC sends (and receives); None: its share of the node,
+    ``inter_node_bandwidth / gpus_per_node``. An emulated host whose procs share one link:
+    the link's rate (any proc may use all of it)."""
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0 or self.intra_node_bandwidth <= 0:
+        if (self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0
+                or self.intra_node_bandwidth <= 0
+                or (self.nic_bandwidth is not None and self.nic_bandwidth <= 0)):
             raise ValueError(f"{self} needs gpus_per_node >= 1 and positive bandwidths")
+
+    @property
+    def gpu_nic_bandwidth(self) -> float:
+        """Bytes per second one GPU sends (and receives) over RDMA."""
+        return (self.nic_bandwidth if self.nic_bandwidth is not None
+                else self.inter_node_bandwidth / self.gpus_per_node)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -80,9 +93,19 @@ class Estimate:
 
 
 
-def simulate(plan: TransferPlan, cluster: Cluster) -> Estimate:
-    """Simulated EWTT of ``plan`` on ``cluster``, with the ideal and the two baselines."""
-    return Estimate(ewtt=float(_pipelined(plan, cluster)), ideal=float(ideal_ewtt(plan, cluster)),
+def simulate(plan: TransferPlan, cluster: Cluster, *, overheads: Overheads | None = None,
+             depth: int = 2) -> Estimate:
+    """Simulated EWTT of ``plan`` on ``cluster``, with the ideal and the two baselines.
+
+    Keyword Args:
+        overheads: Measured step costs (`weightbridge.planning.calibrate.fit_overheads`):
+            EWTT then comes from the event-driven model of an update
+            (`weightbridge.planning.timeline`); None: the no-overhead pipelined model.
+        depth: Round arenas per worker (`TransferConfig.depth`); the calibrated model only.
+    """
+    ewtt = (_pipelined(plan, cluster) if overheads is None else
+            timeline_ewtt(plan, cluster, overheads, depth))
+    return Estimate(ewtt=float(ewtt), ideal=float(ideal_ewtt(plan, cluster)),
                     broadcast=float(_broadcast(plan, cluster)), p2p=float(_p2p(plan, cluster)),
                     num_rounds=plan.num_rounds)
 
@@ -118,7 +141,7 @@ def _pipelined(plan: TransferPlan, cluster: Cluster) -> float:
     num_rounds, num_workers = t.num_rounds, len(plan.trainers) + len(plan.rollouts)
     if num_rounds == 0:
         return 0.0
-    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    nic = cluster.gpu_nic_bandwidth
     rnd = t.round
     nbytes = t.nbytes.astype(np.float64)
 
@@ -147,7 +170,7 @@ def _pipelined(plan: TransferPlan, cluster: Cluster) -> float:
 def _broadcast(plan: TransferPlan, cluster: Cluster) -> float:
     corr = plan.correspondence
     model = corr.nbytes
-    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    nic = cluster.gpu_nic_bandwidth
     head = plan.trainers[0].node
     # Gather: bytes the head does not hold arrive over NVLink (same node) or its NIC.
     local = remote = 0
@@ -166,7 +189,7 @@ def _broadcast(plan: TransferPlan, cluster: Cluster) -> float:
 
 def _p2p(plan: TransferPlan, cluster: Cluster) -> float:
     corr = plan.correspondence
-    nic = cluster.inter_node_bandwidth / cluster.gpus_per_node
+    nic = cluster.gpu_nic_bandwidth
     sent = np.zeros(len(plan.trainers))
     received = np.zeros(len(plan.rollouts))
     for o in corr.overlaps:

@@ -1,0 +1,98 @@
+"""The calibrated update model (timeline) and the fit of its overheads: pure, no Monarch."""
+
+import math
+
+import pytest
+
+from weightbridge import Cluster, ParamSpec, Piece, Placement, Region, SourceMap, plan_transfer
+from weightbridge import simulate
+from weightbridge.planning.calibrate import Run, _line, fit_overheads, point_cluster
+from weightbridge.planning.timeline import Overheads
+
+LINK = Cluster(gpus_per_node=1, inter_node_bandwidth=1e6, intra_node_bandwidth=1e9)
+MODEL = 256 * 64 * 4  # bytes
+
+
+def _plan(num_trainers, num_rollouts, round_bytes=16 << 10):
+    reg = Region("w", (0, 0), (256, 64), (1, 1))
+    smap = SourceMap((ParamSpec("w", (256, 64), "float32"),), (Piece(reg, "w", 0, (64, 1)),))
+    return plan_transfer([(smap, Placement(f"t{i}")) for i in range(num_trainers)],
+                         [(smap, Placement(f"r{i}", engine=i)) for i in range(num_rollouts)],
+                         round_bytes=round_bytes)
+
+
+def test_one_link_without_overheads_takes_bytes_over_rate():
+    est = simulate(_plan(1, 1), LINK, overheads=Overheads(), depth=2)
+    assert est.ewtt == pytest.approx(MODEL / 1e6, rel=1e-6)
+    assert est.ewtt == pytest.approx(est.ideal, rel=1e-6)
+
+
+def test_goodput_and_control_latency_add_what_they_cost():
+    plan = _plan(1, 1, round_bytes=2 * MODEL)  # one round: nothing overlaps
+    assert plan.num_rounds == 1
+    slow = simulate(plan, LINK, overheads=Overheads(link_efficiency=0.5), depth=2)
+    assert slow.ewtt == pytest.approx(2 * MODEL / 1e6, rel=1e-6)
+    late = simulate(plan, LINK, overheads=Overheads(control_s=0.01, copy_bandwidth=1e7),
+                    depth=2)
+    # pack, write, its reply, the land message (no forward step: nothing to forward), assemble,
+    # its reply (EWTT runs from the pack to the end of the assemble)
+    assert late.ewtt == pytest.approx(MODEL / 1e7 + MODEL / 1e6 + 2 * 0.01 + MODEL / 1e7,
+                                      rel=1e-6)
+
+
+def test_writes_sharing_a_link_split_it_and_pay_the_flow_penalty():
+    plan = _plan(2, 1, round_bytes=2 * MODEL)  # two trainers into one rollout link
+    fair = simulate(plan, LINK, overheads=Overheads(), depth=2)
+    assert fair.ewtt == pytest.approx(MODEL / 1e6, rel=1e-6)
+    taxed = simulate(plan, LINK, overheads=Overheads(flow_penalty=0.25), depth=2)
+    assert taxed.ewtt == pytest.approx(1.25 * MODEL / 1e6, rel=1e-6)
+
+
+def test_a_third_arena_hides_control_latency_behind_the_link():
+    slow = Cluster(gpus_per_node=1, inter_node_bandwidth=1e5, intra_node_bandwidth=1e9)
+    plan = _plan(1, 4, round_bytes=4096)  # 17 rounds of about 40 ms on the links
+    bare = simulate(plan, slow, overheads=Overheads(), depth=3).ewtt
+    costs = {d: simulate(plan, slow, overheads=Overheads(control_s=0.005), depth=d).ewtt - bare
+             for d in (2, 3)}
+    # every round's steps hold 6 messages (send, forward, land: out and back)
+    assert 0 < costs[3] < costs[2] < plan.num_rounds * 6 * 0.005
+
+
+def test_overheads_and_depth_are_validated():
+    with pytest.raises(ValueError, match="out of range"):
+        Overheads(link_efficiency=1.5)
+    with pytest.raises(ValueError, match="out of range"):
+        Overheads(control_s=-1)
+    with pytest.raises(ValueError, match="depth"):
+        simulate(_plan(1, 1), LINK, overheads=Overheads(), depth=1)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_overheads([])
+
+
+def test_line_fits_through_the_origin_when_sizes_barely_vary():
+    assert _line([100, 101, 102], [1.0, 1.01, 1.02]) == (0.0, pytest.approx(0.01))
+    a, b = _line([0, 100, 200, 300], [1.0, 2.0, 3.0, 4.0])
+    assert a == pytest.approx(1.0) and b == pytest.approx(0.01)
+
+
+def test_fit_reads_copy_and_link_rates_off_synthetic_spans():
+    """Spans of a 1 -> 1 transfer made by hand: pack at 1 GB/s, writes at 90% of the link."""
+    plan = _plan(1, 1, round_bytes=MODEL // 4)
+    rate = 1e6
+    spans, t = {("trainer", 0): [], ("rollout", 0): []}, 0.0
+    for r in range(plan.num_rounds):
+        n = int(plan.tables.send_bytes[0][r])
+        pack_end = t + n / 1e9
+        write_end = pack_end + n / (0.9 * rate)
+        spans[("trainer", 0)] += [("pack", r, int(t * 1e9), int(pack_end * 1e9)),
+                                  ("receive", r, int(pack_end * 1e9), int(write_end * 1e9))]
+        spans[("rollout", 0)].append(("assemble", r, int((write_end + 0.002) * 1e9),
+                                      int((write_end + 0.002 + n / 1e9) * 1e9)))
+        t = write_end + 0.004
+    run = Run(label="x", plan=plan, link_rate=rate, depth=2, spans=(spans,), ewtt_s=(t,),
+              load="")
+    oh = fit_overheads([run])
+    assert oh.copy_bandwidth == pytest.approx(1e9, rel=0.01)
+    assert oh.link_efficiency == pytest.approx(0.9, rel=0.01)
+    assert math.isinf(oh.checksum_bandwidth)  # no gap between pack and write
+    assert point_cluster(run).gpu_nic_bandwidth == rate

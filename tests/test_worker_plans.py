@@ -1,0 +1,60 @@
+"""All workers' plans built together equal the one-worker-at-a-time reference, field by field."""
+
+import pytest
+
+from planning_layouts import fsdp_trainer, fused_rollout, tp_trainer
+from reference_worker_plan import reference_worker_plan
+from weightbridge import Placement, plan_transfer
+from weightbridge.planning.worker_plans import worker_plan, worker_plans
+from weightbridge.shapes import TABLE_2, workers
+
+
+def _small_layouts():
+    engines = lambda n, tp: [(fused_rollout(r, tp), Placement(f"r{(e * tp + r) // 2}",  # noqa: E731
+                                                              engine=e))
+                             for e in range(n) for r in range(tp)]
+    yield "tp2 -> 2 engines tp2, 2 per node", plan_transfer(
+        [(tp_trainer(r % 2, 2), Placement(f"t{r // 2}")) for r in range(4)], engines(2, 2),
+        round_bytes=96)
+    yield "fsdp3 -> 3 engines tp1", plan_transfer(
+        [(fsdp_trainer(r, 3), Placement(f"t{r}")) for r in range(3)], engines(3, 1),
+        round_bytes=128)
+    yield "tp1 -> 1 engine tp2, one round", plan_transfer(
+        [(tp_trainer(0, 1), Placement("t0"))], engines(1, 2), round_bytes=1 << 20)
+
+
+def _assert_same(plan):
+    together = worker_plans(plan)
+    assert list(together) == list(plan.workers)
+    for w in plan.workers:
+        want = reference_worker_plan(plan, w)
+        assert together[w] == want, w
+        assert worker_plan(plan, w) == want and plan.for_worker(w) == want, w
+
+
+@pytest.mark.parametrize("name,plan", list(_small_layouts()), ids=lambda v: v if
+                         isinstance(v, str) else "")
+def test_all_workers_together_equal_the_per_worker_reference(name, plan):
+    assert plan.num_rounds >= 1
+    _assert_same(plan)
+
+
+def test_p2p_plans_pack_each_box_once_as_the_reference_does():
+    from controller.baselines import p2p_plan
+
+    plan = dict((n, p) for n, p in _small_layouts())["tp2 -> 2 engines tp2, 2 per node"]
+    _assert_same(p2p_plan(plan))
+
+
+def test_paper_scale_moonlight_equals_the_reference():
+    dep = TABLE_2[0]  # Moonlight-16B: 8 trainers, 8 rollouts, real shapes
+    trainers, rollouts = workers(dep)
+    _assert_same(plan_transfer(trainers, rollouts, round_bytes=64 << 20))
+
+
+def test_a_subset_of_workers_gets_only_theirs():
+    plan = next(p for _, p in _small_layouts())
+    some = [plan.workers[-1], plan.workers[0]]
+    got = worker_plans(plan, some)
+    assert list(got) == some
+    assert all(got[w] == reference_worker_plan(plan, w) for w in some)

@@ -1,0 +1,254 @@
+"""Fit the simulator's `Overheads` from the spans of measured updates.
+
+A measured update is the spans every worker recorded (`controller.timing`: ``(stage, round,
+start_ns, end_ns)`` of each pack, write and assemble) plus the plan it ran. Each parameter
+is read off the spans it shows in, not tuned per point:
+
+- copy rate and fixed cost: least squares of pack and assemble span lengths on their bytes;
+- checksum rate: a trainer's gap from its pack's end to its writes' start (it checksums what
+  it writes in between), least squares on the bytes written;
+- link efficiency: per host link and direction, the bytes of the writes crossing it over the
+  union of those writes' spans, over the configured rate; the best link of all updates (a
+  saturated one: elsewhere the spans include waits on other links);
+- control latency: median over rollouts and rounds of the gap between the last reply of a
+  step and the start of the next step's span on a rollout (its forward after the trainers'
+  sends, its assemble after the forwards), less its checksum time: two messages and a step;
+- step cost: the gap between a trainer's writes landing and its next pack, where the next
+  send was already waiting (median);
+- flow penalty, then write cost: the two parameters no span isolates (a write's span also
+  holds its wait for the link); each the value whose predicted EWTT best matches (least
+  squares) the measured EWTT of the calibration runs, the other parameters fixed.
+
+Typical usage::
+
+    overheads = fit_overheads([run_a, run_b])       # `Run`s of two calibration points
+    est = simulate(run_c.plan, point_cluster(run_c), overheads=overheads, depth=run_c.depth)
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
+from weightbridge.planning.simulate import Cluster
+from weightbridge.planning.timeline import Overheads, _steps, timeline_ewtt
+
+WRITE_STAGES = {"receive": RECEIVE, "external": EXTERNAL, "internal": INTERNAL}
+"""Span stage name (`controller.timing`) -> route stage of the writes it times."""
+MAX_WRITE_S = 0.02
+"""Upper end of the write-cost search."""
+MAX_PENALTY = 0.5
+"""Upper end of the flow-penalty search."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class Run:
+    """One measured point: its plan, links, depth and every update's spans.
+
+    Example: ``Run(label="replicas=1", plan=plan, link_rate=6.25e6, depth=3,
+    spans=({("trainer", 0): [("pack", 0, 10, 20), ...], ...},), ewtt_s=(3.03,), load="...")``
+    """
+
+    label: str
+    """The point's name (``"replicas=4"``)."""
+    plan: object
+    """The `TransferPlan` the updates ran."""
+    link_rate: float
+    """Configured bytes/s of every host link, each direction."""
+    depth: int
+    """Round arenas per worker."""
+    spans: tuple[Mapping, ...]
+    """Per update: (side, rank) -> [(stage, round, start_ns, end_ns)]."""
+    ewtt_s: tuple[float, ...]
+    """Per update: the measured EWTT."""
+    load: str
+    """``uptime`` when the point ran (the machine is shared)."""
+
+    @property
+    def measured_s(self) -> float:
+        """Median EWTT over the updates after the first (the first warms caches)."""
+        return statistics.median(self.ewtt_s[1:] or self.ewtt_s)
+
+    def updates(self) -> tuple[Mapping, ...]:
+        """The spans of the updates the fit uses (all but the first, when there are more)."""
+        return self.spans[1:] or self.spans
+
+
+def point_cluster(run: Run) -> Cluster:
+    """The emulated cluster of ``run``: every host one link of ``link_rate`` each direction,
+    shared by its procs, any of which may use all of it; loopback inside a host unshaped."""
+    plan = run.plan
+    places = list(plan.trainers) + list(plan.rollouts)
+    per_node = max(sum(1 for p in places if p.node == n) for n in {p.node for p in places})
+    return Cluster(gpus_per_node=per_node, inter_node_bandwidth=run.link_rate,
+                   intra_node_bandwidth=1e12, nic_bandwidth=run.link_rate)
+
+
+def fit_overheads(runs: Sequence[Run]) -> Overheads:
+    """Fit every `Overheads` field from the spans of ``runs`` (see the module doc)."""
+    if not runs:
+        raise ValueError("fit_overheads needs at least one measured Run")
+    copy_x, copy_y, sum_x, sum_y, efficiency = [], [], [], [], []
+    for run in runs:
+        steps, T = _steps(run.plan), len(run.plan.trainers)
+        for spans in run.updates():
+            for w, ss in _numbered(spans, T).items():
+                for stage, r, start, end in ss:
+                    if stage == "pack":
+                        copy_x.append(steps[(w, r, RECEIVE)][0])
+                        copy_y.append(end - start)
+                    elif stage == "assemble":
+                        copy_x.append(steps[(w, r, "land")])
+                        copy_y.append(end - start)
+                for (s0, r0, _, e0), (s1, r1, b1, _) in zip(ss, ss[1:]):
+                    if s0 == "pack" and s1 == "receive" and r0 == r1:
+                        sum_x.append(steps[(w, r0, RECEIVE)][0])
+                        sum_y.append(b1 - e0)
+            efficiency.append(_best_link_rate(run, steps, spans) / run.link_rate)
+    copy_fixed, copy_per_byte = _line(copy_x, copy_y)
+    _, sum_per_byte = _line(sum_x, sum_y)
+    base = Overheads(copy_fixed_s=copy_fixed, copy_bandwidth=_rate(copy_per_byte),
+                     checksum_bandwidth=_rate(sum_per_byte),
+                     link_efficiency=min(1.0, max(efficiency)))
+    two_hops = statistics.median(g for run in runs for g in _hop_gaps(run, base))
+    step = statistics.median(_queued_gaps(runs, two_hops) or [0.0])
+    base = replace(base, step_s=step, control_s=max(0.0, (two_hops - step) / 2))
+    base = replace(base, flow_penalty=_fit_by_ewtt(runs, base, "flow_penalty", MAX_PENALTY))
+    return replace(base, write_s=_fit_by_ewtt(runs, base, "write_s", MAX_WRITE_S))
+
+
+def _numbered(spans: Mapping, num_trainers: int) -> dict[int, list]:
+    """Worker number (trainers first) -> its spans in seconds, by start."""
+    return {(rank if side == "trainer" else num_trainers + rank):
+            sorted(((st, r, a / 1e9, b / 1e9) for st, r, a, b in ss), key=lambda x: x[2])
+            for (side, rank), ss in spans.items()}
+
+
+def _line(x, y) -> tuple[float, float]:
+    """Least squares y = a + b x with a, b >= 0; through the origin (a = 0) where x spans
+    too narrow a range to tell a from b (rounds of nearly equal size)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) == 0 or not x.any():
+        return 0.0, 0.0
+    origin = (0.0, max(0.0, float((x @ y) / (x @ x))))
+    if len(x) < 3 or np.ptp(x) < 0.5 * x.mean():
+        return origin
+    b, a = np.polyfit(x, y, 1)
+    if a < 0 or b < 0:
+        return origin
+    return float(a), float(b)
+
+
+def _rate(per_byte: float) -> float:
+    return 1.0 / per_byte if per_byte > 0 else math.inf
+
+
+def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
+    """Bytes/s of the busiest host link direction over the union of its writes' spans."""
+    plan, T = run.plan, len(run.plan.trainers)
+    node = [p.node for p in list(plan.trainers) + list(plan.rollouts)]
+    busy: dict[tuple[str, str], list] = {}
+    moved: dict[tuple[str, str], int] = {}
+    for w, ss in _numbered(spans, T).items():
+        for stage, r, start, end in ss:
+            if stage not in WRITE_STAGES or WRITE_STAGES[stage] == INTERNAL:
+                continue
+            for _, dst, n in steps[(w, r, WRITE_STAGES[stage])][1]:
+                for link in ((node[w], "out"), (node[dst], "in")):
+                    busy.setdefault(link, []).append((start, end))
+                    moved[link] = moved.get(link, 0) + n
+    return max(moved[k] / _union(v) for k, v in busy.items())
+
+
+def _union(intervals: list) -> float:
+    total, last = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > last:
+            total += b - max(a, last)
+            last = b
+    return total
+
+
+def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
+    """Reply-to-next-step gaps seen on rollouts, less their checksum time (two messages and
+    a step each)."""
+    steps, T = _steps(run.plan), len(run.plan.trainers)
+    out = []
+    for spans in run.updates():
+        by = _numbered(spans, T)
+        ends: dict[tuple[int, str], float] = {}
+        for w, ss in by.items():
+            for stage, r, _, end in ss:
+                ends[(r, stage)] = max(ends.get((r, stage), 0.0), end)
+        for w, ss in by.items():
+            if w < T:
+                continue
+            for stage, r, start, _ in ss:
+                if stage == "external":
+                    before, nbytes = ends.get((r, "receive")), sum(
+                        n for _, _, n in steps[(w, r, EXTERNAL)][1])
+                elif stage == "assemble":
+                    before = ends.get((r, "internal"), ends.get((r, "external"),
+                                                                ends.get((r, "receive"))))
+                    nbytes = steps[(w, r, "land")]
+                else:
+                    continue
+                if before is not None:
+                    out.append(start - before - nbytes / oh.checksum_bandwidth)
+    return out
+
+
+def _queued_gaps(runs: Sequence[Run], two_hops: float) -> list[float]:
+    """A trainer's gap from its writes landing to its next pack, where that send was issued
+    before: the next round's buffer was free (its round - depth assembled everywhere two
+    messages earlier) before the writes landed."""
+    out = []
+    for run in runs:
+        T = len(run.plan.trainers)
+        for spans in run.updates():
+            by = _numbered(spans, T)
+            assembled: dict[int, float] = {}
+            for w, ss in by.items():
+                for stage, r, _, end in ss:
+                    if stage == "assemble":
+                        assembled[r] = max(assembled.get(r, 0.0), end)
+            for w in range(T):
+                ss = [s for s in by.get(w, []) if s[0] in ("pack", "receive")]
+                for (s0, r0, _, e0), (s1, r1, b1, _) in zip(ss, ss[1:]):
+                    if s0 == "receive" and s1 == "pack" and r1 == r0 + 1:
+                        free = assembled.get(r1 - run.depth, -math.inf) + two_hops
+                        if free < e0:
+                            out.append(b1 - e0)
+    return out
+
+
+def _fit_by_ewtt(runs: Sequence[Run], oh: Overheads, field: str, top: float) -> float:
+    """The value in [0, top] of ``field`` whose predicted EWTTs best match the measured ones
+    of ``runs`` (least squares of the relative errors; golden section)."""
+    clusters = [point_cluster(r) for r in runs]
+
+    def loss(value: float) -> float:
+        o = replace(oh, **{field: value})
+        return sum((timeline_ewtt(r.plan, c, o, r.depth) / r.measured_s - 1) ** 2
+                   for r, c in zip(runs, clusters))
+
+    lo, hi = 0.0, top
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(20):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = loss(b)
+    best = (a + b) / 2
+    return 0.0 if loss(0.0) <= loss(best) else best

@@ -1,0 +1,343 @@
+"""A calibrated, event-driven model of one update: the sequencer's steps over fluid-shared links.
+
+The no-overhead model of `simulate` charges each round only its busiest link. This one replays
+what an update does (`weightbridge.coordination.sequencer`, `session.ControlSteps`,
+`worker.TransferWorker`), with measured costs (`Overheads`, fitted by
+`weightbridge.planning.calibrate`):
+
+    send(r)    issued once round r - depth landed and send(r - 1) was issued; on every trainer,
+               in order (one thread serves a trainer's sends): control message, step cost,
+               pack (copy), checksum, issue its writes, wait until they landed, reply
+    forward(r) EXTERNAL then INTERNAL, on every rollout once every reply of the step before
+               came back: message, step cost, checksum, writes, reply
+    land(r)    on every rollout: message, step cost, checksum what arrived, assemble (copy),
+               reply
+
+Links are shared max-min fairly (TCP-like) by the writes in flight: each worker's NIC
+(`Cluster.gpu_nic_bandwidth`) and each node's link (`Cluster.inter_node_bandwidth`), both
+scaled by `Overheads.link_efficiency`, one direction each; INTERNAL writes use NVLink
+(`Cluster.intra_node_bandwidth` per worker, each direction). EWTT runs from the first pack to
+the last assemble (or write), as `controller.timing` measures it.
+
+Typical usage::
+
+    est = simulate(plan, cluster, overheads=Overheads(control_s=2e-3, copy_bandwidth=2e9),
+                   depth=3)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Overheads:
+    """Measured costs of the steps of an update (all default to none: zero or infinite rate).
+
+    Example (fitted on the emulated cluster, 2 loaded cores): ``Overheads(control_s=3e-3,
+    step_s=1e-3, write_s=2e-3, copy_fixed_s=1e-3, copy_bandwidth=1.5e9,
+    checksum_bandwidth=3e9, link_efficiency=0.95)``
+    """
+
+    control_s: float = 0.0
+    """One-way latency of a control message between the sequencer and a worker."""
+    step_s: float = 0.0
+    """Fixed cost of serving one step on a worker (dispatch, bookkeeping)."""
+    write_s: float = 0.0
+    """Cost of issuing one write, paid one after another by the writer before bytes flow."""
+    copy_fixed_s: float = 0.0
+    """Fixed cost of one pack or assemble (a kernel launch and its table)."""
+    copy_bandwidth: float = math.inf
+    """Bytes per second a pack or an assemble moves."""
+    checksum_bandwidth: float = math.inf
+    """Bytes per second of the writers' and receivers' checksums (inf: checksums off)."""
+    link_efficiency: float = 1.0
+    """Goodput over nominal rate of every RDMA link, with one write on it."""
+    flow_penalty: float = 0.0
+    """Goodput lost per further write in flight on an RDMA link: with n writes on it a link
+    carries ``rate * link_efficiency / (1 + flow_penalty * (n - 1))`` (streams competing in
+    one queue, and the CPU each stream costs, on the emulated cluster)."""
+
+    def __post_init__(self) -> None:
+        bad = [n for n in ("control_s", "step_s", "write_s", "copy_fixed_s", "flow_penalty")
+               if not getattr(self, n) >= 0]
+        bad += [n for n in ("copy_bandwidth", "checksum_bandwidth") if not getattr(self, n) > 0]
+        if not 0 < self.link_efficiency <= 1:
+            bad.append("link_efficiency")
+        if bad:
+            raise ValueError(f"{self}: {bad} out of range; times must be >= 0, rates > 0 and "
+                             f"link_efficiency in (0, 1]")
+
+
+def timeline_ewtt(plan, cluster, overheads: Overheads, depth: int) -> float:
+    """EWTT (seconds) of one update of ``plan`` on ``cluster`` with ``overheads``."""
+    if depth < 2:
+        raise ValueError(f"depth must be >= 2 round arenas per worker, got {depth}")
+    if plan.num_rounds == 0:
+        return 0.0
+    return _Update(plan, cluster, overheads, depth).run()
+
+
+class _Network:
+    """Flows over capacity-limited resources, rates max-min fair, recomputed on every change."""
+
+    def __init__(self, capacity: np.ndarray, penalized: np.ndarray, penalty: float):
+        self.capacity = capacity.astype(np.float64)
+        self.penalized, self.penalty = penalized, penalty
+        self.flows: dict[int, list] = {}  # id -> [resources, remaining bytes, on_done]
+        self.rate: dict[int, float] = {}
+        self.next_id = 0
+
+    def add(self, resources: tuple[int, ...], nbytes: float, on_done) -> None:
+        self.flows[self.next_id] = [resources, float(nbytes), on_done]
+        self.next_id += 1
+        self._rates()
+
+    def next_finish(self) -> float:
+        """Seconds until the next flow finishes at current rates (inf: none in flight)."""
+        return min((f[1] / self.rate[i] for i, f in self.flows.items()), default=math.inf)
+
+    def advance(self, dt: float) -> list:
+        """Move every flow ``dt`` seconds on; the callbacks of the flows that finished."""
+        done = []
+        for i, f in list(self.flows.items()):
+            f[1] -= self.rate[i] * dt
+            if f[1] <= 1e-6 * max(1.0, self.rate[i] * 1e-9):
+                done.append(f[2])
+                del self.flows[i]
+        if done:
+            self._rates()
+        return done
+
+    def _rates(self) -> None:
+        """Progressive filling: raise every unfrozen flow's rate until a resource saturates."""
+        ids = list(self.flows)
+        if not ids:
+            self.rate = {}
+            return
+        # Every flow lists 4 resources; shorter lists are padded with the last, unlimited one.
+        res = np.array([self.flows[i][0] for i in ids], dtype=np.int64)
+        left = self.capacity.copy()
+        if self.penalty:
+            count = np.bincount(res.ravel(), minlength=len(left))
+            left /= 1 + self.penalty * np.maximum(count - 1, 0) * self.penalized
+        capacity = left.copy()
+        rate = np.zeros(len(ids))
+        live = np.ones(len(ids), dtype=bool)
+        level = 0.0
+        while live.any():
+            count = np.bincount(res[live].ravel(), minlength=len(left))
+            used = count > 0
+            share = np.full(len(left), math.inf)
+            share[used] = left[used] / count[used]
+            step = share.min()
+            if not math.isfinite(step):  # only the unlimited resource left (not reached)
+                break
+            level += step
+            left[used] -= step * count[used]
+            full = used & (left <= 1e-9 * capacity)
+            hit = live & full[res].any(1)
+            rate[hit] = level
+            live &= ~hit
+        self.rate = dict(zip(ids, rate.tolist()))
+
+
+class _Update:
+    """The sequencer of one update as callbacks on a clock (see the module doc). Every
+    callback runs at its own time (``self.now``)."""
+
+    def __init__(self, plan, cluster, oh: Overheads, depth: int):
+        self.oh, self.depth, self.num_rounds = oh, depth, plan.num_rounds
+        self.num_trainers = len(plan.trainers)
+        self.W = self.num_trainers + len(plan.rollouts)
+        places = list(plan.trainers) + list(plan.rollouts)
+        nodes = {n: k for k, n in enumerate(dict.fromkeys(p.node for p in places))}
+        self.node = [nodes[p.node] for p in places]
+        self.N = len(nodes)
+        # resources: [worker NIC out, worker NIC in, node out, node in, NVLink out, NVLink in]
+        rdma = oh.link_efficiency
+        self.net = _Network(np.concatenate([
+            np.full(2 * self.W, cluster.gpu_nic_bandwidth * rdma),
+            np.full(2 * self.N, cluster.inter_node_bandwidth * rdma),
+            np.full(2 * self.W, cluster.intra_node_bandwidth), [math.inf]]),
+            np.arange(4 * self.W + 2 * self.N + 1) < 2 * self.W + 2 * self.N, oh.flow_penalty)
+        self.unlimited = 4 * self.W + 2 * self.N
+        self.steps = _steps(plan)
+        self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.first_start = math.inf
+        self.last_end = 0.0
+        self.queue: list[list] = [[] for _ in range(self.num_trainers)]
+        self.busy = [False] * self.num_trainers
+        self.landed = [False] * self.num_rounds
+        self.issued = [False] * self.num_rounds
+
+    # -- the clock ------------------------------------------------------------------------------
+
+    def at(self, t: float, fn) -> None:
+        heapq.heappush(self.heap, (t, self.seq, fn))
+        self.seq += 1
+
+    def run(self) -> float:
+        self.maybe_send(0)
+        while self.heap or self.net.flows:
+            t_net = self.now + self.net.next_finish()
+            if self.heap and self.heap[0][0] <= t_net:
+                t, _, fn = heapq.heappop(self.heap)
+                done = self.net.advance(t - self.now)
+                self.now = t
+                for cb in done:
+                    cb()
+                fn()
+            else:
+                done = self.net.advance(t_net - self.now)
+                self.now = t_net
+                for cb in done:
+                    cb()
+        assert all(self.landed), "the model left rounds unlanded"
+        return self.last_end - self.first_start
+
+    # -- the sequencer --------------------------------------------------------------------------
+
+    def maybe_send(self, r: int) -> None:
+        """send(r) once round r - depth landed and send(r - 1) was issued."""
+        if (r >= self.num_rounds or self.issued[r] or (r >= self.depth and not
+                                                        self.landed[r - self.depth])
+                or (r > 0 and not self.issued[r - 1])):
+            return
+        self.issued[r] = True
+        if (r, RECEIVE) not in self.active:
+            self.forward(r, EXTERNAL)
+            self.maybe_send(r + 1)
+            return
+        replies = _Join(self.num_trainers, lambda: self.forward(r, EXTERNAL))
+        for i in range(self.num_trainers):
+            c = self.oh.control_s
+            self.at(self.now + c, lambda i=i, c=c: self.enqueue(i, r, replies, c))
+        self.maybe_send(r + 1)
+
+    def enqueue(self, i: int, r: int, replies: "_Join", c: float) -> None:
+        """A trainer serves its sends one at a time, in arrival order; ``c``: its reply's
+        latency."""
+        self.queue[i].append((r, replies, c))
+        if not self.busy[i]:
+            self.serve(i)
+
+    def serve(self, i: int) -> None:
+        oh = self.oh
+        r, replies, c = self.queue[i].pop(0)
+        self.busy[i] = True
+        start = self.now + oh.step_s
+        pack, writes = self.steps.get((i, r, RECEIVE), (0, ()))
+        if pack:
+            self.first_start = min(self.first_start, start)
+            start += oh.copy_fixed_s + pack / oh.copy_bandwidth
+
+        def done() -> None:
+            self.busy[i] = False
+            self.at(self.now + c, replies.arrive)
+            if self.queue[i]:
+                self.serve(i)
+        self.write(i, writes, start, done)
+
+    def forward(self, r: int, stage: int) -> None:
+        oh = self.oh
+        then = ((lambda: self.forward(r, INTERNAL)) if stage == EXTERNAL else
+                (lambda: self.land(r)))
+        if (r, stage) not in self.active:  # the sequencer issues only steps with writes
+            then()
+            return
+        R = self.W - self.num_trainers
+        replies = _Join(R, then)
+        for j in range(self.num_trainers, self.W):
+            _, writes = self.steps.get((j, r, stage), (0, ()))
+            c = oh.control_s
+            self.write(j, writes, self.now + c + oh.step_s,
+                       lambda c=c: self.at(self.now + c, replies.arrive))
+
+    def land(self, r: int) -> None:
+        oh = self.oh
+
+        def landed() -> None:
+            self.landed[r] = True
+            self.maybe_send(r + self.depth)
+        R = self.W - self.num_trainers
+        replies = _Join(R, landed)
+        for j in range(self.num_trainers, self.W):
+            received = self.steps.get((j, r, "land"), 0)
+            c = oh.control_s
+            end = self.now + c + oh.step_s
+            if received:
+                end += (received / oh.checksum_bandwidth + oh.copy_fixed_s
+                        + received / oh.copy_bandwidth)
+                self.last_end = max(self.last_end, end)
+            self.at(end + c, replies.arrive)
+
+    def write(self, w: int, writes, start: float, done) -> None:
+        """From ``start``: checksum and issue worker ``w``'s ``writes`` [(stage, dst, bytes)];
+        ``done()`` once all landed (at ``start`` when there are none)."""
+        if not writes:
+            self.at(start, done)
+            return
+        oh = self.oh
+        total = sum(n for _, _, n in writes)
+        start += total / oh.checksum_bandwidth + oh.write_s * len(writes)
+        left = [len(writes)]
+
+        def landed() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.last_end = max(self.last_end, self.now)
+                done()
+
+        def begin() -> None:
+            for stage, dst, nbytes in writes:
+                self.net.add(self.resources(stage, w, dst), nbytes, landed)
+        self.at(start, begin)
+
+    def resources(self, stage: int, src: int, dst: int) -> tuple[int, ...]:
+        W, N = self.W, self.N
+        if stage == INTERNAL:
+            return (2 * W + 2 * N + src, 3 * W + 2 * N + dst, self.unlimited, self.unlimited)
+        return (src, W + dst, 2 * W + self.node[src], 2 * W + N + self.node[dst])
+
+
+class _Join:
+    """Calls ``then()`` when the ``count``-th arrival comes in."""
+
+    def __init__(self, count: int, then):
+        self.left, self.then = count, then
+
+    def arrive(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.then()
+
+
+def _steps(plan) -> dict:
+    """(worker, round, stage) -> (bytes packed, [(stage, dst, bytes)] one write per peer);
+    (rollout, round, "land") -> bytes received. From the plan's tables, no worker plans."""
+    t = plan.tables
+    rnd, nbytes = t.round, t.nbytes.astype(np.int64)
+    out: dict = {}
+    # one write per (src, dst, stage, round): the executor merges contiguous ranges per peer
+    order = np.lexsort((t.dst, t.src, t.stage, rnd))
+    merged: dict = {}
+    for d in order.tolist():
+        k = (int(t.src[d]), int(rnd[d]), int(t.stage[d]), int(t.dst[d]))
+        merged[k] = merged.get(k, 0) + int(nbytes[d])
+    for (src, r, stage, dst), n in merged.items():
+        entry = out.setdefault((src, r, stage), [0, []])
+        entry[1].append((stage, dst, n))
+        if stage == RECEIVE:
+            entry[0] += n
+        out[(dst, r, "land")] = out.get((dst, r, "land"), 0) + n
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in out.items()}
