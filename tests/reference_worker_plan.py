@@ -3,6 +3,7 @@ the shared, all-workers builder must reproduce exactly (tests/test_worker_plans.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -62,7 +63,10 @@ def _add_copies(out: list, chunks, buffer_offset: int, overlaps, finder: "_Piece
         for start, count in _flat_boxes(overlap.region.count, chunk.start,
                                         chunk.start + chunk.count):
             for param_index, piece in targets:
-                out.append(_box(param_index, piece, overlap.region, start, count, sub))
+                box = _box(param_index, piece, overlap.region, start, count, sub)
+                if finder.dtypes[param_index] != overlap.dtype:  # pack or assemble converts
+                    box = dataclasses.replace(box, buffer_dtype=overlap.dtype)
+                out.append(box)
             sub += math.prod(count) * size
 
 

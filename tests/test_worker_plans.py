@@ -1,6 +1,8 @@
 """All workers' plans built together equal the one-worker-at-a-time reference, field by field."""
 
 import pytest
+import torch
+from test_dtype_transfer import _workers
 
 from planning_layouts import fsdp_trainer, fused_rollout, tp_trainer
 from reference_worker_plan import reference_worker_plan
@@ -21,6 +23,8 @@ def _small_layouts():
         round_bytes=128)
     yield "tp1 -> 1 engine tp2, one round", plan_transfer(
         [(tp_trainer(0, 1), Placement("t0"))], engines(1, 2), round_bytes=1 << 20)
+    # Converting boxes: float32 trainers, bfloat16 rollouts (the wire is bfloat16).
+    yield "fp32 tp2 x ep2 -> 2 bf16 engines", _workers(torch.float32, torch.bfloat16)[-1]
 
 
 def _assert_same(plan):
@@ -37,6 +41,9 @@ def _assert_same(plan):
 def test_all_workers_together_equal_the_per_worker_reference(name, plan):
     assert plan.num_rounds >= 1
     _assert_same(plan)
+    converting = {b.buffer_dtype for wp in worker_plans(plan).values() for r in wp.rounds
+                  for b in r.pack + r.assemble}
+    assert converting == ({None, "bfloat16"} if "fp32" in name else {None}), converting
 
 
 def test_p2p_plans_pack_each_box_once_as_the_reference_does():
