@@ -11,7 +11,8 @@ trainers), bit-exact on both engines.
 import threading
 
 import pytest
-from tinygroup import MODES, build, checkpoint, connect, in_threads
+import tinygroup
+from tinygroup import MODES, build, connect, in_threads
 
 from weightbridge import SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.local_control import WorkerGone
@@ -40,12 +41,7 @@ def test_a_lost_trainer_replica_is_left_out_and_its_replica_sends_for_it(mode):
     (m0, t0), (m1, t1) = trainers
 
     def send(v: int, *senders):
-        def one(model, adapter):
-            model.load_weights(checkpoint(v).items())
-            adapter.send_weights(v)
-            if ss and adapter.worker.index == 0:
-                adapter.wait_idle()
-        return [lambda m=m, a=a: one(m, a) for m, a in senders]
+        return tinygroup.send(list(senders), v, ss=ss)
 
     def polls(v: int):
         return [lambda a=a: a.wait_for_version(v) for _, a in rollouts]
