@@ -127,9 +127,11 @@ class MeshTransfer(ClosingContext):
         self.ideal_s = 0.0
         self.link_rate, self._reroute = link_rate, reroute
         self.lost_engines: set[int] = set()
-        """Engines left out after they were lost mid-update (`WorkersLost`)."""
+        """Engines out of the group: lost mid-update (`WorkersLost`) or `remove_engine`d."""
         self.lost_trainers: set[int] = set()
         """Trainers left out after they were lost mid-update (their replicas send for them)."""
+        self._generation = 0
+        """Plans made since connect (numbers the receivers' staging slots)."""
 
     @property
     def backend(self) -> str:
@@ -298,6 +300,40 @@ class MeshTransfer(ClosingContext):
                 f"update {version} failed: {what}\nevery worker still answers; the meshes are "
                 f"in an unknown state: close this MeshTransfer and start again") from e
 
+    def remove_engine(self, engine: int) -> TransferPlan:
+        """Take rollout engine ``engine`` out of the group between updates (to restart or
+        retire it): re-plan over the others from the source maps of connect (no probe); no
+        byte is sent to or through it afterwards. Returns the new plan.
+
+        Raises:
+            ValueError: no such engine, it is already out, or it is the last one.
+        """
+        if self.plan is None:
+            raise RuntimeError("call connect() before remove_engine()")
+        engines = self.rollout_spec.engines
+        if not isinstance(engine, int) or not 0 <= engine < engines:
+            raise ValueError(f"engine must be an engine number in [0, {engines}), got {engine!r}")
+        if engine in self.lost_engines:
+            raise ValueError(f"engine {engine} is already out of this group "
+                             f"(out: {sorted(self.lost_engines)})")
+        if len(self.lost_engines) + 1 == engines:
+            raise ValueError(f"engine {engine} is the last engine of this group; close the "
+                             f"MeshTransfer instead")
+        self.lost_engines.add(engine)
+        self._replan()
+        return self.plan
+
+    def _replan(self) -> None:
+        """Plan again from the source maps of connect without the engines and trainers that
+        are out, and set every live worker up on it."""
+        size = self.rollout_spec.workers_per_engine
+        excluded = frozenset(j for j in range(self.rollout_spec.num_workers)
+                             if j // size in self.lost_engines)
+        self._generation += 1
+        self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
+                             excluded_trainers=frozenset(self.lost_trainers),
+                             generation=self._generation, reroute=self._reroute))
+
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
         """Leave the ``lost`` trainers and the engines of the lost rollout workers out,
         re-plan over the others from the source maps of connect (no probe; a lost trainer's
@@ -314,16 +350,11 @@ class MeshTransfer(ClosingContext):
             if ids)
         if not survivors:
             raise TransferError(f"{what}; no engine is left: close this MeshTransfer")
-        excluded = frozenset(j for j in range(self.rollout_spec.num_workers)
-                             if j // size in self.lost_engines)
         for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
         t1 = time.perf_counter()
         try:
-            self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
-                                 excluded_trainers=frozenset(self.lost_trainers),
-                                 generation=len(self.lost_engines) + len(self.lost_trainers),
-                                 reroute=self._reroute))
+            self._replan()
             self._transfer(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
             raise TransferError(f"{what}; re-sending version {version} to the surviving "

@@ -418,3 +418,26 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
     # Found within timeout_s; then version 1 is re-sent to engine 0 and verified there.
     assert elapsed < timeout_s + report.transfer_s + report.verify_s, elapsed
     assert bootstrap_children() - before == set()
+
+
+def test_an_engine_removed_between_updates_gets_nothing_and_the_others_stay_exact(procs):
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      procs=(procs[0].slice(worker=slice(0, 2)),
+                             procs[1].slice(worker=slice(0, 2))), config=CONFIG) as mt:
+        mt.connect()
+        both = mt.update(1)
+        for bad, match in ((2, r"engine must be an engine number in \[0, 2\), got 2"),
+                           ("1", r"got '1'")):
+            with pytest.raises(ValueError, match=match):
+                mt.remove_engine(bad)
+        plan = mt.remove_engine(1)
+        assert plan is mt.plan and all(d <= {0} for d in mt._dests.values())
+        with pytest.raises(ValueError, match="engine 1 is already out"):
+            mt.remove_engine(1)
+        with pytest.raises(ValueError, match="engine 0 is the last engine"):
+            mt.remove_engine(0)
+        one = mt.update(2)
+    assert not both.mismatched and not one.mismatched, one.line()
+    assert one.num_params * 2 == both.num_params  # only engine 0 verified (and sent to)
+    assert one.rdma_bytes * 2 == both.rdma_bytes
