@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Collection
 
 from monarch.actor import this_host
 
@@ -132,6 +133,10 @@ class MeshTransfer(ClosingContext):
         """Trainers left out after they were lost mid-update (their replicas send for them)."""
         self._generation = 0
         """Plans made since connect (numbers the receivers' staging slots)."""
+        self._tensors: frozenset[str] | None = None
+        """The checkpoint tensors the plan in force moves (None: all)."""
+        self._held: dict[str, int] | None = None
+        """Per checkpoint tensor, the version the rollouts hold (None before any update)."""
 
     @property
     def backend(self) -> str:
@@ -197,13 +202,11 @@ class MeshTransfer(ClosingContext):
                 worker allocates a buffer.
         """
         self._maps, connected = connect_group(self.control, self.config, reroute=self._reroute)
+        self.links = ({"configured": self.link_rate} if self.link_rate else {})
         self._use(connected)
-        self.links = ({"configured": self.link_rate} if self.link_rate else
-                      self._probe_links())
-        egress = self.link_rate or self.links["trainer->rollout"]
-        self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,
-                           rollout_node_bandwidth=self.link_rate or self.links.get(
-                               "rollout->rollout", egress))
+        if not self.link_rate:
+            self.links = self._probe_links()
+            self._use(connected)  # Eq. (1) from the probed links
         return self.plan
 
     def _use(self, connected) -> None:
@@ -211,6 +214,11 @@ class MeshTransfer(ClosingContext):
         self.connected, self.plan = connected, connected.plan
         self.num_handles = connected.num_handles
         self._dests = write_dests(self.plan.worker_plans().values())
+        if self.links:
+            egress = self.link_rate or self.links["trainer->rollout"]
+            self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,
+                               rollout_node_bandwidth=self.link_rate or self.links.get(
+                                   "rollout->rollout", egress))
 
     def _probe_links(self) -> dict[str, float]:
         """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
@@ -239,31 +247,70 @@ class MeshTransfer(ClosingContext):
 
     # -- one update -----------------------------------------------------------------------------
 
-    def update(self, version: int) -> UpdateReport:
+    def update(self, version: int, changed: Collection[str] | None = None) -> UpdateReport:
         """Train step, transfer every round, verify every rollout parameter by checksum.
 
+        ``changed``: a delta update: the checkpoint tensors whose values change in this
+        version (the others keep the version they hold). Only their bytes move, over a plan
+        restricted to them (made on the first such update, kept while the same set follows;
+        another set, or a full update, re-plans from the kept maps). The first update is full.
+
         Raises:
+            ValueError: ``changed`` names tensors the workers do not read, or comes before
+                any full update (before anything moves).
             TransferError: a worker failed, died or stalled during the transfer.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before update()")
+        versions = self._versions_of(version, changed)
         t0 = time.perf_counter()
-        for f in [mesh.train_step.call(version) for _, mesh in self._live("trainer")]:
+        for f in [mesh.train_step.call(versions) for _, mesh in self._live("trainer")]:
             f.get()
         t1 = time.perf_counter()
-        try:
-            self._transfer(version)
-        except _Lost as lost:
-            self._recover(version, lost.workers, lost.cause, t1 - t0)
-        return self._report(version, t1 - t0, t1)
+        tensors = None if changed is None else frozenset(changed)
+        if tensors != self._tensors and tensors != frozenset():
+            self._tensors = tensors
+            self._replan()
+        if tensors != frozenset():  # nothing changed: nothing moves
+            try:
+                self._transfer(version)
+            except _Lost as lost:
+                self._recover(version, lost.workers, lost.cause, t1 - t0, versions)
+        self._held = versions if isinstance(versions, dict) else dict.fromkeys(
+            self._read_tensors(), version)
+        return self._report(versions, t1 - t0, t1, moved=tensors != frozenset())
 
-    def _report(self, version: int, train_step_s: float, t1: float) -> UpdateReport:
+    def _read_tensors(self) -> list[str]:
+        """Every checkpoint tensor some worker reads."""
+        maps = self._maps.trainers + self._maps.rollouts
+        return sorted({p.region.tensor for m, _ in maps for p in m.pieces})
+
+    def _versions_of(self, version: int, changed) -> int | dict[str, int]:
+        """What each tensor holds after this update: ``version``, or tensor -> version."""
+        if changed is None:
+            return version
+        if isinstance(changed, str):
+            raise ValueError(f"changed must be a collection of tensor names, got the string "
+                             f"{changed!r}; pass [{changed!r}]")
+        if self._held is None:
+            raise ValueError("the first update must be full (changed=None): the rollouts "
+                             "hold no version of the trainers' weights yet")
+        unknown = sorted(set(changed) - set(self._held))
+        if unknown:
+            raise ValueError(f"changed names {len(unknown)} tensors no worker reads: "
+                             f"{unknown[:4]}{' and more' if len(unknown) > 4 else ''}; name "
+                             f"checkpoint tensors (e.g. {sorted(self._held)[:2]})")
+        return {t: version if t in changed else v for t, v in self._held.items()}
+
+    def _report(self, versions, train_step_s: float, t1: float, *,
+                moved: bool = True) -> UpdateReport:
         """Spans and verification of the update that just ended, on the live workers."""
         t2 = time.perf_counter()
+        version = versions if isinstance(versions, int) else max(versions.values())
         live = {side: self._live(side) for side in ("trainer", "rollout")}
         span_f = [(side, first, mesh.timings.call()) for side, runs in live.items()
                   for first, mesh in runs]
-        check_f = [mesh.checksums.call(version) for _, mesh in live["rollout"]]
+        check_f = [mesh.checksums.call(versions) for _, mesh in live["rollout"]]
         spans = {(side, first + p.rank): s for side, first, f in span_f
                  for p, s in f.get().items()}
         results = [r for f in check_f for r in _by_rank(f.get())]
@@ -272,8 +319,9 @@ class MeshTransfer(ClosingContext):
         t3 = time.perf_counter()
         sent, _ = self.plan.stage_bytes()
         return UpdateReport(version=version, train_step_s=train_step_s, transfer_s=t2 - t1,
-                            verify_s=t3 - t2, rdma_bytes=int(sent.sum()), num_params=count,
-                            mismatched=bad, timing=update_timing(spans, self._dests),
+                            verify_s=t3 - t2, rdma_bytes=int(sent.sum()) if moved else 0,
+                            num_params=count, mismatched=bad,
+                            timing=update_timing(spans, self._dests) if moved else None,
                             ideal_s=self.ideal_s)
 
     def _transfer(self, version: int) -> None:
@@ -332,9 +380,11 @@ class MeshTransfer(ClosingContext):
         self._generation += 1
         self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
                              excluded_trainers=frozenset(self.lost_trainers),
-                             generation=self._generation, reroute=self._reroute))
+                             generation=self._generation, reroute=self._reroute,
+                             tensors=self._tensors))
 
-    def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
+    def _recover(self, version: int, lost: list, cause: str, train_step_s: float,
+                 versions=None) -> None:
         """Leave the ``lost`` trainers and the engines of the lost rollout workers out,
         re-plan over the others from the source maps of connect (no probe; a lost trainer's
         regions then come from its replicas), re-send ``version`` (the trainers still hold
@@ -360,7 +410,7 @@ class MeshTransfer(ClosingContext):
             raise TransferError(f"{what}; re-sending version {version} to the surviving "
                                 f"engines {survivors} failed too ({type(e).__name__}: {e}): "
                                 f"close this MeshTransfer and start again") from e
-        report = self._report(version, train_step_s, t1)
+        report = self._report(version if versions is None else versions, train_step_s, t1)
         raise WorkersLost(f"{what}; version {version} was re-sent over a new plan to the "
                           f"surviving engines {survivors}, which hold it whole "
                           f"({report.line().splitlines()[0]}); the next update() goes to "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib
+import itertools
 import time
 from typing import Mapping
 
@@ -94,9 +95,18 @@ class _WorkerActor(Actor):
         self.worker = group.worker(self.side, p.params, p.load_weights, p.spec,
                                    placement=self._placement(), cls=self.worker_class)
 
-    def _checkpoint(self, version: int):
+    def _checkpoint(self, version: int | Mapping[str, int]):
+        """The checkpoint this rank reads, of ``version``, or of each tensor's own version
+        (tensor -> version: after delta updates, tensors hold the version they last changed
+        in)."""
         names = self.worker.source_map.tensors() if self.worker.source_map else None
-        return self.parts.checkpoint(version, names)
+        if isinstance(version, int):
+            return self.parts.checkpoint(version, names)
+        by_version: dict[int, list[str]] = {}
+        for name in (version if names is None else names):
+            by_version.setdefault(version[name], []).append(name)
+        return itertools.chain.from_iterable(self.parts.checkpoint(v, ns)
+                                             for v, ns in by_version.items())
 
     @endpoint
     async def timings(self) -> list[tuple[str, int, int, int]]:
@@ -134,7 +144,7 @@ class TrainerActor(_WorkerActor):
 
     def _train_step(self, version: int) -> None:
         with torch.no_grad():
-            if self.parts.train_step is not None:
+            if self.parts.train_step is not None and isinstance(version, int):
                 self.parts.train_step(version)
             else:
                 self.parts.load_weights(self._checkpoint(version))

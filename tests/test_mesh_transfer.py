@@ -441,3 +441,30 @@ def test_an_engine_removed_between_updates_gets_nothing_and_the_others_stay_exac
     assert not both.mismatched and not one.mismatched, one.line()
     assert one.num_params * 2 == both.num_params  # only engine 0 verified (and sent to)
     assert one.rdma_bytes * 2 == both.rdma_bytes
+
+
+def test_a_delta_update_moves_only_the_changed_tensors_bit_exact(procs):
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      procs=(procs[0].slice(worker=slice(0, 2)),
+                             procs[1].slice(worker=slice(0, 2))), config=CONFIG) as mt:
+        mt.connect()
+        with pytest.raises(ValueError, match="the first update must be full"):
+            mt.update(1, changed=["model.norm.weight"])
+        full = mt.update(1)
+        tensors = mt._read_tensors()
+        changed = [t for t in tensors if ".mlp.experts.0." in t or t == "model.norm.weight"]
+        with pytest.raises(ValueError, match=r"no worker reads: \['nope'\]"):
+            mt.update(2, changed=changed + ["nope"])
+        with pytest.raises(ValueError, match="got the string"):
+            mt.update(2, changed="model.norm.weight")
+        delta = mt.update(2, changed=changed)
+        plan = mt.plan
+        again = mt.update(3, changed=changed)  # the same set: the same plan, no re-plan
+        assert mt.plan is plan
+        nothing = mt.update(4, changed=[])
+        last = mt.update(5)
+    for r in (full, delta, again, nothing, last):
+        assert not r.mismatched and r.num_params == full.num_params, r.line()
+    assert 0 < delta.rdma_bytes == again.rdma_bytes < full.rdma_bytes / 4
+    assert nothing.rdma_bytes == 0 and last.rdma_bytes == full.rdma_bytes

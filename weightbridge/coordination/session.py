@@ -87,8 +87,8 @@ def probe_group(control: ControlPlane) -> GroupMaps:
 def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,
                excluded: frozenset[int] = frozenset(),
                excluded_trainers: frozenset[int] = frozenset(), generation: int = 0,
-               reroute: Callable[[TransferPlan], TransferPlan] | None = None
-               ) -> ConnectedGroup:
+               reroute: Callable[[TransferPlan], TransferPlan] | None = None,
+               tensors: frozenset[str] | None = None) -> ConnectedGroup:
     """Plan from ``maps`` and set every worker up on it: buffers, registered ranges, handles.
 
     Rollout workers whose index is in ``excluded`` get an empty source map, so no byte is
@@ -96,11 +96,14 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     ``excluded_trainers``, whose regions then come from the replicas that hold them too
     (`LayoutError`, naming what no trainer holds, if none does). ``generation`` numbers the receivers'
     staging slots (a re-plan keeps a slot an engine is installing from). ``reroute`` rewrites
-    the plan before it is handed out (the same-data-plane P2P ablation).
+    the plan before it is handed out (the same-data-plane P2P ablation). ``tensors`` restricts
+    the plan to those checkpoint tensors (a delta update: the others stay as they are).
     """
-    trainer_maps = _emptied(maps.trainers, excluded_trainers)
-    plan = plan_transfer(trainer_maps, _emptied(maps.rollouts, excluded),
-                         round_bytes=config.round_bytes)
+    planned = maps if tensors is None else GroupMaps(
+        *(tuple((_restricted(m, tensors), p) for m, p in side)
+          for side in (maps.trainers, maps.rollouts)))
+    plan = plan_transfer(_emptied(planned.trainers, excluded_trainers),
+                         _emptied(planned.rollouts, excluded), round_bytes=config.round_bytes)
     if reroute is not None:
         plan = reroute(plan)
     plans = plan.worker_plans()
@@ -119,8 +122,19 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
-                          replicas=replica_sets(trainer_maps) if config.checksums else (),
+                          # Replicas by their whole maps (a delta plan's are partial).
+                          replicas=(replica_sets(_emptied(maps.trainers, excluded_trainers))
+                                    if config.checksums else ()),
                           param_names=tuple(_compared(smap) for smap, _ in maps.trainers))
+
+
+def _restricted(smap: SourceMap, tensors: frozenset[str]) -> SourceMap:
+    """``smap`` with only the pieces of ``tensors``, and only the parameters they reach."""
+    pieces = tuple(p for p in smap.pieces if p.region.tensor in tensors)
+    reached = {p.param for p in pieces}
+    return dataclasses.replace(
+        smap, pieces=pieces, params=tuple(p for p in smap.params if p.name in reached),
+        unsourced=tuple(u for u in smap.unsourced if u[0] in reached), unused=())
 
 
 def _emptied(maps, excluded: frozenset[int]) -> list:
