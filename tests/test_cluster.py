@@ -59,10 +59,13 @@ def test_cluster_is_torn_down_after_an_error():
 
 @pytest.mark.mesh
 def test_cluster_run_is_torn_down_on_ctrl_c():
+    # As from a terminal: a run started from a background job inherits SIGINT ignored (and
+    # Python then installs no KeyboardInterrupt handler), so give the child the default.
     proc = subprocess.Popen([sys.executable, "-m", "controller.cluster", "run", "--hosts", "2",
                              "--link-mbit", "200", "--", "sleep", "120"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not any("sleep 120" in p for p in subprocess.run(
