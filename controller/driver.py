@@ -135,6 +135,7 @@ class MeshTransfer(ClosingContext, Membership):
         """Plans made since connect (numbers the receivers' staging slots)."""
         self._tensors: frozenset[str] | None = None
         """The checkpoint tensors the plan in force moves (None: all)."""
+        self._tensor_names: list[str] | None = None
         self._held: dict[str, int] | None = None
         """Per checkpoint tensor, the version the rollouts hold (None before any update)."""
 
@@ -281,9 +282,11 @@ class MeshTransfer(ClosingContext, Membership):
         return self._report(versions, t1 - t0, t1, moved=tensors != frozenset())
 
     def _read_tensors(self) -> list[str]:
-        """Every checkpoint tensor some worker reads."""
-        maps = self._maps.trainers + self._maps.rollouts
-        return sorted({p.region.tensor for m, _ in maps for p in m.pieces})
+        """Every checkpoint tensor some worker reads (walked once: the maps never change)."""
+        if self._tensor_names is None:
+            maps = self._maps.trainers + self._maps.rollouts
+            self._tensor_names = sorted({p.region.tensor for m, _ in maps for p in m.pieces})
+        return self._tensor_names
 
     def _versions_of(self, version: int, changed) -> int | dict[str, int]:
         """What each tensor holds after this update: ``version``, or tensor -> version."""

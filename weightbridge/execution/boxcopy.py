@@ -168,7 +168,7 @@ def _buffer_dtypes(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor],
     converting = torch.zeros(len(copies), dtype=torch.bool)
     buffer_itemsize = itemsize.clone()
     for i, c in enumerate(copies):
-        name = getattr(c, "buffer_dtype", None)
+        name = c.buffer_dtype
         if name is None:
             continue
         have = str(tensors[c.tensor].dtype).removeprefix("torch.")
@@ -357,11 +357,11 @@ class TorchCopyKernels:
         """The box's tensor elements: as integers (bits) for a plain box, as floats for a
         converting one (torch's cast rounds to nearest even)."""
         t = table.tensors[copy.tensor].detach()
-        if getattr(copy, "buffer_dtype", None) is None:
+        if copy.buffer_dtype is None:
             t = t.view(INT_DTYPES[t.element_size()])
         return box_view(t, copy)
 
     @staticmethod
     def _buffer_dtype(copy: BoxCopy, view: torch.Tensor) -> torch.dtype:
-        name = getattr(copy, "buffer_dtype", None)
+        name = copy.buffer_dtype
         return view.dtype if name is None else getattr(torch, name)
