@@ -118,7 +118,14 @@ class MeshTransfer(ClosingContext, Membership):
         self._given_procs = procs
         self._actor_classes = (trainer_actor, rollout_actor)
         self._owned: list = []
+        """Procs spawned here (stopping them stops everything on them)."""
         self._actors: list = []
+        self._foreign: list = []
+        """Actor meshes on procs this object did not spawn (stopped one by one)."""
+        self._rollout_meshes: list[tuple[int, object]] = []
+        """(first flat rank, actor mesh) of the rollouts: the first mesh, then each joined
+        engine's (`add_engine`)."""
+        self._joined_procs: list = []
         self.group: TransferGroup | None = None
         self.plan: TransferPlan | None = None
         self.spawn_s = 0.0
@@ -162,6 +169,9 @@ class MeshTransfer(ClosingContext, Membership):
         self._actors.append(self.trainers)
         self.rollouts = rp.spawn("rollout", rollout_cls, self.workers, self.rollout_spec)
         self._actors.append(self.rollouts)
+        self._rollout_meshes = [(0, self.rollouts)]
+        if self._given_procs is not None:
+            self._foreign += self._actors
         self.group = TransferGroup.spawn(tp, rp, engine_size=self.rollout_spec.workers_per_engine,
                                          config=self.config)
         self.control = MeshControl(self.group)
@@ -174,23 +184,38 @@ class MeshTransfer(ClosingContext, Membership):
         """Stop the actors and agents, and the procs if this object spawned them. Safe to
         call twice."""
         errors = []
-        if self.group is not None and not self._owned:
+        if self.group is not None and self._foreign:
             # Procs outlive this object: release the workers so the procs free their buffers.
             try:
                 self.group.close()
             except Exception as e:  # keep stopping the actors; re-raised below
                 errors.append(e)
         self.group = None
-        meshes = self._owned if self._owned else self._actors
-        for mesh in meshes:
+        for mesh in self._foreign + self._owned:
             try:
                 mesh.stop().get(timeout=60)
             except Exception as e:  # keep stopping the others; re-raised below
                 errors.append(e)
-        self._owned, self._actors = [], []
+        self._owned, self._actors, self._foreign = [], [], []
         if errors:
             raise RuntimeError(f"stopping the meshes failed: {errors}; look for leftover "
                                f"bootstrap_main processes with ps") from errors[0]
+
+    def _spawn_engine(self, procs, spec: RolloutSpec, first: int):
+        """Actors of one joining engine (flat ranks from ``first``) on ``procs``, or on procs
+        spawned on this host."""
+        owned = procs is None
+        if owned:
+            procs = this_host().spawn_procs(per_host={"worker": spec.workers_per_engine},
+                                            name=f"rollout-e{spec.engines - 1}")
+            self._owned.append(procs)
+        actors = procs.spawn("rollout", self._actor_classes[1], self.workers, spec, first)
+        if not owned:
+            self._foreign.append(actors)
+        self._actors.append(actors)
+        self._joined_procs.append(procs)
+        self._rollout_meshes.append((first, actors))
+        return actors
 
     # -- connect --------------------------------------------------------------------------------
 
@@ -316,9 +341,7 @@ class MeshTransfer(ClosingContext, Membership):
         check_f = [mesh.checksums.call(versions) for _, mesh in live["rollout"]]
         spans = {(side, first + p.rank): s for side, first, f in span_f
                  for p, s in f.get().items()}
-        results = [r for f in check_f for r in _by_rank(f.get())]
-        ranks = [first + i for first, mesh in live["rollout"] for i in range(int(mesh.size()))]
-        count, bad = mismatches(results, ranks)
+        count, bad = self._verify(live["rollout"], versions, check_f)
         t3 = time.perf_counter()
         sent, _ = self.plan.stage_bytes()
         return UpdateReport(version=version, train_step_s=train_step_s, transfer_s=t2 - t1,
@@ -326,6 +349,14 @@ class MeshTransfer(ClosingContext, Membership):
                             num_params=count, mismatched=bad,
                             timing=update_timing(spans, self._dests) if moved else None,
                             ideal_s=self.ideal_s)
+
+    def _verify(self, runs, versions, futures=None) -> tuple[int, tuple[str, ...]]:
+        """(parameters compared, mismatches) of the rollouts in ``runs`` ((first rank, actor
+        mesh) pairs) against their own load_weights of ``versions``."""
+        futures = futures or [mesh.checksums.call(versions) for _, mesh in runs]
+        results = [r for f in futures for r in _by_rank(f.get())]
+        ranks = [first + i for first, mesh in runs for i in range(int(mesh.size()))]
+        return mismatches(results, ranks)
 
     def _transfer(self, version: int) -> None:
         """Every round of one update; returns once every rollout landed its last round.

@@ -1,26 +1,108 @@
-"""Who is in a controller-driven group: live ranks, engines taken out, recovery from losses.
+"""Who is in a controller-driven group: engines joining and leaving, recovery from losses.
 
 Mixed into `controller.driver.MeshTransfer` (it uses the transfer's specs, maps, control plane
-and plan). An engine is out when it was lost mid-update (`WorkersLost`) or taken out with
-`remove_engine`; a trainer when it was lost (its replicas then send its regions). Each change
-re-plans from the source maps of connect, without probing; the plan in force only ever routes
-bytes between live workers.
+and plan). An engine joins with `add_engine`: only it is probed, the plan in force is extended
+with rounds that carry it its weights (`weightbridge.planning.extend`: the other engines keep
+their tables and buffers), and it receives the version the others hold before `add_engine`
+returns. An engine is out when it was lost mid-update (`WorkersLost`) or taken out with
+`remove_engine`; a trainer when it was lost (its replicas then send its regions). Leaving and
+recovery re-plan the whole group from the kept source maps, without probing, as `replan` does
+(which also folds joined engines into one non-redundant plan); the plan in force only ever
+routes bytes between live workers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from controller.report import TransferError, WorkersLost
+from controller.report import JoinReport, TransferError, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import TransferPlan
-from weightbridge.coordination.session import plan_group
+from weightbridge.coordination.session import join_group, plan_group, run_update
 
 
 class Membership:
-    """`remove_engine`, the recovery after a loss, and the live ranks of each side."""
+    """`add_engine`, `remove_engine`, `replan`, the recovery after a loss, and the live ranks
+    of each side."""
+
+    def add_engine(self, procs=None) -> JoinReport:
+        """Add a rollout engine to the running group, between updates, without a new group.
+
+        Spawns its procs on this host (or uses ``procs``: one engine's worth, e.g. on hosts
+        attached later), its actors and the transfer agents; probes only its workers; extends
+        the plan in force with rounds from the trainers to it alone (every other engine keeps
+        its tables, buffers and registered ranges); then moves the version the other engines
+        hold into it and verifies it, so it holds a whole version before this returns. Its
+        engine number is the next one; later updates include it.
+
+        Raises:
+            ValueError: ``procs`` of another size than an engine.
+            LayoutError: the engine loads another checkpoint or needs what no trainer holds
+                (before any of its buffers exist).
+            TransferError: the catch-up transfer failed or did not verify.
+        """
+        if self.plan is None:
+            raise RuntimeError("call connect() before add_engine()")
+        spec = self.rollout_spec
+        size, first, engine = spec.workers_per_engine, spec.num_workers, spec.engines
+        if procs is not None and int(procs.size()) != size:
+            raise ValueError(f"add_engine got {int(procs.size())} procs; an engine of this "
+                             f"group has {size} workers (nodes x gpus of the rollout spec)")
+        t0 = time.perf_counter()
+        grown = dataclasses.replace(spec, engines=engine + 1)
+        actors = self._spawn_engine(procs, grown, first)
+        group = self.group.add_engines(self._joined_procs[-1])
+        actors.attach.call(group).get()
+        self.group, self.rollout_spec = group, grown
+        self.control.use(group)
+        t1 = time.perf_counter()
+        before = self.plan.num_rounds
+        if self._tensors is not None:  # a delta plan: the next update plans its own set
+            self._tensors = frozenset({"(re-plan after a join)"})
+        self._maps, connected = join_group(self.control, self._maps, self.connected,
+                                           self.config, generation=self._generation)
+        self._use(connected)
+        t2 = time.perf_counter()
+        count, bad, moved = 0, (), 0
+        if self._held is not None:
+            deadline = self.config.timeout_s * (self.plan.num_rounds - before + 2)
+            try:
+                run_update(self.control, self.connected, first_round=before,
+                           deadline_s=deadline)
+            except Exception as e:  # noqa: BLE001  (the others hold their version untouched)
+                raise TransferError(f"engine {engine} joined the plan but moving the current "
+                                    f"weights into it failed ({type(e).__name__}: {e}); the "
+                                    f"other engines are untouched: remove_engine({engine}) and "
+                                    f"try again") from e
+            sent, _ = self.plan.stage_bytes()
+            moved = int(sent.sum() - self._sent_before(before))
+            count, bad = self._verify([(first, actors)], self._held)
+            for _, mesh in self._live("trainer") + self._live("rollout"):
+                mesh.timings.call().get()  # the catch-up's spans are not the next update's
+        t3 = time.perf_counter() if self._held is not None else t2  # (0: nothing to catch up)
+        report = JoinReport(engine=engine, spawn_s=t1 - t0, plan_s=t2 - t1, catch_up_s=t3 - t2,
+                            rdma_bytes=moved, num_params=count, mismatched=bad,
+                            num_rounds=(before, self.plan.num_rounds))
+        if bad:
+            raise TransferError(f"{report.line()}: {list(bad[:4])}")
+        return report
+
+    def _sent_before(self, num_rounds: int) -> int:
+        """Bytes of the plan in force written in its first ``num_rounds`` rounds."""
+        t = self.plan.tables
+        return int(t.real_bytes[t.round < num_rounds].sum())
+
+    def replan(self) -> TransferPlan:
+        """Plan the whole group again from the source maps of connect and joins (no probe):
+        one non-redundant plan over every live engine, where joins had appended theirs. Every
+        live worker is set up again. Returns the new plan."""
+        if self.plan is None:
+            raise RuntimeError("call connect() before replan()")
+        self._replan()
+        return self.plan
 
     def remove_engine(self, engine: int) -> TransferPlan:
         """Take rollout engine ``engine`` out of the group between updates (to restart or
@@ -92,25 +174,30 @@ class Membership:
                           report)
 
     def _live(self, side: str) -> list[tuple[int, object]]:
-        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side."""
+        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side,
+        within each actor mesh (the first one and each joined engine's)."""
         if side == "trainer":
-            mesh, num, size, lost = (self.trainers, self.trainer_spec.num_workers, 1,
-                                     self.lost_trainers)
+            meshes, size, lost = [(0, self.trainers)], 1, self.lost_trainers
         else:
-            mesh, num = self.rollouts, self.rollout_spec.num_workers
+            meshes = self._rollout_meshes
             size, lost = self.rollout_spec.workers_per_engine, self.lost_engines
-        runs: list[list[int]] = []
-        for unit in range(num // size):  # an engine of rollouts, a trainer
-            if unit in lost:
+        out = []
+        for first, mesh in meshes:
+            num = int(mesh.size())
+            runs: list[list[int]] = []
+            for unit in range(first // size, (first + num) // size):  # an engine, a trainer
+                if unit in lost:
+                    continue
+                if runs and runs[-1][1] == unit * size:
+                    runs[-1][1] += size
+                else:
+                    runs.append([unit * size, (unit + 1) * size])
+            if runs == [[first, first + num]]:
+                out.append((first, mesh))
                 continue
-            if runs and runs[-1][1] == unit * size:
-                runs[-1][1] += size
-            else:
-                runs.append([unit * size, (unit + 1) * size])
-        if runs == [[0, num]]:
-            return [(0, mesh)]
-        flat = mesh.flatten("rank")
-        return [(a, flat.slice(rank=slice(a, b))) for a, b in runs]
+            flat = mesh.flatten("rank")
+            out += [(a, flat.slice(rank=slice(a - first, b - first))) for a, b in runs]
+        return out
 
 
 class Lost(Exception):

@@ -1,7 +1,7 @@
 """What an update of the controller reports, and how it fails.
 
 `UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
-timing of every worker); `TransferError` what it raises when an update fails, and
+timing of every worker), `JoinReport` what `MeshTransfer.add_engine` does; `TransferError` what it raises when an update fails, and
 `WorkersLost` when workers were lost and left out while the surviving engines hold the version.
 """
 
@@ -73,3 +73,33 @@ class UpdateReport:
         return (f"EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  ideal {self.ideal_s:.4f}s  "
                 f"EWTT/ideal {ratio}  pack+assemble {100 * mean:.1f}% of EWTT per worker "
                 f"(busiest {100 * peak:.1f}%)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JoinReport:
+    """What `MeshTransfer.add_engine` did (seconds, wall clock on the controller)."""
+
+    engine: int
+    """The joined engine's number."""
+    spawn_s: float
+    """Its procs (when spawned here), actors and transfer agents."""
+    plan_s: float
+    """Probing only its workers, extending the plan, setting up only it and the trainers."""
+    catch_up_s: float
+    """Moving the version the other engines hold into it alone (0: no update yet)."""
+    rdma_bytes: int
+    """Bytes the catch-up wrote (the joined engine's share of the model)."""
+    num_params: int
+    """Its parameters compared after the catch-up."""
+    mismatched: tuple[str, ...]
+    num_rounds: tuple[int, int]
+    """Rounds of the plan before and after the join (the appended ones carry only it)."""
+
+    def line(self) -> str:
+        verdict = (f"all {self.num_params} of its parameters bit-identical to their own "
+                   f"load_weights" if not self.mismatched else
+                   f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters")
+        return (f"engine {self.engine} joined: spawn {self.spawn_s:.2f}s  probe+plan+setup "
+                f"{self.plan_s:.3f}s  catch-up {self.catch_up_s:.3f}s "
+                f"({self.rdma_bytes / 1e6:.2f} MB, rounds {self.num_rounds[0]} -> "
+                f"{self.num_rounds[1]})  | {verdict}")

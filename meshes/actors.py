@@ -66,8 +66,10 @@ class _WorkerActor(Actor):
     worker_class = TransferWorker
     """The worker the group builds for this rank (tests substitute faulty subclasses)."""
 
-    def __init__(self, factory: str, spec: TrainerSpec | RolloutSpec):
-        self.index = current_rank().rank
+    def __init__(self, factory: str, spec: TrainerSpec | RolloutSpec, first_rank: int = 0):
+        # ``first_rank``: the flat rank of this mesh's first actor in its side (an engine
+        # that joined later runs on procs of its own).
+        self.index = first_rank + current_rank().rank
         if not torch.cuda.is_available():
             # CPU workers: every proc of both meshes shares this host's cores, and torch's
             # default of one thread per core per process oversubscribes them many times over.

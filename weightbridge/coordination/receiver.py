@@ -235,6 +235,8 @@ class ReceiverAdapter(AdapterWorker):
         """Round r landed (every stage): checked, then into the parameters, or into this
         engine's slot."""
         slot = (slots or {}).get(self.engine)
+        if self.beyond(r):
+            return
         if slot is None:
             super().on_land(r, expected=expected)  # into the parameters (this worker waits)
         else:

@@ -57,8 +57,11 @@ def active_steps(plans: Iterable[WorkerPlan]) -> frozenset:
     return frozenset(active)
 
 
-async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, depth: int) -> None:
-    """Run every round of one update; returns once the last round has landed everywhere.
+async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, depth: int, *,
+                     first: int = 0) -> None:
+    """Run every round of one update from round ``first`` on (the rounds before it are
+    skipped: a join's catch-up runs only the rounds it appended); returns once the last round
+    has landed everywhere.
 
     Raises:
         StepFailed: a step raised (the first failure; the other steps are cancelled).
@@ -76,6 +79,9 @@ async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, dept
             raise StepFailed(f"round {r}, {what}: {text[:600]}") from e
 
     async def run(r: int) -> None:
+        if r < first:
+            sent_issued[r].set()
+            return
         if r >= depth:
             await landed[r - depth]
         if r > 0:

@@ -10,7 +10,8 @@ any driver of a `ControlPlane`.
         the round sequencer (`weightbridge.coordination.sequencer`) over SEND_ROUND / FORWARD / LAND
 
 Probing and planning happen once per group; `plan_group` alone re-plans from the kept maps
-(a lost engine left out) without probing again.
+(a lost engine left out) without probing again, and `join_group` probes only the engines that
+join and extends the plan in force for them (`weightbridge.planning.extend`).
 
 Typical usage::
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from weightbridge.config import TransferConfig
@@ -31,6 +32,7 @@ from weightbridge.coordination.sequencer import active_steps, run_rounds
 from weightbridge.coordination.worker import ReplicaMismatch
 from weightbridge.errors import LayoutError
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
+from weightbridge.planning.extend import extend_plan
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
 
@@ -42,6 +44,8 @@ class GroupMaps:
 
     trainers: tuple[tuple[SourceMap, Placement], ...]
     rollouts: tuple[tuple[SourceMap, Placement], ...]
+    spec: CheckpointSpec | None = None
+    """The checkpoint every worker reads (a joining engine must read it too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +68,9 @@ class ConnectedGroup:
     param_names: tuple[tuple[str | None, ...], ...] = ()
     """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer (None:
     not compared)."""
+    handles: dict = field(default_factory=dict)
+    """(rollout, range) -> its registered handle: the writers' `PeerCall.SET_PEERS` table
+    (kept, so a join hands the trainers the old rollouts' handles again)."""
 
 
 def probe_group(control: ControlPlane) -> GroupMaps:
@@ -81,7 +88,7 @@ def probe_group(control: ControlPlane) -> GroupMaps:
     check_same_checkpoint([spec for _, _, spec in found[:len(ts)]],
                           [spec for _, _, spec in found[len(ts):]])
     pairs = tuple((smap, placement) for smap, placement, _ in found)
-    return GroupMaps(pairs[:len(ts)], pairs[len(ts):])
+    return GroupMaps(pairs[:len(ts)], pairs[len(ts):], found[0][2])
 
 
 def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,
@@ -125,7 +132,53 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
                           # Replicas by their whole maps (a delta plan's are partial).
                           replicas=(replica_sets(_emptied(maps.trainers, excluded_trainers))
                                     if config.checksums else ()),
-                          param_names=tuple(_compared(smap) for smap, _ in maps.trainers))
+                          param_names=tuple(_compared(smap) for smap, _ in maps.trainers),
+                          handles=handles)
+
+
+def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
+               config: TransferConfig, *, generation: int = 0
+               ) -> tuple[GroupMaps, ConnectedGroup]:
+    """Plan in the rollout workers ``control`` has beyond ``maps`` (engines that joined,
+    `TransferGroup.add_engines`): probe only them, extend the plan in force with rounds that
+    carry them their weights (`extend_plan`), set up only them and the trainers.
+
+    The old rollouts keep their tables, buffers, registered ranges and handles, and have no
+    part in the appended rounds; their next update is the same as before, plus the new
+    rounds' steps they skip. ``run_update(..., first_round=group.plan.num_rounds)`` on the
+    result moves the trainers' weights into the joining workers alone.
+
+    Raises:
+        ValueError: a joining worker in the wrong engine; nothing joined.
+        LayoutError: a joining worker reads another checkpoint, or needs elements no live
+            trainer holds; either way before any buffer exists.
+    """
+    joining = rollouts(control)[len(maps.rollouts):]
+    if not joining:
+        raise ValueError("no rollout worker joined: grow the group with "
+                         "TransferGroup.add_engines first")
+    found = control.call(joining, PeerCall.SOURCE_MAP)
+    check_engines(control, [placement for _, placement, _ in found], first=joining[0].index)
+    check_same_checkpoint([maps.spec], [spec for _, _, spec in found],
+                          first=joining[0].index)
+    pairs = tuple((smap, placement) for smap, placement, _ in found)
+    plan = extend_plan(group.plan, pairs)
+    ts = list(group.live_trainers or trainers(control))
+    plans = plan.worker_plans(ts + joining)
+    ranges = incoming_ranges(plans.values(), config.depth)
+    found = control.call_each(joining, PeerCall.SETUP, [
+        (plans[w], sorted(ranges.get(w, ())), generation) for w in joining])
+    handles = {**group.handles,
+               **{(w, key): h for w, hs in zip(joining, found) for key, h in hs.items()}}
+    control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
+    control.call_each(ts + joining, PeerCall.SET_PEERS, [
+        ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
+        for w in ts + joining])
+    grown = dataclasses.replace(maps, rollouts=maps.rollouts + pairs)
+    return grown, dataclasses.replace(
+        group, plan=plan, active=group.active | active_steps(plans.values()),
+        live_rollouts=group.live_rollouts + tuple(joining), num_handles=len(handles),
+        handles=handles)
 
 
 def _restricted(smap: SourceMap, tensors: frozenset[str]) -> SourceMap:
@@ -229,12 +282,13 @@ class ControlSteps:
 
 def run_update(control: ControlPlane, group: ConnectedGroup, *,
                slots: Mapping[int, int] | None = None, deadline_s: float | None = None,
-               version: int | None = None) -> None:
+               version: int | None = None, first_round: int = 0) -> None:
     """Move one version: every round, sequenced; returns once the last round landed.
 
     ``slots``: engine -> the staging slot its rollouts land into (receiver staging); engines
     not in it assemble into their parameters. With ``version``, data-parallel replicas are
-    compared first (`check_replicas`).
+    compared first (`check_replicas`). ``first_round``: start there (the rounds a join
+    appended: the joining engines alone).
 
     Raises:
         ReplicaMismatch: replicas disagree (before any byte moved).
@@ -244,7 +298,8 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     if version is not None:
         check_replicas(control, group, version)
     steps = ControlSteps(control, group, slots)
-    rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth)
+    rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth,
+                        first=first_round)
     asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
 
 
@@ -255,10 +310,12 @@ def unanswered(control: ControlPlane, workers: Sequence[WorkerId]) -> list[Worke
     return [w for w, a in zip(workers, answers) if a is not True]
 
 
-def check_engines(control: ControlPlane, placements: Sequence[Placement]) -> None:
+def check_engines(control: ControlPlane, placements: Sequence[Placement], *,
+                  first: int = 0) -> None:
     """Rollout worker j must be in engine j // engine_size: the group numbers its rollouts
-    engine by engine, and installs an engine's version on exactly its workers."""
-    for j, placement in enumerate(placements):
+    engine by engine, and installs an engine's version on exactly its workers.
+    ``placements`` are those of workers ``first``, ``first + 1``, ..."""
+    for j, placement in enumerate(placements, first):
         if placement.engine != j // control.engine_size:
             raise ValueError(f"rollout worker {j} says it is in engine {placement.engine}, but "
                              f"with engine_size={control.engine_size} the group puts it in "
@@ -268,15 +325,15 @@ def check_engines(control: ControlPlane, placements: Sequence[Placement]) -> Non
 
 
 def check_same_checkpoint(trainer_specs: Sequence[CheckpointSpec],
-                          rollout_specs: Sequence[CheckpointSpec]) -> None:
+                          rollout_specs: Sequence[CheckpointSpec], *, first: int = 0) -> None:
     """Every worker must read the same checkpoint: source-map regions are coordinates in it.
 
     Without this, a trainer of a bigger vocabulary (say) would hold every row a rollout needs,
     and the plan would silently move rows of a tensor the rollout does not have.
     """
     want = trainer_specs[0]
-    for side, specs in (("trainer", trainer_specs), ("rollout", rollout_specs)):
-        for i, spec in enumerate(specs):
+    for side, specs, start in (("trainer", trainer_specs, 0), ("rollout", rollout_specs, first)):
+        for i, spec in enumerate(specs, start):
             diff = want.differences(spec, ("trainer 0", f"{side} {i}"))
             if diff:
                 more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""

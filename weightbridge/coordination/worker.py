@@ -207,12 +207,19 @@ class TransferWorker:
 
     def on_forward(self, r: int, stage: Stage) -> Checksums:
         """Rollouts: write this stage's bytes of round r (they arrived in an earlier stage)."""
-        return self._write(r, stage)
+        return () if self.beyond(r) else self._write(r, stage)
+
+    def beyond(self, r: int) -> bool:
+        """Round r comes after this worker's plan: engines joined since it was set up, and
+        their rounds are appended (`weightbridge.planning.extend`); it has no part in them."""
+        return r >= self.executor.num_rounds
 
     def on_land(self, r: int, slots: Mapping[int, int] | None = None,
                 expected: Checksums | None = None) -> None:
         """Rollouts: round r landed (every stage): check what arrived against ``expected``
         (the writers' checksums), then assemble it into the parameters."""
+        if self.beyond(r):
+            return
         self.verify(r, expected)
         if self.executor.plan.rounds[r].assemble:
             self._timed("assemble", r, self.executor.assemble, r)

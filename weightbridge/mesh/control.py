@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -180,39 +181,69 @@ class MeshControl:
     """Waits on remote state poll it over endpoint calls: at most 100 calls a second."""
 
     def __init__(self, group: "TransferGroup"):
-        self.group = group
-        self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
         self.engine_size = group.engine_size
-        self._meshes = {"trainer": group.trainer_agents, "rollout": group.rollout_agents}
-        self._agents: dict[WorkerId, object] = {}
+        self._agents: dict = {}
         """Each peer's agent, sliced once: Monarch 0.7 keeps native state for every slice it
         sends through (about 10 KB each, never freed), so a slice per call grew every
         process by that much per peer call (docs/integration.md, "Memory over many
         updates")."""
         self._last_send: asyncio.Future | None = None
         """The newest `PeerCall.SEND_ROUND` in flight (`call_async`)."""
+        self.use(group)
+
+    def use(self, group: "TransferGroup") -> None:
+        """Address ``group`` from now on: the same group grown by `TransferGroup.add_engines`
+        (the agents sliced so far stay valid: old segments never change)."""
+        self.group = group
+        self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
+        self._segments = {"trainer": ((0, group.trainer_agents),),
+                          "rollout": ((0, group.rollout_agents),) + group.joined}
+
+    def _segment(self, peer: WorkerId) -> tuple[int, object]:
+        """(first rank, agent mesh) of the segment of ``peer``'s side holding it."""
+        for first, mesh in reversed(self._segments[peer.side]):
+            if peer.index >= first:
+                return first, mesh
+        raise AssertionError(peer)
 
     def _agent(self, peer: WorkerId):
         agent = self._agents.get(peer)
         if agent is None:  # a race only slices twice; either slice serves
-            agent = self._agents[peer] = self._meshes[peer.side].slice(**{AXIS: peer.index})
+            first, mesh = self._segment(peer)
+            agent = self._agents[peer] = mesh.slice(**{AXIS: peer.index - first})
         return agent
 
     def _run(self, peers: Sequence[WorkerId]):
         """The agents of ``peers`` as one mesh, when they are two or more consecutive ranks of
-        one side (sliced once, as `_agent`); None otherwise."""
+        one side in one segment (sliced once, as `_agent`); None otherwise."""
         if len(peers) < 2:
             return None
         side, first = peers[0].side, peers[0].index
         if any(p.side != side or p.index != first + i for i, p in enumerate(peers)):
             return None
+        base, whole = self._segment(peers[0])
+        if peers[-1].index >= base + _size(whole):
+            return None
         key = (side, first, len(peers))
         mesh = self._agents.get(key)
         if mesh is None:
-            whole = self._meshes[side]
-            mesh = self._agents[key] = (whole if first == 0 and len(peers) == _size(whole) else
-                                        whole.slice(**{AXIS: slice(first, first + len(peers))}))
+            lo = first - base
+            mesh = self._agents[key] = (whole if lo == 0 and len(peers) == _size(whole) else
+                                        whole.slice(**{AXIS: slice(lo, lo + len(peers))}))
         return mesh
+
+    def _runs(self, peers: Sequence[WorkerId]) -> list[list[WorkerId]]:
+        """``peers`` cut where ranks stop being consecutive or a segment ends: each piece
+        takes one message (`_run`), or one per peer when it is a single peer."""
+        runs: list[list[WorkerId]] = []
+        for p in peers:
+            last = runs[-1][-1] if runs else None
+            if (last is not None and p.side == last.side and p.index == last.index + 1
+                    and self._segment(p)[0] == self._segment(last)[0]):
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        return runs
 
     def _timeout(self, call: PeerCall) -> float | None:
         if call.unbounded:
@@ -257,11 +288,12 @@ class MeshControl:
         away in the caller (docs/integration.md, "Memory over many updates"), so one call
         for all costs the sequencing trainer a few times less than one call per peer."""
         timeout = self._timeout(call)
-        run = self._run(peers)
-        if run is not None:
-            answers = asyncio.ensure_future(_values(run.serve.call(self.group.name, call, *args)))
-        else:  # all issued before any wait
-            answers = asyncio.gather(*(_awaited(self._issue(p, call, args)) for p in peers))
+        pieces = []  # all issued before any wait: one message per run of consecutive ranks
+        for run in self._runs(peers):
+            mesh = self._run(run)
+            pieces.append(_values(mesh.serve.call(self.group.name, call, *args))
+                          if mesh is not None else _one_value(self._issue(run[0], call, args)))
+        answers = asyncio.ensure_future(_flattened(pieces))
         if call is PeerCall.SEND_ROUND:
             # A trainer serves its sends in order, so this one's clock starts once the one
             # before it answered (bounded itself): a stalled trainer surfaces within one peer
@@ -281,8 +313,12 @@ def _timed_out(call: PeerCall, peers: Sequence[WorkerId], timeout: float) -> Tim
                         f"(TransferConfig.timeout_s): a peer is stalled or its process died")
 
 
-async def _awaited(future):
-    return await future
+async def _one_value(future) -> list:
+    return [await future]
+
+
+async def _flattened(pieces) -> list:
+    return [a for answers in await asyncio.gather(*pieces) for a in answers]
 
 
 async def _values(future) -> list:
@@ -307,6 +343,12 @@ class TransferGroup:
     config: TransferConfig
     spawned: tuple = ()
     """The agent actor meshes as spawned (what `close` stops)."""
+    joined: tuple = ()
+    """(first flat rollout rank, flattened agents) of each run of engines `add_engines`
+    added, after ``rollout_agents``' ranks."""
+    rollout_base: int = 0
+    """Flat rollout rank of the first proc of the mesh this handle's rollout actors run on:
+    the handle `add_engines` returns builds the joining engines' workers."""
 
     @classmethod
     def spawn(cls, trainer_procs, rollout_procs, *, engine_size: int,
@@ -334,6 +376,28 @@ class TransferGroup:
                    rollout_agents=spawned[1].flatten(AXIS), num_trainers=_size(trainer_procs),
                    num_engines=num_rollouts // engine_size, engine_size=engine_size,
                    config=config, spawned=spawned)
+
+    def add_engines(self, rollout_procs) -> "TransferGroup":
+        """Spawn agents on ``rollout_procs`` (whole engines of ``engine_size`` procs, any axis
+        names) and return the grown group: its rollout ranks go on after this group's, engine
+        numbers after its engines. Pass the returned handle to the joining engines' actors
+        (their workers take their ranks from it) and to whoever drives the group
+        (`controller.MeshTransfer.add_engine` or the trainers' `SenderAdapter.add_engines`),
+        which plans them in. This handle stays valid for the workers built from it.
+
+        Raises:
+            ValueError: ``engine_size`` does not divide the new procs.
+        """
+        count = _size(rollout_procs)
+        if count < 1 or count % self.engine_size:
+            raise ValueError(f"add_engines got {count} rollout procs; give whole engines: a "
+                             f"multiple of engine_size={self.engine_size}")
+        first = self.num_engines * self.engine_size
+        agents = rollout_procs.spawn(f"{self.name}-rollout-{first}", TransferAgent)
+        return dataclasses.replace(
+            self, joined=self.joined + ((first, agents.flatten(AXIS)),),
+            num_engines=self.num_engines + count // self.engine_size, rollout_base=first,
+            spawned=self.spawned + (agents,))
 
     def close(self) -> None:
         """Release every worker of the group (RDMA buffers, references to parameters) and
@@ -365,7 +429,7 @@ class TransferGroup:
         engine rank follow from its flat rank and ``engine_size``."""
         from weightbridge.coordination.receiver import ReceiverAdapter
 
-        rank = current_rank().rank
+        rank = current_rank().rank + self.rollout_base
         worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,
                                  engine=rank // self.engine_size,
                                  engine_rank=rank % self.engine_size,
@@ -383,8 +447,9 @@ class TransferGroup:
 
         wiring = self._wiring()
         del wiring["control"]
+        rank = current_rank().rank + (self.rollout_base if side == "rollout" else 0)
         worker = (cls or TransferWorker)(side, params, load_weights, spec,
-                                         rank=current_rank().rank, placement=placement,
+                                         rank=rank, placement=placement,
                                          kernels=kernels, **wiring)
         _register(self.name, worker)
         return worker

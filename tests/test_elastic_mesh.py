@@ -1,0 +1,75 @@
+"""Engines joining and leaving a running controller-driven group, on real Monarch meshes.
+
+Every join probes only the new engine, extends the plan (the others keep their tables and
+registered buffers) and catches it up to the version the others hold; every update after it
+is verified bit-exact (by checksum, on each rollout, against its own load_weights) on every
+live engine. Each test's meshes are stopped even when it fails (MeshTransfer is a context
+manager; procs given to it are stopped by the test).
+"""
+
+from __future__ import annotations
+
+import pytest
+from monarch.actor import this_host
+
+from controller.driver import MeshTransfer
+from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import TransferConfig
+
+pytestmark = pytest.mark.mesh
+
+CONFIG = TransferConfig(round_bytes=64 << 10)
+
+
+def _trainer_egress(plan) -> int:
+    sent, _ = plan.stage_bytes()
+    return int(sent[:len(plan.trainers), 0].sum())
+
+
+def test_engines_join_and_leave_between_updates_and_every_install_is_bit_exact():
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      config=CONFIG) as mt:
+        mt.connect()
+        first = mt.update(1)
+        handles, rounds = mt.num_handles, mt.plan.num_rounds
+        joined = mt.add_engine()
+        assert joined.engine == 2 and not joined.mismatched, joined.line()
+        assert joined.num_params * 2 == first.num_params  # its own parameters, verified
+        assert joined.num_rounds[0] == rounds < joined.num_rounds[1] == mt.plan.num_rounds
+        assert joined.rdma_bytes * 2 == first.rdma_bytes  # one engine's copy, to it alone
+        assert mt.num_handles > handles  # its ranges; the old ones are kept as they were
+        three = mt.update(2)
+        assert not three.mismatched and three.num_params * 2 == first.num_params * 3, three.line()
+        mt.remove_engine(0)
+        two = mt.update(3)
+        assert not two.mismatched and two.num_params == first.num_params, two.line()
+        again = mt.add_engine()
+        assert again.engine == 3 and not again.mismatched, again.line()
+        extended = mt.update(4)
+        assert not extended.mismatched and extended.num_params * 2 == first.num_params * 3
+        egress = _trainer_egress(mt.plan)
+        plan = mt.replan()  # one non-redundant plan: the trainers send one copy again
+        assert _trainer_egress(plan) < egress
+        folded = mt.update(5)
+        assert not folded.mismatched and folded.num_params * 2 == first.num_params * 3
+
+
+def test_a_join_on_given_procs_before_the_first_update_gets_the_first_update():
+    procs = this_host().spawn_procs(per_host={"worker": 2}, name="joining")
+    odd = this_host().spawn_procs(per_host={"worker": 1}, name="odd")
+    try:
+        with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                          RolloutSpec.parse("engines=1,nodes=1,gpus=2,tp=2"), "tiny",
+                          config=CONFIG) as mt:
+            mt.connect()
+            with pytest.raises(ValueError, match="an engine of this group has 2 workers"):
+                mt.add_engine(odd)
+            joined = mt.add_engine(procs)
+            assert joined.catch_up_s == 0 and joined.num_params == 0  # nothing to catch up
+            report = mt.update(1)
+            assert not report.mismatched and report.num_params > 0, report.line()
+            assert mt.rollout_spec.engines == 2
+    finally:
+        for p in (procs, odd):
+            p.stop().get(timeout=60)
