@@ -91,6 +91,16 @@ class RLTrainer(Actor):
         return start, time.monotonic() - start
 
     @endpoint
+    def add_engines(self, group) -> None:
+        """Plan in the engines ``group`` (from `TransferGroup.add_engines`) added; collective."""
+        self.adapter.add_engines(group)
+
+    @endpoint
+    def remove_engine(self, engine: int) -> None:
+        """Take rollout engine ``engine`` out of the group; collective."""
+        self.adapter.remove_engine(engine)
+
+    @endpoint
     def finish(self) -> None:
         """Rank 0 in SS modes: wait until every staged version was transferred (raises an
         error of the background transfer). Other ranks and modes: nothing to wait for."""

@@ -49,6 +49,8 @@ class PeerCall(enum.Enum):
     JOIN = "join"
     LEAVE = "leave"
     CLAIM = "claim"
+    CHANGING = "changing"
+    CHANGED = "changed"
     # Rollout workers (`ReceiverAdapter`).
     OFFER = "offer"
     RELAY = "relay"

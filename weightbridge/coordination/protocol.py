@@ -169,6 +169,10 @@ class StagingSlots:
         self._landed: dict[tuple[int, int], int] = {}
         self._writing: dict[int, int] = {}
 
+    def grow(self, num_engines: int) -> None:
+        """Engines joined: they have nothing landed and nothing pinned yet."""
+        self._pinned.extend([None] * (num_engines - len(self._pinned)))
+
     def begin(self, version: int) -> dict[int, int]:
         """Start landing ``version`` everywhere: the slot per engine to write into."""
         slots = {}

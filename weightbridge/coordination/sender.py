@@ -16,6 +16,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
 from weightbridge.coordination.protocol import SenderStage, StagingSlots
+from weightbridge.coordination.sender_membership import SenderMembership
 from weightbridge.coordination.sender_recovery import SenderRecovery
 from weightbridge.coordination.session import check_replicas, connect_group, run_update
 from weightbridge.coordination.worker import ReplicaMismatch, param_digest
@@ -34,8 +35,9 @@ class _Disagree(Exception):
     """Internal: a trainer is inside send_weights with another version."""
 
 
-class SenderAdapter(SenderRecovery, AdapterWorker):
-    """A trainer worker's side: `connect` once, `send_weights(version)` after each step."""
+class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
+    """A trainer worker's side: `connect` once, `send_weights(version)` after each step;
+    `add_engines` / `remove_engine` between steps (`sender_membership`)."""
 
     side = "trainer"
 
@@ -78,6 +80,7 @@ class SenderAdapter(SenderRecovery, AdapterWorker):
         self._broken: str | None = None
         # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
         self._failures: dict[int, tuple[str, str]] = {}
+        self._init_membership()
 
     # -- the user's calls -----------------------------------------------------------------------
 

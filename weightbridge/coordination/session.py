@@ -155,8 +155,9 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     """
     joining = rollouts(control)[len(maps.rollouts):]
     if not joining:
-        raise ValueError("no rollout worker joined: grow the group with "
-                         "TransferGroup.add_engines first")
+        raise ValueError("no rollout engine joined since the plan was made: grow the group "
+                         "first (TransferGroup.add_engines on meshes, or add the engines' "
+                         "workers to the control plane)")
     found = control.call(joining, PeerCall.SOURCE_MAP)
     check_engines(control, [placement for _, placement, _ in found], first=joining[0].index)
     check_same_checkpoint([maps.spec], [spec for _, _, spec in found],

@@ -1,0 +1,72 @@
+"""Engines joining and leaving an adapter group between versions, in one process, every mode.
+
+`tinygroup`: two data-parallel trainers, an engine per rollout. Per mode: version 1 to two
+engines; a third engine's receiver is added and every trainer calls `add_engines()`; version 2
+reaches all three (the new engine's first installed version is 2, whole); `remove_engine(0)`
+on every trainer; engine 0's polls raise saying it was removed; version 3 reaches engines 1
+and 2, bit-exact. Refusals: a call that is not collective, nothing to add, a bad engine.
+"""
+
+import re
+
+import pytest
+import tinygroup
+from tinygroup import MODES, SPEC, Model, build, connect, in_threads
+
+from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
+
+
+def _add_receiver(control, config, rank: int):
+    m = Model()
+    return m, control.add(ReceiverAdapter(
+        m.params, m.load_weights, SPEC, rank=rank, engine=rank, engine_rank=0, engine_size=1,
+        control=control, transport=control.transport, config=config))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_engine_joins_and_another_leaves_and_every_install_is_whole(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=5, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+
+    def polls(v, which):
+        return [lambda a=a: a.wait_for_version(v) for _, a in which]
+
+    def update(v, which):
+        return in_threads(*tinygroup.send(trainers, v, ss=ss), *polls(v, which))[2:]
+
+    assert update(1, rollouts) == [1, 1]
+    rounds = trainers[0][1].plan.num_rounds
+    rollouts.append(_add_receiver(control, config, 2))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    assert trainers[0][1].plan.num_rounds > rounds  # appended rounds: the others' stay
+    assert rollouts[2][1].version == 0  # nothing yet: its first version is the next one
+    assert update(2, rollouts) == [2, 2, 2]
+    assert all(m.holds(2) for m, _ in rollouts)
+    assert in_threads(*[lambda a=a: a.remove_engine(0) for _, a in trainers]) == [None, None]
+    with pytest.raises(TransferFailed, match=r"engine 0 was removed .*remove_engine\(0\)"):
+        rollouts[0][1].poll_requests()
+    assert update(3, rollouts[1:]) == [3, 3]
+    assert all(m.holds(3) for m, _ in rollouts[1:]) and rollouts[0][0].holds(2)
+
+
+def test_membership_changes_are_refused_clearly():
+    config = TransferConfig(timeout_s=2)
+    control, trainers, rollouts = build(config)
+    (_, t0), (_, t1) = trainers
+    with pytest.raises(RuntimeError, match="call connect"):
+        t0.add_engines()
+    connect(trainers)
+    nothing, other = in_threads(t0.add_engines, t1.add_engines)
+    assert isinstance(nothing, ValueError) and "no rollout engine joined" in str(nothing)
+    assert isinstance(other, RuntimeError) and "no rollout engine joined" in str(other)
+    for bad, match in ((2, r"in \[0, 2\), got 2"), ("1", "got '1'")):
+        out = in_threads(lambda: t0.remove_engine(bad), lambda: t1.remove_engine(bad))
+        assert isinstance(out[0], ValueError) and re.search(match, str(out[0])), out
+    alone = t0.remove_engine  # trainer 1 never calls: refused, nothing changed
+    with pytest.raises(TimeoutError, match=r"not every trainer called the same remove_engine\(1\)"):
+        alone(1)
+    assert in_threads(*[lambda a=a: a.remove_engine(1) for _, a in trainers]) == [None, None]
+    out = in_threads(lambda: t0.remove_engine(0), lambda: t1.remove_engine(0))
+    assert isinstance(out[0], ValueError) and "last engine" in str(out[0]), out
