@@ -33,10 +33,13 @@ class Membership:
 
         Spawns its procs on this host (or uses ``procs``: one engine's worth, e.g. on hosts
         attached later), its actors and the transfer agents; probes only its workers; extends
-        the plan in force with rounds from the trainers to it alone (every other engine keeps
-        its tables, buffers and registered ranges); then moves the version the other engines
-        hold into it and verifies it, so it holds a whole version before this returns. Its
-        engine number is the next one; later updates include it.
+        the plan in force (`weightbridge.planning.extend`: a replica of a live engine is
+        mirrored on it, the trainers untouched and the rollouts that land segments forwarding
+        one more copy; another layout gets rounds of its own appended); sets up only it and
+        the workers whose part changed; then moves the version the other engines hold into
+        it and verifies it, so it holds a whole version before this returns (a mirrored join
+        re-sends that version to every engine: their bytes do not change). Its engine number
+        is the next one; later updates include it.
 
         Raises:
             ValueError: ``procs`` of another size than an engine.
@@ -68,17 +71,20 @@ class Membership:
         t2 = time.perf_counter()
         count, bad, moved = 0, (), 0
         if self._held is not None:
-            deadline = self.config.timeout_s * (self.plan.num_rounds - before + 2)
+            # Appended rounds carry the joining engine alone; a mirrored one is fed by the
+            # other engines' forwards, so the whole update runs again.
+            start = before if self.plan.num_rounds > before else 0
+            deadline = self.config.timeout_s * (self.plan.num_rounds - start + 2)
             try:
-                run_update(self.control, self.connected, first_round=before,
+                run_update(self.control, self.connected, first_round=start,
                            deadline_s=deadline)
             except Exception as e:  # noqa: BLE001  (the others hold their version untouched)
                 raise TransferError(f"engine {engine} joined the plan but moving the current "
                                     f"weights into it failed ({type(e).__name__}: {e}); the "
                                     f"other engines are untouched: remove_engine({engine}) and "
                                     f"try again") from e
-            sent, _ = self.plan.stage_bytes()
-            moved = int(sent.sum() - self._sent_before(before))
+            t = self.plan.tables
+            moved = int(t.real_bytes[t.round >= start].sum())
             count, bad = self._verify([(first, actors)], self._held)
             for _, mesh in self._live("trainer") + self._live("rollout"):
                 mesh.timings.call().get()  # the catch-up's spans are not the next update's
@@ -89,11 +95,6 @@ class Membership:
         if bad:
             raise TransferError(f"{report.line()}: {list(bad[:4])}")
         return report
-
-    def _sent_before(self, num_rounds: int) -> int:
-        """Bytes of the plan in force written in its first ``num_rounds`` rounds."""
-        t = self.plan.tables
-        return int(t.real_bytes[t.round < num_rounds].sum())
 
     def replan(self) -> TransferPlan:
         """Plan the whole group again from the source maps of connect and joins (no probe):

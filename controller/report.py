@@ -86,9 +86,10 @@ class JoinReport:
     plan_s: float
     """Probing only its workers, extending the plan, setting up only it and the trainers."""
     catch_up_s: float
-    """Moving the version the other engines hold into it alone (0: no update yet)."""
+    """Moving the version the other engines hold into it (0: no update yet)."""
     rdma_bytes: int
-    """Bytes the catch-up wrote (the joined engine's share of the model)."""
+    """Bytes the catch-up wrote: the joined engine's share of the model (appended rounds),
+    or a whole update (mirrored: the other engines' forwards feed it)."""
     num_params: int
     """Its parameters compared after the catch-up."""
     mismatched: tuple[str, ...]

@@ -16,8 +16,19 @@ from tinygroup import MODES, SPEC, Model, build, connect, in_threads
 from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
 
 
-def _add_receiver(control, config, rank: int):
-    m = Model()
+class Partial(Model):
+    """A rollout of another layout: it serves only two of the three tensors."""
+
+    def __init__(self):
+        super().__init__()
+        del self.params["m"]
+
+    def load_weights(self, weights) -> None:
+        super().load_weights((n, t) for n, t in weights if n in self.params)
+
+
+def _add_receiver(control, config, rank: int, model=Model):
+    m = model()
     return m, control.add(ReceiverAdapter(
         m.params, m.load_weights, SPEC, rank=rank, engine=rank, engine_rank=0, engine_size=1,
         control=control, transport=control.transport, config=config))
@@ -40,7 +51,7 @@ def test_an_engine_joins_and_another_leaves_and_every_install_is_whole(mode):
     rounds = trainers[0][1].plan.num_rounds
     rollouts.append(_add_receiver(control, config, 2))
     assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
-    assert trainers[0][1].plan.num_rounds > rounds  # appended rounds: the others' stay
+    assert trainers[0][1].plan.num_rounds == rounds  # a replica: mirrored, no round added
     assert rollouts[2][1].version == 0  # nothing yet: its first version is the next one
     assert update(2, rollouts) == [2, 2, 2]
     assert all(m.holds(2) for m, _ in rollouts)
@@ -49,6 +60,22 @@ def test_an_engine_joins_and_another_leaves_and_every_install_is_whole(mode):
         rollouts[0][1].poll_requests()
     assert update(3, rollouts[1:]) == [3, 3]
     assert all(m.holds(3) for m, _ in rollouts[1:]) and rollouts[0][0].holds(2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_an_engine_of_another_layout_gets_rounds_of_its_own(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=5, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    polls = lambda v, which: [lambda a=a: a.wait_for_version(v) for _, a in which]  # noqa: E731
+    assert in_threads(*tinygroup.send(trainers, 1, ss=ss), *polls(1, rollouts))[2:] == [1, 1]
+    rounds = trainers[0][1].plan.num_rounds
+    rollouts.append(_add_receiver(control, config, 2, Partial))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    assert trainers[0][1].plan.num_rounds > rounds  # appended: the old engines keep theirs
+    assert in_threads(*tinygroup.send(trainers, 2, ss=ss), *polls(2, rollouts))[2:] == [2] * 3
+    assert all(m.holds(2) for m, _ in rollouts)
 
 
 def test_membership_changes_are_refused_clearly():

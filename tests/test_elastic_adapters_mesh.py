@@ -8,6 +8,8 @@ checked bit-exact on the rank against its own loader; engine 0's next poll raise
 spawned is stopped, even on failure.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from monarch.actor import this_host
 
@@ -21,17 +23,21 @@ MODES = {"sync": (False, False), "async": (True, True)}
 
 
 def _update(trainers, engines, version: int, ss: bool) -> list[dict]:
-    """send_weights(version) on the trainers while every engine steps, until each engine
-    runs ``version``; the steps' records."""
+    """send_weights(version) on the trainers while every engine steps on its own (as the
+    engines of an RL loop do: a sync poll blocks until the transfer is done), until each
+    engine runs ``version``; the steps' records."""
     sent = trainers.train_and_send.call(version)
-    records, seed = [], 0
-    while True:
-        steps = [mesh.step.call(seed) for mesh in engines]
-        records += [r for f in steps for r in f.get(timeout=120).values()]
-        seed += 1
-        if all(r["version"] >= version for r in records[-len(engines):]):
-            break
-        assert seed < 400, f"version {version} was not installed on every engine"
+
+    def steps(mesh) -> list[dict]:
+        records = []
+        for seed in range(400):
+            records += mesh.step.call(seed).get(timeout=120).values()
+            if records[-1]["version"] >= version:
+                return records
+        raise AssertionError(f"version {version} was not installed on {records[-1]['rank']}")
+
+    with ThreadPoolExecutor(len(engines)) as pool:
+        records = [r for rs in pool.map(steps, engines) for r in rs]
     sent.get(timeout=120)
     if ss:
         trainers.finish.call().get(timeout=120)

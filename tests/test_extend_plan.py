@@ -4,9 +4,11 @@ import dataclasses
 
 import pytest
 
+from test_plan import check_invariants
+
 from planning_layouts import checkpoint, fused_rollout, loaded, params_of, same_bytes, tp_trainer
 from weightbridge import LayoutError, Placement, WorkerId, plan_transfer, run_plan_locally
-from weightbridge.planning.extend import extend_plan
+from weightbridge.planning.extend import extend_plan, rewired
 
 TRAINERS = [(tp_trainer(r % 2, 2), Placement(f"t{r // 2}")) for r in range(4)]
 
@@ -23,41 +25,61 @@ def _strip(wplan, num_rounds: int):
     return dataclasses.replace(wplan, rounds=wplan.rounds[:num_rounds])
 
 
-def test_old_rollouts_keep_their_part_and_trainers_keep_their_first_rounds():
+def test_a_replica_is_mirrored_the_trainers_untouched_and_each_element_leaves_them_once():
     plan = plan_transfer(TRAINERS, _engine(0) + _engine(1), round_bytes=96)
     grown = extend_plan(plan, _engine(2))
-    assert len(grown.rollouts) == 6
+    assert len(grown.rollouts) == 6 and grown.num_rounds == plan.num_rounds
+    changed, joined = rewired(plan, grown)
+    assert joined == [WorkerId("rollout", 4), WorkerId("rollout", 5)]
+    assert changed and all(w.side == "rollout" for w in changed)  # forwarders only
+    before, after = plan.worker_plans(), grown.worker_plans()
+    for w in plan.workers:
+        if w in changed:  # new writes; the same buffers and copy tables
+            assert after[w].buffer_bytes == before[w].buffer_bytes
+            assert [(r.pack, r.assemble) for r in after[w].rounds] == \
+                [(r.pack, r.assemble) for r in before[w].rounds]
+        else:
+            assert after[w] == before[w], w
+    sent, received = grown.stage_bytes()
+    assert sent[:4, 0].sum() == plan.correspondence.nbytes  # trainer egress unchanged
+    # Each joining node gets what its engine needs once over RDMA (one node per worker here).
+    for w in joined:
+        need = sum(o.nbytes for o in grown.correspondence.overlaps if w.index in o.needers)
+        assert received[grown.number(w), :2].sum() == need
+
+
+def test_another_layout_gets_rounds_appended_and_the_old_rollouts_keep_their_part():
+    plan = plan_transfer(TRAINERS, _engine(0) + _engine(1), round_bytes=96)
+    grown = extend_plan(plan, _engine(2, tp=1))
     assert grown.num_rounds > plan.num_rounds
+    changed, joined = rewired(plan, grown)
+    assert joined == [WorkerId("rollout", 4)] and all(w.side == "trainer" for w in changed)
     before, after = plan.worker_plans(), grown.worker_plans()
     for w in plan.workers:
         if w.side == "rollout":  # nothing to set up again: same tables, buffers, ranges
             assert _strip(after[w], plan.num_rounds) == before[w]
         else:  # the trainers' first rounds are as they were; the new ones follow
             assert after[w].rounds[:plan.num_rounds] == before[w].rounds
-    joined = [WorkerId("rollout", i) for i in (4, 5)]
-    assert all(not any(r.assemble for r in after[w].rounds[:plan.num_rounds]) for w in joined)
-    assert all(any(r.assemble for r in after[w].rounds[plan.num_rounds:]) for w in joined)
+    assert not any(r.assemble for r in after[joined[0]].rounds[:plan.num_rounds])
 
 
-def test_an_extended_plan_moves_every_rollout_bit_exact_and_the_join_alone_in_its_rounds():
+@pytest.mark.parametrize("tp", [2, 1], ids=["mirrored", "appended"])
+def test_extended_plans_move_every_rollout_bit_exact(tp):
     ckpt = checkpoint(seed=3)
     rollouts = _engine(0) + _engine(1)
-    plan = extend_plan(extend_plan(plan_transfer(TRAINERS, rollouts, round_bytes=96),
-                                   _engine(2)), _engine(3, gpus_per_node=2))
-    everyone = rollouts + _engine(2) + _engine(3, gpus_per_node=2)
+    joins = [_engine(2, tp=tp), _engine(3, tp=tp, gpus_per_node=2)]
+    plan = plan_transfer(TRAINERS, rollouts, round_bytes=96)
+    for join in joins:
+        plan = extend_plan(plan, join)
+    everyone = rollouts + joins[0] + joins[1]
     trainer_params = [loaded(m, ckpt) for m, _ in TRAINERS]
     rollout_params = [params_of(m, fill=-1.0) for m, _ in everyone]
+    if tp == 2:  # exactly once out of the trainers, once into each node, buffers in bounds
+        check_invariants(plan, 96)
     run_plan_locally(plan, trainer_params, rollout_params)
     for (smap, _), got in zip(everyone, rollout_params):
         want = loaded(smap, ckpt, fill=-1.0)
         assert all(same_bytes(got[n], want[n]) for n in want)
-    # Each join's trainer egress is its engine's need, once: the parts are separate plans.
-    sent, _ = plan.stage_bytes()
-    first = plan_transfer(TRAINERS, rollouts, round_bytes=96)
-    alone = plan_transfer(TRAINERS, _engine(2), round_bytes=96)
-    assert sent[:4, 0].sum() == (first.correspondence.nbytes + alone.correspondence.nbytes
-                                 + plan_transfer(TRAINERS, _engine(3, gpus_per_node=2),
-                                                 round_bytes=96).correspondence.nbytes)
 
 
 def test_a_join_on_a_node_the_group_uses_is_refused():

@@ -206,7 +206,7 @@ class ReceiverAdapter(AdapterWorker):
         their handles. Called again after a re-plan: an install under way keeps its slot."""
         handles = super().on_setup(plan, ranges, generation)
         with self.cond:
-            if self.config.receiver_staging:
+            if self.config.receiver_staging and ranges is not None:  # (rewired: slots stay)
                 arena = self.executor.arenas[0]
                 # Install copies a staged round here first (H2D on GPUs): the arenas may be
                 # receiving the next version meanwhile.

@@ -421,7 +421,7 @@ class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
             self.cond.notify_all()
 
     def on_send_round(self, r: int) -> dict:
-        if self.config.sender_staging:  # the staged copy of this round, packed at send_weights
+        if self.config.sender_staging and not self.beyond(r):  # the copy packed at send_weights
             return self._write(r, Stage.RECEIVE, self._staged_view(self._staging, r))
         return super().on_send_round(r)
 

@@ -32,7 +32,7 @@ from weightbridge.coordination.sequencer import active_steps, run_rounds
 from weightbridge.coordination.worker import ReplicaMismatch
 from weightbridge.errors import LayoutError
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
-from weightbridge.planning.extend import extend_plan
+from weightbridge.planning.extend import extend_plan, rewired
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
 
@@ -140,13 +140,15 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
                config: TransferConfig, *, generation: int = 0
                ) -> tuple[GroupMaps, ConnectedGroup]:
     """Plan in the rollout workers ``control`` has beyond ``maps`` (engines that joined,
-    `TransferGroup.add_engines`): probe only them, extend the plan in force with rounds that
-    carry them their weights (`extend_plan`), set up only them and the trainers.
+    `TransferGroup.add_engines`): probe only them, extend the plan in force for them
+    (`extend_plan`), set up only them and the workers whose part changed.
 
-    The old rollouts keep their tables, buffers, registered ranges and handles, and have no
-    part in the appended rounds; their next update is the same as before, plus the new
-    rounds' steps they skip. ``run_update(..., first_round=group.plan.num_rounds)`` on the
-    result moves the trainers' weights into the joining workers alone.
+    A replica of a live engine is mirrored on it: the trainers are untouched and the rollouts
+    that land segments from them forward one more copy, taking only their new writes (their
+    buffers, registered ranges and handles stay); every other worker is untouched. Another
+    layout gets rounds of its own appended, and the trainers are set up again;
+    ``run_update(..., first_round=group.plan.num_rounds)`` on the result then moves the
+    trainers' weights into the joining workers alone.
 
     Raises:
         ValueError: a joining worker in the wrong engine; nothing joined.
@@ -164,17 +166,21 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
                           first=joining[0].index)
     pairs = tuple((smap, placement) for smap, placement, _ in found)
     plan = extend_plan(group.plan, pairs)
-    ts = list(group.live_trainers or trainers(control))
-    plans = plan.worker_plans(ts + joining)
+    changed, new = rewired(group.plan, plan)
+    assert new == joining, (new, joining)
+    plans = plan.worker_plans(changed + joining)
     ranges = incoming_ranges(plans.values(), config.depth)
     found = control.call_each(joining, PeerCall.SETUP, [
         (plans[w], sorted(ranges.get(w, ())), generation) for w in joining])
     handles = {**group.handles,
                **{(w, key): h for w, hs in zip(joining, found) for key, h in hs.items()}}
-    control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
-    control.call_each(ts + joining, PeerCall.SET_PEERS, [
+    # Trainers with appended rounds are set up again; rollouts that forward to the joining
+    # engine only take their new writes (their buffers and registered ranges stay).
+    control.call_each(changed, PeerCall.SETUP, [
+        (plans[w],) if w.side == "trainer" else (plans[w], None) for w in changed])
+    control.call_each(changed + joining, PeerCall.SET_PEERS, [
         ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
-        for w in ts + joining])
+        for w in changed + joining])
     grown = dataclasses.replace(maps, rollouts=maps.rollouts + pairs)
     return grown, dataclasses.replace(
         group, plan=plan, active=group.active | active_steps(plans.values()),

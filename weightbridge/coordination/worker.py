@@ -179,13 +179,19 @@ class TransferWorker:
         parameters, now), compared with its data-parallel replicas' before the update."""
         return param_digest(self.params)
 
-    def on_setup(self, plan: WorkerPlan, ranges: list[Range] = (), generation: int = 0
+    def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
                  ) -> dict:
         """Build the copy tables and round buffers of ``plan``; register ``ranges`` (the buffer
-        ranges peers write into) and return their handles."""
+        ranges peers write into) and return their handles. ``ranges`` None: only this
+        worker's writes changed (an engine joined, `weightbridge.planning.extend`): keep the
+        buffers, their registrations and tables, take the new writes; returns no handle."""
         if plan.worker != self.worker:
             raise ValueError(f"{self.worker} was handed the plan of {plan.worker}; the control "
                              f"plane must address workers by their rank in the group")
+        if ranges is None:
+            with self.cond:
+                self.executor.rewire(plan)
+            return {}
         with self.cond:  # a re-plan: not while a trainer stages (SS)
             self._setup(plan)
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
@@ -201,6 +207,8 @@ class TransferWorker:
     def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
         they landed, with their checksums)."""
+        if self.beyond(r):
+            return ()
         if self.executor.plan.rounds[r].pack:
             self._timed("pack", r, self.executor.pack, r)
         return self._write(r, Stage.RECEIVE)

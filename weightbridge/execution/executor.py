@@ -98,6 +98,17 @@ class WorkerExecutor:
     def num_rounds(self) -> int:
         return len(self.plan.rounds)
 
+    def rewire(self, plan: WorkerPlan) -> None:
+        """Take ``plan``, which differs from this one only in its writes (an engine joined and
+        this worker forwards to it): the arenas, their registered ranges and the copy tables
+        stay."""
+        same = (plan.buffer_bytes == self.plan.buffer_bytes
+                and len(plan.rounds) == len(self.plan.rounds)
+                and all(a.pack == b.pack and a.assemble == b.assemble
+                        for a, b in zip(plan.rounds, self.plan.rounds)))
+        assert same, f"{plan.worker}: a rewired plan changed more than its writes"
+        self.plan = plan
+
     def arena(self, r: int) -> torch.Tensor:
         """The round buffer of round r."""
         return self.arenas[r % self.depth]

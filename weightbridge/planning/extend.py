@@ -1,19 +1,28 @@
-"""Extend a plan in force with joining rollout workers, without touching the others' part.
+"""Extend a plan in force with a joining rollout engine, leaving the others' buffers be.
 
-An engine joining a running group is planned on its own, trainers to it (its three stages
-inside the engine), and that plan's rounds are appended after the plan in force's::
+Two ways, chosen by `extend_plan`:
 
-    rounds [0, R)           the plan in force, unchanged: every old rollout's tables, buffers
-                            and registered ranges stay as they are
-    rounds [R, R + R')      trainers -> the joining engine (RECEIVE, then its own EXTERNAL and
-                            INTERNAL exchanges); old rollouts have no part in them
+mirror (the joining engine has the source maps of a live engine, rank by rank: a replica;
+    the usual way to scale out). Nothing changes for the trainers, and no round is added.
+    The joining worker x' takes the receive-buffer layout of its template x in the live
+    engine; each segment x receives in round r reaches x' in the same round: over RDMA
+    (EXTERNAL) from the rollout that landed it from the trainers (it holds the segment in
+    its buffer by then), once per joining node, then INTERNAL to the other needers on that
+    node. So each element still leaves the trainers once; the landing rollouts forward one
+    more copy each (the planner spread the landings over the rollout nodes). Only those
+    forwarders get new write tables (their buffers, registered ranges and copy tables stay);
+    the joining workers are set up; everyone else is untouched.
 
-So a join re-plans only the joining engine (its share of the model, not the group's), and
-the only workers set up again are the trainers (their tables gain the new rounds) and the
-joining workers. The price: the trainers send the joining engine its own copy instead of
-letting the other engines relay it, so the extended plan is not the non-redundant optimum;
-`plan_transfer` over everyone (a full re-plan from the kept source maps) restores it when
-the group can afford one.
+append (any other layout). The joining engine is planned on its own, trainers to it, and its
+    rounds are appended after the plan in force's: the old rollouts have no part in them and
+    keep everything; the trainers are set up again (their tables gain the rounds). The
+    trainers send the engine its own copy, after the others' rounds, so every update takes
+    longer; `plan_transfer` over everyone (a full re-plan from the kept source maps, e.g.
+    `MeshTransfer.replan`) restores the non-redundant plan.
+
+Either way the result is a `TransferPlan` whose joining workers are numbered after the plan's
+rollouts and whose added writes are appended to its tables: the workers to set up again are
+the writers of those rows and the joining workers (`rewired`).
 
 Typical usage::
 
@@ -28,17 +37,15 @@ from typing import Sequence
 import numpy as np
 
 from weightbridge.planning.plan import TransferPlan, plan_transfer
-from weightbridge.planning.route import RouteTables
-from weightbridge.types import Correspondence, Placement, SourceMap
+from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE, RouteTables
+from weightbridge.types import Correspondence, Placement, SourceMap, WorkerId
 
 
 def extend_plan(plan: TransferPlan, joining: Sequence[tuple[SourceMap, Placement]]
                 ) -> TransferPlan:
-    """``plan`` with the rollout workers ``joining`` added after its rollouts.
-
-    The joining workers are numbered after ``plan``'s rollouts, in the order given; their
-    rounds come after ``plan``'s, so ``plan``'s rounds and every old worker's part in them
-    are unchanged (`TransferPlan.for_worker` of an old rollout is the same plus empty rounds).
+    """``plan`` with the rollout workers ``joining`` (one engine, or engines of one layout)
+    added after its rollouts, mirrored on a live engine of the same source maps when there is
+    one, else in appended rounds (see the module docstring).
 
     Raises:
         ValueError: nothing joins, or a joining worker shares a node with a trainer or with
@@ -53,21 +60,99 @@ def extend_plan(plan: TransferPlan, joining: Sequence[tuple[SourceMap, Placement
         raise ValueError(f"joining workers are on nodes {taken[:4]} that rollouts of the plan "
                          f"in force already use; a joining engine needs hosts of its own "
                          f"(give its workers new node names), or re-plan the whole group")
+    template = _template(plan, [m for m, _ in joining])
+    if template is not None:
+        return _mirrored(plan, joining, template)
+    return _appended_plan(plan, joining)
+
+
+def rewired(old: TransferPlan, new: TransferPlan) -> tuple[list[WorkerId], list[WorkerId]]:
+    """(old workers whose part ``extend_plan`` changed: the writers of the added rows,
+    the joining workers) of ``new = extend_plan(old, ...)``."""
+    t = new.tables
+    writers = np.unique(t.src[len(old.tables.stage):])
+    workers = new.workers
+    first_new = len(old.trainers) + len(old.rollouts)
+    return ([workers[int(w)] for w in writers if w < first_new],
+            list(workers[first_new:]))
+
+
+def _template(plan: TransferPlan, maps: list[SourceMap]) -> list[int] | None:
+    """Rollout indices of a live engine whose workers have ``maps``, rank by rank."""
+    engines: dict[int, list[int]] = {}
+    for i, p in enumerate(plan.rollouts):
+        engines.setdefault(p.engine, []).append(i)
+    for _, members in sorted(engines.items()):
+        held = [plan.rollout_maps[i] for i in members]
+        if len(held) == len(maps) and held[0].pieces and all(
+                a is b or a == b for a, b in zip(held, maps)):
+            return members
+    return None
+
+
+def _mirrored(plan: TransferPlan, joining, template: list[int]) -> TransferPlan:
+    t = plan.tables
+    T, R = len(plan.trainers), len(plan.rollouts)
+    first = T + R  # worker number of the first joining worker
+    mirror = np.full(T + R, -1, dtype=np.int64)
+    mirror[[T + i for i in template]] = first + np.arange(len(template))
+    # Who landed each segment from the trainers, and where in its buffer.
+    recv = np.flatnonzero(t.stage == RECEIVE)
+    segs, at = np.unique(t.seg[recv], return_index=True)
+    holder = np.full(len(t.seg_bytes), -1, dtype=np.int64)
+    holder_offset = np.zeros(len(t.seg_bytes), dtype=np.int64)
+    holder[segs], holder_offset[segs] = t.dst[recv[at]], t.dst_offset[recv[at]]
+    # Every delivery into the template: the joining mirror needs that segment, at that offset.
+    into = np.flatnonzero(mirror[t.dst] >= 0)
+    dst = mirror[t.dst[into]]
+    seg, dst_offset = t.seg[into], t.dst_offset[into]
+    node_ids: dict[str, int] = {}
+    node = np.array([node_ids.setdefault(p.node, len(node_ids)) for _, p in joining])
+    key = node[dst - first] * len(t.seg_bytes) + seg  # (joining node, segment)
+    order = np.lexsort((dst, key))
+    key, dst, seg, dst_offset = key[order], dst[order], seg[order], dst_offset[order]
+    lead = np.concatenate(([True], key[1:] != key[:-1]))  # one RDMA copy per node
+    lead_at = np.maximum.accumulate(np.where(lead, np.arange(len(key)), 0))
+    src = np.where(lead, holder[seg], dst[lead_at])
+    assert (src >= 0).all()  # every segment was landed by some rollout
+    src_offset = np.where(lead, holder_offset[seg], dst_offset[lead_at])
+    stage = np.where(lead, EXTERNAL, INTERNAL).astype(t.stage.dtype)
+    cat = np.concatenate
+    usage = cat([t.recv_bytes, t.recv_bytes[[T + i for i in template]]])
+    tables = dataclasses.replace(
+        t, stage=cat([t.stage, stage]), src=cat([t.src, src]), dst=cat([t.dst, dst]),
+        seg=cat([t.seg, seg]), src_offset=cat([t.src_offset, src_offset]),
+        dst_offset=cat([t.dst_offset, dst_offset]),
+        send_bytes=cat([t.send_bytes, np.zeros((len(template), t.num_rounds), np.int64)]),
+        recv_bytes=usage)
+    twin = {i: R + k for k, i in enumerate(template)}
+    overlaps = tuple(dataclasses.replace(o, needers=o.needers + tuple(
+        twin[n] for n in o.needers if n in twin)) if any(n in twin for n in o.needers) else o
+        for o in plan.correspondence.overlaps)
+    return _grown(plan, joining, overlaps, tables)
+
+
+def _appended_plan(plan: TransferPlan, joining) -> TransferPlan:
     part = plan_transfer(list(zip(plan.trainer_maps, plan.trainers)), joining,
                          round_bytes=plan.round_bytes)
-    old, new = plan.correspondence, part.correspondence
     shift = len(plan.rollouts)
-    overlaps = old.overlaps + tuple(
+    overlaps = plan.correspondence.overlaps + tuple(
         dataclasses.replace(o, needers=tuple(n + shift for n in o.needers))
-        for o in new.overlaps)
+        for o in part.correspondence.overlaps)
+    return _grown(plan, joining, overlaps,
+                  _appended(plan.tables, part.tables, len(plan.trainers), shift,
+                            len(plan.correspondence.overlaps)))
+
+
+def _grown(plan: TransferPlan, joining, overlaps, tables: RouteTables) -> TransferPlan:
+    corr = plan.correspondence
     return TransferPlan(
-        correspondence=Correspondence(overlaps=overlaps, num_trainers=old.num_trainers,
-                                      num_rollouts=old.num_rollouts + new.num_rollouts),
-        trainer_maps=plan.trainer_maps, rollout_maps=plan.rollout_maps + part.rollout_maps,
-        trainers=plan.trainers, rollouts=plan.rollouts + part.rollouts,
-        round_bytes=plan.round_bytes,
-        tables=_appended(plan.tables, part.tables, len(plan.trainers), shift,
-                         len(old.overlaps)))
+        correspondence=Correspondence(overlaps=overlaps, num_trainers=corr.num_trainers,
+                                      num_rollouts=corr.num_rollouts + len(joining)),
+        trainer_maps=plan.trainer_maps,
+        rollout_maps=plan.rollout_maps + tuple(m for m, _ in joining),
+        trainers=plan.trainers, rollouts=plan.rollouts + tuple(p for _, p in joining),
+        round_bytes=plan.round_bytes, tables=tables)
 
 
 def _appended(a: RouteTables, b: RouteTables, num_trainers: int, shift: int,
