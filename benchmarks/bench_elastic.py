@@ -7,8 +7,9 @@
 Planning, per Table 2 deployment (one engine more than the paper's), best of ``--repeats``,
 interleaved in one run: the full plan of every engine (`plan_transfer`, what a join costs
 without `extend_plan`) and its worker plans (every worker set up again), against the join:
-`extend_plan` of the plan in force with the new engine and the worker plans of only the
-trainers and the new engine (the others keep theirs). Also the simulated EWTT on the paper's
+`extend_plan` of the plan in force with the new engine (a replica: mirrored) and the worker
+plans of only the workers it sets up (the forwarders it rewires and the new engine; the others
+keep theirs). Also the simulated EWTT on the paper's
 H100 cluster (no-overhead model) of the extended plan against the full plan: what the
 extension costs each later update until `replan()`.
 
@@ -29,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weightbridge import plan_transfer  # noqa: E402
-from weightbridge.planning.extend import extend_plan  # noqa: E402
+from weightbridge.planning.extend import extend_plan, rewired  # noqa: E402
 from weightbridge.planning.simulate import simulate  # noqa: E402
 from weightbridge.shapes import TABLE_2, workers  # noqa: E402
 from weightbridge.shapes.deployments import PAPER_CLUSTER  # noqa: E402
@@ -55,7 +56,8 @@ def planning(name: str, repeats: int) -> str:
                          repeats)
     full_wp_s, _ = _best(full.worker_plans, repeats)
     ext_s, ext = _best(lambda: extend_plan(in_force, joining), repeats)
-    setup = ext.workers[:len(trainers)] + ext.workers[-per_engine:]
+    changed, joined = rewired(in_force, ext)
+    setup = changed + joined
     ext_wp_s, _ = _best(lambda: ext.worker_plans(setup), repeats)
     sim_full, sim_ext = simulate(full, PAPER_CLUSTER), simulate(ext, PAPER_CLUSTER)
     join, replan = ext_s + ext_wp_s, full_s + full_wp_s
@@ -63,8 +65,9 @@ def planning(name: str, repeats: int) -> str:
             f"{len(trainers)} trainers\n"
             f"  full re-plan  plan {full_s:6.2f} s + every worker's plan ({len(full.workers)}) "
             f"{full_wp_s:6.2f} s = {replan:6.2f} s\n"
-            f"  join          extend {ext_s:6.2f} s + set-up plans ({len(setup)} workers) "
-            f"{ext_wp_s:6.2f} s = {join:6.2f} s   = {join / replan:.3f}x the full re-plan\n"
+            f"  join          extend {ext_s:6.2f} s + plans of the {len(setup)} workers set up "
+            f"({len(changed)} rewired forwarders, {len(joined)} joining) {ext_wp_s:6.2f} s = "
+            f"{join:6.2f} s   = {join / replan:.3f}x the full re-plan\n"
             f"  simulated EWTT (H100 cluster, no overheads): extended plan "
             f"{sim_ext.ewtt:.3f} s vs full plan {sim_full.ewtt:.3f} s = "
             f"{sim_ext.ewtt / sim_full.ewtt:.2f}x ({ext.num_rounds} vs {full.num_rounds} rounds)")

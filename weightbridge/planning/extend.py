@@ -38,7 +38,7 @@ import numpy as np
 
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE, RouteTables
-from weightbridge.types import Correspondence, Placement, SourceMap, WorkerId
+from weightbridge.types import Correspondence, Overlap, Placement, SourceMap, WorkerId
 
 
 def extend_plan(plan: TransferPlan, joining: Sequence[tuple[SourceMap, Placement]]
@@ -126,10 +126,17 @@ def _mirrored(plan: TransferPlan, joining, template: list[int]) -> TransferPlan:
         send_bytes=cat([t.send_bytes, np.zeros((len(template), t.num_rounds), np.int64)]),
         recv_bytes=usage)
     twin = {i: R + k for k, i in enumerate(template)}
-    overlaps = tuple(dataclasses.replace(o, needers=o.needers + tuple(
-        twin[n] for n in o.needers if n in twin)) if any(n in twin for n in o.needers) else o
-        for o in plan.correspondence.overlaps)
-    return _grown(plan, joining, overlaps, tables)
+    grown: dict[tuple[int, ...], tuple[int, ...]] = {}  # few distinct needer sets: once each
+    overlaps = []
+    for o in plan.correspondence.overlaps:
+        needers = grown.get(o.needers)
+        if needers is None:
+            needers = grown[o.needers] = o.needers + tuple(twin[n] for n in o.needers
+                                                           if n in twin)
+        overlaps.append(o if needers is o.needers or len(needers) == len(o.needers) else
+                        Overlap(o.region, o.dtype, o.holders, needers, o.source_dtype,
+                                o.target_dtype))
+    return _grown(plan, joining, tuple(overlaps), tables)
 
 
 def _appended_plan(plan: TransferPlan, joining) -> TransferPlan:
