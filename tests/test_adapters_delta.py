@@ -15,10 +15,12 @@ import time
 
 import pytest
 import torch
-from test_adapters import CHECKPOINTS, ENGINE_TP, ENGINES, MODES, SPEC, _group
+from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, SPEC, _group
 
-from weightbridge import TransferConfig
+from meshes.qwen3_moe import RolloutShard
+from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.delta import DeltaLog
+from weightbridge.coordination.local_control import WorkerGone
 
 NAMES = [t.name for t in SPEC.tensors]
 SHARE = NAMES[1::10]
@@ -233,3 +235,53 @@ def test_delta_log_carries_skipped_versions_and_unrecorded_ones_count_as_full():
     assert log.needed(1) == {"a", "b"} and log.needed(2) == {"b"} and log.needed(3) == set()
     assert log.record(5, [4, 3], {"c"}) is None  # version 4 never reached the log
     assert log.needed(4) is None
+
+
+class DiesLandingADelta(ReceiverAdapter):
+    """Rollout R1 (engine 0): its process dies landing the first round of version 2."""
+
+    died = False
+
+    def on_land(self, r, slots=None, expected=None):
+        if self.version >= 1 and not self.died:
+            self.died = True
+            self.control.kill(self.worker)
+            self.on_fail("killed")  # its own threads end with the process
+            raise WorkerGone(f"{self.worker} died")
+        return super().on_land(r, slots, expected)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_rollout_lost_in_a_delta_leaves_the_survivors_bit_exact(mode):
+    control, trainers, rollouts = _group(_config(mode), receiver_cls=lambda rank: (
+        DiesLandingADelta if rank == 1 else ReceiverAdapter))
+    _connect(trainers)
+    held = dict.fromkeys(NAMES, 0)
+
+    def send(version, changed, engines):
+        for n in NAMES if changed is None else changed:
+            held[n] = version
+        for shard, _ in trainers:
+            with torch.no_grad():
+                shard.load_weights((n, CHECKPOINTS[held[n]][n]) for n in NAMES)
+        sends = [lambda a=a: a.send_weights(version, changed=changed) for _, a in trainers]
+        lost = [lambda a=a: a.wait_for_version(version) for _, a in rollouts
+                if a.engine not in engines]  # engine 0, once its rank died: they raise
+        if MODES[mode][1]:  # RS: lands first, then the engines install
+            return _calls(*sends), _calls(*_poll(rollouts, version, engines), *lost)
+        out = _calls(*sends, *_poll(rollouts, version, engines), *lost)
+        return out[:2], out[2:]
+
+    assert send(1, None, [0, 1]) == ([None, None], [1] * 4)
+    sent, polled = send(2, SHARE, [1])
+    assert all(isinstance(e, TransferFailed) and "re-sent to the surviving engines [1]" in str(e)
+               for e in sent), sent
+    assert polled[:2] == [2, 2] and all(isinstance(e, TransferFailed) for e in polled[2:])
+    assert send(3, SHARE, [1])[0] == [None, None]
+    assert trainers[0][1].plan.num_rounds > 0 and trainers[0][1].failed_engines == {0}
+    for shard, a in rollouts[2:]:  # engine 1: what its own loader makes of the trainers' weights
+        ref = RolloutShard(CONFIG, ENGINE_TP, a.engine_rank, 1, 0)
+        ref.load_weights((n, CHECKPOINTS[held[n]][n]) for n in NAMES)
+        assert a.version == 3 and all(torch.equal(shard.params[n].view(torch.uint8),
+                                                  p.view(torch.uint8))
+                                      for n, p in ref.params.items())

@@ -51,6 +51,8 @@ class SenderDelta:
     _delta_claims: dict[int, int] | None = None
     """Rank 0, RS: engine -> newest version it claimed (kept across re-plans' slots)."""
     _param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
+    _delta_unplanned = False
+    """Rank 0: a re-plan for `_tensors` did not finish (the workers' plans may differ)."""
 
     # -- every trainer --------------------------------------------------------------------------
 
@@ -143,9 +145,13 @@ class SenderDelta:
                                        for p in m.pieces)
         self._delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
         tensors = self._delta_log.needed(self._delta_base())
-        if tensors != self._tensors:
-            self._tensors = tensors
-            self._replan()  # (SenderRecovery's: new generation, slots; plans for _tensors)
+        if tensors != self._tensors or self._delta_unplanned:
+            self._tensors, self._delta_unplanned = tensors, True
+            # (SenderRecovery's: a new generation and staging slots, a plan of _tensors.) A
+            # re-plan that fails part-way leaves workers on different plans: plan again next
+            # time even for the same set.
+            self._replan()
+            self._delta_unplanned = False
 
     def _delta_base(self) -> int:
         """The version every live rollout's parameters hold when it installs this transfer,
