@@ -6,7 +6,8 @@ sends everything. After every version each delta rollout must hold exactly the b
 full twin (``torch.equal`` on uint8 views), and the delta group must move fewer bytes.
 Checked in sync and RS modes (SS and async refuse ``changed``), with a tenth of the tensors
 changing, a set that changes, an empty set, ``changed="auto"``, an engine that skips versions
-(RS), and every refusal before any byte moves.
+(RS), every refusal before any byte moves, and a rollout or a trainer replica lost in the
+middle of a delta (the re-plan keeps the delta's tensors; the survivors stay bit-exact).
 """
 
 import re
@@ -14,11 +15,14 @@ import threading
 import time
 
 import pytest
+import tinygroup
 import torch
 from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, SPEC, _group
 
+from test_trainer_lost import DiesSendingVersion2
+
 from meshes.qwen3_moe import RolloutShard
-from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.delta import DeltaLog
 from weightbridge.coordination.local_control import WorkerGone
 
@@ -165,10 +169,10 @@ def test_changed_auto_finds_the_changed_parameters_by_checksum(mode):
     assert first == full
     auto, full = twins.update(2, "auto")
     assert 0 < auto < full
-    twins.step(3, SHARE)  # the same change, named: no more bytes than "auto" found
-    assert twins.send(twins.delta, 3, SHARE) == [None, None]
-    assert twins.send(twins.full, 3) == [None, None]
-    twins.check()
+    # The same change, named: no more bytes than "auto" found (a changed parameter sends every
+    # tensor that loads into it).
+    named, _ = twins.update(3, SHARE)
+    assert 0 < named <= auto
 
 
 def test_an_engine_that_skips_a_delta_version_gets_its_changes_with_the_next_rs():
@@ -285,3 +289,32 @@ def test_a_rollout_lost_in_a_delta_leaves_the_survivors_bit_exact(mode):
         assert a.version == 3 and all(torch.equal(shard.params[n].view(torch.uint8),
                                                   p.view(torch.uint8))
                                       for n, p in ref.params.items())
+
+
+def test_a_trainer_lost_in_a_delta_is_planned_out_and_its_replica_sends_the_delta():
+    # Data-parallel replicas (`tinygroup`): trainer 1 dies sending a round of version 2 (sync
+    # mode: finding the lost trainer takes timeout_s; RS re-plans the same way).
+    config = TransferConfig(timeout_s=5)
+    control, trainers, rollouts = tinygroup.build(config, sender_cls=lambda rank: (
+        DiesSendingVersion2 if rank == 1 else SenderAdapter))
+    tinygroup.connect(trainers)
+    held = dict.fromkeys(tinygroup.SHAPES, 0)
+
+    def send(version, changed, senders):
+        for n in tinygroup.SHAPES if changed is None else changed:
+            held[n] = version
+        for m, _ in senders:
+            m.load_weights((n, tinygroup.checkpoint(held[n])[n]) for n in held)
+        return tinygroup.in_threads(
+            *[lambda a=a: a.send_weights(version, changed=changed) for _, a in senders],
+            *[lambda a=a: a.wait_for_version(version) for _, a in rollouts])
+
+    assert send(1, None, trainers) == [None, None, 1, 1]
+    first, *rest = send(2, ["m"], trainers)
+    assert isinstance(first, TransferFailed) and "Trainer [1] is excluded" in str(first), first
+    assert rest[1:] == [2, 2]
+    assert send(3, ["w"], trainers[:1]) == [None, 3, 3]
+    for m, a in rollouts:
+        for n, p in m.params.items():
+            want = tinygroup.checkpoint(held[n])[n]
+            assert torch.equal(p.view(torch.uint8), want.view(torch.uint8)), (a.worker, n)
