@@ -24,6 +24,11 @@ from weightbridge import TransferPlan
 from weightbridge.coordination.session import join_group, plan_group, run_update
 
 
+STALE = frozenset({"<a delta plan extended by a join>"})
+"""`MeshTransfer._tensors` after a join extended a delta plan: no update's set equals it, so
+the next update plans its own."""
+
+
 class Membership:
     """`add_engine`, `remove_engine`, `replan`, the recovery after a loss, and the live ranks
     of each side."""
@@ -63,8 +68,8 @@ class Membership:
         self.control.use(group)
         t1 = time.perf_counter()
         before = self.plan.num_rounds
-        if self._tensors is not None:  # a delta plan: the next update plans its own set
-            self._tensors = frozenset({"(re-plan after a join)"})
+        if self._tensors is not None:  # a delta plan, now with a full part: re-plan next time
+            self._tensors = STALE
         self._maps, connected = join_group(self.control, self._maps, self.connected,
                                            self.config, generation=self._generation)
         self._use(connected)
@@ -138,7 +143,7 @@ class Membership:
         self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
                              excluded_trainers=frozenset(self.lost_trainers),
                              generation=self._generation, reroute=self._reroute,
-                             tensors=self._tensors))
+                             tensors=None if self._tensors is STALE else self._tensors))
 
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float,
                  versions=None) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from typing import Collection, Mapping
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint
@@ -41,6 +42,18 @@ def checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(7919 * version + 1)
     return {t.name: torch.randn(t.shape, generator=gen).bfloat16()
             for t in checkpoint_spec(SIZES[model]).tensors}
+
+
+def held_checkpoint(model: str, history: Mapping[int, Collection[str] | None], version: int
+                    ) -> dict[str, torch.Tensor]:
+    """What the trainers hold at ``version`` after delta steps: each tensor's values of the
+    newest version up to it that changed it. ``history``: version -> the tensors that version
+    changed (None: all of them), for every version sent so far."""
+    names = [t.name for t in checkpoint_spec(SIZES[model]).tensors]
+    last = {n: max(v for v, ch in history.items() if v <= version and (ch is None or n in ch))
+            for n in names}
+    full = {v: checkpoint(model, v) for v in set(last.values())}
+    return {n: full[v][n] for n, v in last.items()}
 
 
 def digest(params) -> str:
@@ -101,6 +114,24 @@ class RLTrainer(Actor):
         self.adapter.remove_engine(engine)
 
     @endpoint
+    def train_and_send_delta(self, version: int, changed: list[str]) -> tuple[float, float]:
+        """A step that changes only ``changed`` (their values of ``version``), then a delta
+        ``send_weights(version, changed=changed)``; returns as `train_and_send`."""
+        with torch.no_grad():
+            full = checkpoint(self.model, version)
+            self.shard.load_weights((n, full[n]) for n in changed)
+        start = time.monotonic()
+        self.adapter.send_weights(version, changed=changed)
+        return start, time.monotonic() - start
+
+    @endpoint
+    def plan_bytes(self) -> int | None:
+        """Rank 0: the RDMA bytes one transfer over the plan in force writes, every stage of
+        every worker (the last update's, once its send_weights returned); others: None."""
+        plan = self.adapter.plan
+        return None if plan is None else int(plan.stage_bytes()[0].sum())
+
+    @endpoint
     def finish(self) -> None:
         """Rank 0 in SS modes: wait until every staged version was transferred (raises an
         error of the background transfer). Other ranks and modes: nothing to wait for."""
@@ -131,6 +162,16 @@ class RLRollout(Actor):
         self.adapter = group.receiver(self.shard.params, self.shard.load_weights,
                                       checkpoint_spec(SIZES[self.model]),
                                       cls=self.receiver_cls)
+
+    @endpoint
+    def wait_version(self, version: int, history: Mapping[int, Collection[str] | None]
+                     ) -> tuple[int, bool]:
+        """Poll until the parameters hold ``version``; (version held, bit-exact against this
+        rank's own loader of what the trainers held then, per `held_checkpoint`)."""
+        held = self.adapter.wait_for_version(version)
+        ref = RolloutShard(SIZES[self.model], self.tp, self.rank_in_engine, 1, 0)
+        ref.load_weights(held_checkpoint(self.model, history, held).items())
+        return held, digest(ref.params) == digest(self.shard.params)
 
     @endpoint
     def step(self, seed: int) -> dict:

@@ -24,8 +24,11 @@ call and each write into an RDMA write.
 A rollout worker lost mid-transfer raises `TransferFailed`; its engine leaves the group and
 rank 0 re-plans without it (docs/integration.md, "Failures").
 
-Modules: `adapter_base` (shared worker state and waits), `sender`, `receiver`; the protocol
-itself is `coordination`.
+Delta updates (``send_weights(v, changed=...)``, sync and RS modes) move only the tensors the
+rollouts lack over a plan restricted to them: `sender_delta`, `delta`.
+
+Modules: `adapter_base` (shared worker state and waits), `sender` (with `sender_recovery` and
+`sender_delta`), `receiver`; the protocol itself is `coordination`.
 
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """

@@ -40,6 +40,7 @@ class PeerCall(enum.Enum):
     PLANNING = "planning"
     CONNECT_FAILED = "connect_failed"
     READY = "ready"
+    DELTA = "delta"
     PENDING = "pending"
     STAGE_START = "stage_start"
     STAGE_CANCEL = "stage_cancel"

@@ -202,6 +202,12 @@ class StagingSlots:
         self._pinned[engine] = slot
         return version, slot
 
+    def claimed(self, engine: int) -> int | None:
+        """The version in the slot ``engine`` claimed last (None: none, since these slots were
+        made): its parameters hold it, or will before they install anything newer."""
+        pinned = self._pinned[engine]
+        return None if pinned is None else self._landed.get((engine, pinned))
+
     def landed(self, engine: int, slot: int) -> int | None:
         return self._landed.get((engine, slot))
 

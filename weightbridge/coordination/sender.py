@@ -16,6 +16,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
 from weightbridge.coordination.protocol import SenderStage, StagingSlots
+from weightbridge.coordination.sender_delta import SenderDelta
 from weightbridge.coordination.sender_membership import SenderMembership
 from weightbridge.coordination.sender_recovery import SenderRecovery
 from weightbridge.coordination.session import check_replicas, connect_group, run_update
@@ -35,9 +36,10 @@ class _Disagree(Exception):
     """Internal: a trainer is inside send_weights with another version."""
 
 
-class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
-    """A trainer worker's side: `connect` once, `send_weights(version)` after each step;
-    `add_engines` / `remove_engine` between steps (`sender_membership`)."""
+class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker):
+    """A trainer worker's side: `connect` once, `send_weights(version)` after each step (a
+    delta with ``changed``: `sender_delta`); `add_engines` / `remove_engine` between steps
+    (`sender_membership`)."""
 
     side = "trainer"
 
@@ -119,15 +121,23 @@ class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
             raise RuntimeError(f"{self.worker}: trainer 0's connect failed, so this group has "
                                f"no plan: {self._connect_error}")
 
-    def send_weights(self, version: int) -> None:
+    def send_weights(self, version: int, changed=None) -> None:
         """Collective over the trainers: move ``version`` (the weights in the parameters now).
+
+        ``changed`` (sync and RS modes; `SenderDelta`): a delta update. The checkpoint tensors
+        whose values changed since this trainer's previous send_weights, the same on every
+        trainer, or "auto" (each trainer compares per-parameter checksums with its previous
+        call's); only what the rollouts lack moves, and they end bit-identical to a full
+        update. None (default): a full update; the first one must be.
 
         Returns when (see `Mode.trainer_returns_when`): SS and async, once this trainer's bytes
         are copied to host staging; RS, once they landed in the rollouts' staging; sync, once
         every rollout installed them.
 
         Raises:
-            ValueError: a version not newer than the last one sent.
+            ValueError: a version not newer than the last one sent; a ``changed`` that is not
+                supported in this mode, names unknown tensors, comes before any full update, or
+                differs between trainers (before any byte moves).
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
             TransferFailed: a rollout worker was lost during this transfer (sync, RS; on every
                 trainer) or an earlier one (SS, async; on rank 0, after this version was
@@ -138,6 +148,7 @@ class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
             raise RuntimeError("call connect() before send_weights()")
         if self._broken is not None:
             raise TransferFailed(self._broken)
+        checked = self._delta_check(changed)
         if self.config.sender_staging:
             self._stage(version)
             if self.worker.index == 0:
@@ -149,6 +160,7 @@ class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
             if version <= max(self._ready, self._done):
                 raise ValueError(f"send_weights(version={version}) after version "
                                  f"{max(self._ready, self._done)}: versions must increase")
+            self._delta_begin(version, checked)
             self._ready = self._sending = version
             self._log(("ready", version))
             self.cond.notify_all()
@@ -344,6 +356,7 @@ class SenderAdapter(SenderMembership, SenderRecovery, AdapterWorker):
         ts = self._live_trainers()
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
             self._wait_for_trainers(ts, version)
+            self._plan_delta(ts, version)  # the plan of the tensors the rollouts need
         check_replicas(control, self.group, version)  # (SS: each staged copy's digest)
         if mode.receiver_staging:
             with self._slots_lock:

@@ -126,6 +126,7 @@ class SenderMembership:
         self._maps, self.group = join_group(self.control, self._maps, self.group, self.config,
                                             generation=self._generation)
         self.plan = self.group.plan
+        self._delta_joined_at = self._done  # (delta updates: the new engines hold nothing)
         with self._slots_lock:
             self.slots.grow(self.control.num_engines)
 

@@ -31,7 +31,8 @@ class SenderRecovery:
         if not gone and not gone_t:
             # Every trainer waits in send_weights(version) (not SS): it fails the same way.
             kind = ("timeout" if isinstance(error, TimeoutError) else
-                    "replica" if isinstance(error, ReplicaMismatch) else "transfer")
+                    "replica" if isinstance(error, ReplicaMismatch) else
+                    "input" if isinstance(error, ValueError) else "transfer")
             self._tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
             if moved:
                 self._broken = (f"the transfer of version {version} failed after bytes moved "
@@ -111,7 +112,7 @@ class SenderRecovery:
             self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
         self.group = plan_group(control, self._maps, self.config, excluded=excluded,
                                 excluded_trainers=frozenset(self.failed_trainers),
-                                generation=self._generation)
+                                generation=self._generation, tensors=self._tensors)
         self.plan = self.group.plan
 
     def _tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:

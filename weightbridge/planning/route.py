@@ -391,6 +391,8 @@ def _offsets(order: np.ndarray, bucket: np.ndarray, nbytes: np.ndarray) -> np.nd
 def _real_bytes(router: _Router, seg_arr: np.ndarray) -> np.ndarray:
     """Element bytes of each segment: its stream range minus the overlaps' ALIGN padding."""
     out = np.zeros(len(seg_arr), dtype=np.int64)
+    if not len(seg_arr):  # nothing to move (a delta update of no tensor)
+        return out
     order = np.argsort(seg_arr[:, 0], kind="stable")
     groups = seg_arr[order, 0]
     bounds = np.flatnonzero(np.concatenate(([True], groups[1:] != groups[:-1], [True])))

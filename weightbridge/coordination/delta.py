@@ -1,0 +1,65 @@
+"""Delta updates, pure: which checkpoint tensors a transfer must carry so that what a rollout
+installs is bit-identical to a full update of that version.
+
+No torch, no threads: the rank-0 sender (`weightbridge.coordination.sender_delta`) feeds it
+what the trainers said changed in each version, and asks it what the next transfer needs given
+the version the rollouts' parameters hold when they install it (the "base")::
+
+    log = DeltaLog(tensors)                 # every checkpoint tensor some worker reads
+    log.record(1, prevs=[0, 0], changed=None)        # a full update: every tensor is new
+    log.record(2, prevs=[1, 1], changed={"a"})       # "a" changed since version 1
+    log.needed(base=1)  -> frozenset({"a"})          # rollouts hold 1: send "a" only
+    log.needed(base=0)  -> None                      # rollouts hold nothing yet: send it all
+
+Why a base and not "the last version sent": a rollout does not always install every version
+(receiver staging lets an engine skip versions that landed while it generated; a transfer can
+fail before any byte moved). A tensor is needed when it changed after the base, so a skipped
+version's changes ride on the next transfer.
+
+``prevs``: each trainer's previous ``send_weights`` version. When one differs from the last
+version recorded here, some version's changes never reached rank 0 (a call refused before the
+trainers agreed, say), so this version counts as a full change: correct, if not minimal.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class DeltaLog:
+    """Per checkpoint tensor, the newest version it changed in; rank 0 of an adapter group."""
+
+    def __init__(self, tensors: Iterable[str]):
+        self.tensors = frozenset(tensors)
+        """Every checkpoint tensor some worker reads (a full update moves all of them)."""
+        self.recorded = 0
+        """Newest version recorded (0: none)."""
+        self._changed_at: dict[str, int] = {}
+        self._last: tuple[int, frozenset[str] | None] = (0, None)
+
+    def record(self, version: int, prevs: Iterable[int], changed: Iterable[str] | None
+               ) -> frozenset[str] | None:
+        """The trainers agreed that ``changed`` (None: everything) changed in ``version``
+        since their previous calls ``prevs``. Returns what was recorded (None: everything).
+
+        Recording the same version again (rank 0 re-sends it after a lost worker) keeps the
+        first record: the trainers' parameters have not moved since.
+        """
+        if version == self._last[0]:
+            return self._last[1]
+        if changed is not None and any(p != self.recorded for p in prevs):
+            changed = None  # a version between went unrecorded: its changes are unknown
+        tensors = None if changed is None else frozenset(changed) & self.tensors
+        for t in self.tensors if tensors is None else tensors:
+            self._changed_at[t] = version
+        self.recorded = version
+        self._last = (version, tensors)
+        return tensors
+
+    def needed(self, base: int) -> frozenset[str] | None:
+        """The tensors a transfer must carry to rollouts whose parameters hold version
+        ``base`` (0: none yet): those changed after it. None when that is every tensor (a full
+        update)."""
+        # A tensor never recorded (no full update yet) counts as changed: it must be sent.
+        out = frozenset(t for t in self.tensors if self._changed_at.get(t, base + 1) > base)
+        return None if out == self.tensors else out
