@@ -24,11 +24,6 @@ from weightbridge import TransferPlan
 from weightbridge.coordination.session import join_group, plan_group, run_update
 
 
-STALE = frozenset({"<a delta plan extended by a join>"})
-"""`MeshTransfer._tensors` after a join extended a delta plan: no update's set equals it, so
-the next update plans its own."""
-
-
 class Membership:
     """`add_engine`, `remove_engine`, `replan`, the recovery after a loss, and the live ranks
     of each side."""
@@ -68,17 +63,17 @@ class Membership:
         self.control.use(group)
         t1 = time.perf_counter()
         before = self.plan.num_rounds
-        if self._tensors is not None:  # a delta plan, now with a full part: re-plan next time
-            self._tensors = STALE
-        self._maps, connected = join_group(self.control, self._maps, self.connected,
-                                           self.config, generation=self._generation)
+        self._maps, connected, start = join_group(
+            self.control, self._maps, self.connected, self.config, generation=self._generation,
+            restricted=self._tensors is not None, excluded=self._excluded(),
+            excluded_trainers=frozenset(self.lost_trainers))
+        self._tensors = None  # (a delta plan in force was replaced by a full one)
         self._use(connected)
         t2 = time.perf_counter()
         count, bad, moved = 0, (), 0
         if self._held is not None:
             # Appended rounds carry the joining engine alone; a mirrored one is fed by the
-            # other engines' forwards, so the whole update runs again.
-            start = before if self.plan.num_rounds > before else 0
+            # other engines' forwards, so the whole update runs again (start 0).
             deadline = self.config.timeout_s * (self.plan.num_rounds - start + 2)
             try:
                 run_update(self.control, self.connected, first_round=start,
@@ -136,14 +131,17 @@ class Membership:
     def _replan(self) -> None:
         """Plan again from the source maps of connect without the engines and trainers that
         are out, and set every live worker up on it."""
-        size = self.rollout_spec.workers_per_engine
-        excluded = frozenset(j for j in range(self.rollout_spec.num_workers)
-                             if j // size in self.lost_engines)
         self._generation += 1
-        self._use(plan_group(self.control, self._maps, self.config, excluded=excluded,
+        self._use(plan_group(self.control, self._maps, self.config, excluded=self._excluded(),
                              excluded_trainers=frozenset(self.lost_trainers),
                              generation=self._generation, reroute=self._reroute,
-                             tensors=None if self._tensors is STALE else self._tensors))
+                             tensors=self._tensors))
+
+    def _excluded(self) -> frozenset[int]:
+        """The rollout workers of the engines that are out."""
+        size = self.rollout_spec.workers_per_engine
+        return frozenset(j for j in range(self.rollout_spec.num_workers)
+                         if j // size in self.lost_engines)
 
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float,
                  versions=None) -> None:

@@ -11,7 +11,8 @@ import re
 
 import pytest
 import tinygroup
-from tinygroup import MODES, SPEC, Model, build, connect, in_threads
+import torch
+from tinygroup import MODES, SHAPES, SPEC, Model, build, checkpoint, connect, in_threads
 
 from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
 
@@ -76,6 +77,34 @@ def test_an_engine_of_another_layout_gets_rounds_of_its_own(mode):
     assert trainers[0][1].plan.num_rounds > rounds  # appended: the old engines keep theirs
     assert in_threads(*tinygroup.send(trainers, 2, ss=ss), *polls(2, rollouts))[2:] == [2] * 3
     assert all(m.holds(2) for m, _ in rollouts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_an_engine_joining_between_delta_updates_gets_every_tensor(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=5, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    held = {}  # tensor -> the version whose value every rollout must hold
+
+    def delta(v, changed, which):
+        def one(model, adapter):
+            model.load_weights((n, checkpoint(v)[n]) for n in changed or SHAPES)
+            adapter.send_weights(v, changed=changed)
+        held.update(dict.fromkeys(changed or SHAPES, v))
+        polls = [lambda a=a: a.wait_for_version(v) for _, a in which]
+        assert in_threads(*[lambda m=m, a=a: one(m, a) for m, a in trainers],
+                          *polls)[2:] == [v] * len(which)
+
+    delta(1, None, rollouts)
+    delta(2, ["w"], rollouts)
+    rollouts.append(_add_receiver(control, config, 2))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    delta(3, ["v"], rollouts)  # the new engine needs every tensor: they all move
+    for m, _ in rollouts:
+        assert all(torch.equal(m.params[n].view(torch.uint8),
+                               checkpoint(v)[n].view(torch.uint8)) for n, v in held.items())
+    assert held == {"w": 2, "v": 3, "m": 1}
 
 
 def test_membership_changes_are_refused_clearly():

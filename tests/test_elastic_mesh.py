@@ -76,3 +76,18 @@ def test_a_join_on_given_procs_before_the_first_update_gets_the_first_update():
     finally:
         for p in (procs, odd):
             p.stop().get(timeout=60)
+
+
+def test_a_join_while_a_delta_plan_is_in_force_gets_every_tensor_and_deltas_go_on():
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
+                      config=CONFIG) as mt:
+        mt.connect()
+        full = mt.update(1)
+        norm = ["model.norm.weight"]
+        assert not mt.update(2, changed=norm).mismatched
+        joined = mt.add_engine()  # the tensors of versions 1 and 2, each as the others hold it
+        assert not joined.mismatched and joined.num_params == full.num_params, joined.line()
+        after = mt.update(3, changed=norm)  # a delta again, to both engines
+        assert not after.mismatched and after.num_params == 2 * full.num_params, after.line()
+        assert 0 < after.rdma_bytes < full.rdma_bytes

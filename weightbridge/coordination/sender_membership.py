@@ -17,7 +17,7 @@ whole; the engines already in keep what they run and never see a partial version
 
 from __future__ import annotations
 
-from weightbridge.coordination.control import PeerCall, engine_workers
+from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
 from weightbridge.coordination.session import join_group
 
 
@@ -123,8 +123,14 @@ class SenderMembership:
             self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
 
     def _join(self, group) -> None:
-        self._maps, self.group = join_group(self.control, self._maps, self.group, self.config,
-                                            generation=self._generation)
+        size = self.control.engine_size
+        self._maps, self.group, _ = join_group(
+            self.control, self._maps, self.group, self.config, generation=self._generation,
+            restricted=self._tensors is not None,
+            excluded=frozenset(w.index for w in rollouts(self.control)
+                               if w.index // size in self.failed_engines),
+            excluded_trainers=frozenset(self.failed_trainers))
+        self._tensors = None  # (a delta plan in force was replaced by a full one)
         self.plan = self.group.plan
         self._delta_joined_at = self._done  # (delta updates: the new engines hold nothing)
         with self._slots_lock:

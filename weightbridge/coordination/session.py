@@ -137,8 +137,10 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
 
 
 def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
-               config: TransferConfig, *, generation: int = 0
-               ) -> tuple[GroupMaps, ConnectedGroup]:
+               config: TransferConfig, *, generation: int = 0, restricted: bool = False,
+               excluded: frozenset[int] = frozenset(),
+               excluded_trainers: frozenset[int] = frozenset()
+               ) -> tuple[GroupMaps, ConnectedGroup, int]:
     """Plan in the rollout workers ``control`` has beyond ``maps`` (engines that joined,
     `TransferGroup.add_engines`): probe only them, extend the plan in force for them
     (`extend_plan`), set up only them and the workers whose part changed.
@@ -146,9 +148,14 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     A replica of a live engine is mirrored on it: the trainers are untouched and the rollouts
     that land segments from them forward one more copy, taking only their new writes (their
     buffers, registered ranges and handles stay); every other worker is untouched. Another
-    layout gets rounds of its own appended, and the trainers are set up again;
-    ``run_update(..., first_round=group.plan.num_rounds)`` on the result then moves the
-    trainers' weights into the joining workers alone.
+    layout gets rounds of its own appended, and the trainers are set up again. Returns the
+    grown maps, the grown group and the first round the joining workers take part in:
+    ``run_update(..., first_round=...)`` moves the trainers' weights into them (alone, when
+    their rounds were appended; 0: a whole update, the others' bytes unchanged).
+
+    ``restricted``: the plan in force moves only some tensors (a delta update's): a joining
+    engine needs them all, so the whole group is planned again for every tensor (`plan_group`
+    with ``excluded`` and ``excluded_trainers``) and every live worker set up.
 
     Raises:
         ValueError: a joining worker in the wrong engine; nothing joined.
@@ -165,6 +172,10 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     check_same_checkpoint([maps.spec], [spec for _, _, spec in found],
                           first=joining[0].index)
     pairs = tuple((smap, placement) for smap, placement, _ in found)
+    grown = dataclasses.replace(maps, rollouts=maps.rollouts + pairs)
+    if restricted:
+        return grown, plan_group(control, grown, config, excluded=excluded,
+                                 excluded_trainers=excluded_trainers, generation=generation), 0
     plan = extend_plan(group.plan, pairs)
     changed, new = rewired(group.plan, plan)
     assert new == joining, (new, joining)
@@ -181,11 +192,11 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     control.call_each(changed + joining, PeerCall.SET_PEERS, [
         ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
         for w in changed + joining])
-    grown = dataclasses.replace(maps, rollouts=maps.rollouts + pairs)
+    appended = plan.num_rounds > group.plan.num_rounds
     return grown, dataclasses.replace(
         group, plan=plan, active=group.active | active_steps(plans.values()),
         live_rollouts=group.live_rollouts + tuple(joining), num_handles=len(handles),
-        handles=handles)
+        handles=handles), group.plan.num_rounds if appended else 0
 
 
 def _restricted(smap: SourceMap, tensors: frozenset[str]) -> SourceMap:
