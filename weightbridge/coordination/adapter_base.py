@@ -26,7 +26,8 @@ class TransferFailed(RuntimeError):
     """A rollout worker was lost during a transfer (its process died or stopped answering).
 
     The message names the worker, its engine and the version, says which engines were excluded
-    and what the surviving engines hold, and how to bring the lost engine back (reconnect).
+    and what the surviving engines hold, and how to bring the lost engine back (restart it and
+    add it as a new engine: `SenderAdapter.add_engines`).
     """
 
 

@@ -53,8 +53,9 @@ class SenderRecovery:
             what += (f" Engine{'s' if len(lost) > 1 else ''} {lost} "
                      f"{'are' if len(lost) > 1 else 'is'} excluded from this transfer group: "
                      f"nothing more is sent to it and its other workers' poll_requests() "
-                     f"raise. To use it again, restart its workers and build a new group (new "
-                     f"adapters, connect()).")
+                     f"raise. To use it again, restart its workers on new procs and add them "
+                     f"as a new engine (TransferGroup.add_engines, then add_engines() on every "
+                     f"trainer).")
         if gone_t:
             what += (f" Trainer{'s' if len(gone_t) > 1 else ''} {gone_t} "
                      f"{'are' if len(gone_t) > 1 else 'is'} excluded: the trainers that hold "

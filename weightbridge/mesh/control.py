@@ -7,7 +7,9 @@ the group handle, which registers it in its process, where the agent of that pro
 it. So a sync actor blocked in ``send_weights`` or ``poll_requests`` still serves its peers
 (a sync actor handles one message at a time, and Monarch refuses an actor that mixes sync and
 async endpoints, so the library could not add an endpoint to it), and no mesh axis needs a
-particular name: the agents' meshes are flattened, and worker i is the proc of flat rank i.
+particular name: the agents' meshes are flattened, and worker i is the proc of flat rank i
+(engines added later with `TransferGroup.add_engines` run on procs of their own: their ranks
+go on after the group's, one more segment of the rollout side).
 
     controller (your RL loop)                          each trainer / rollout proc
     -------------------------                          ---------------------------
