@@ -21,7 +21,8 @@ from controller.report import JoinReport, TransferError, WorkersLost
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import TransferPlan
-from weightbridge.coordination.session import join_group, plan_group, run_update
+from weightbridge.coordination.session import (check_removable, join_group, plan_group,
+                                               run_update)
 
 
 class Membership:
@@ -115,15 +116,7 @@ class Membership:
         """
         if self.plan is None:
             raise RuntimeError("call connect() before remove_engine()")
-        engines = self.rollout_spec.engines
-        if not isinstance(engine, int) or not 0 <= engine < engines:
-            raise ValueError(f"engine must be an engine number in [0, {engines}), got {engine!r}")
-        if engine in self.lost_engines:
-            raise ValueError(f"engine {engine} is already out of this group "
-                             f"(out: {sorted(self.lost_engines)})")
-        if len(self.lost_engines) + 1 == engines:
-            raise ValueError(f"engine {engine} is the last engine of this group; close the "
-                             f"MeshTransfer instead")
+        check_removable(engine, self.rollout_spec.engines, self.lost_engines)
         self.lost_engines.add(engine)
         self._replan()
         return self.plan

@@ -18,7 +18,7 @@ whole; the engines already in keep what they run and never see a partial version
 from __future__ import annotations
 
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
-from weightbridge.coordination.session import join_group
+from weightbridge.coordination.session import check_removable, join_group
 
 
 class SenderMembership:
@@ -137,15 +137,7 @@ class SenderMembership:
             self.slots.grow(self.control.num_engines)
 
     def _leave(self, engine: int) -> None:
-        engines = self.control.num_engines
-        if not isinstance(engine, int) or not 0 <= engine < engines:
-            raise ValueError(f"engine must be an engine number in [0, {engines}), got {engine!r}")
-        if engine in self.failed_engines:
-            raise ValueError(f"engine {engine} is already out of this group "
-                             f"(out: {sorted(self.failed_engines)})")
-        if len(self.failed_engines) + 1 == engines:
-            raise ValueError(f"engine {engine} is the last engine of this group; stop the "
-                             f"group instead")
+        check_removable(engine, self.control.num_engines, self.failed_engines)
         self.failed_engines.add(engine)
         self.control.call(engine_workers(self.control, engine), PeerCall.FAIL,
                           f"engine {engine} was removed from this transfer group "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
@@ -326,6 +326,19 @@ def unanswered(control: ControlPlane, workers: Sequence[WorkerId]) -> list[Worke
     stalled or cut off. Asked after a step failed, to name who is lost."""
     answers = control.call(list(workers), PeerCall.PING, return_errors=True)
     return [w for w, a in zip(workers, answers) if a is not True]
+
+
+def check_removable(engine, num_engines: int, out: Collection[int]) -> None:
+    """Raise ValueError unless ``engine`` can leave: an engine number of the group, not out
+    yet (``out``), not the last one in."""
+    if not isinstance(engine, int) or not 0 <= engine < num_engines:
+        raise ValueError(f"engine must be an engine number in [0, {num_engines}), got "
+                         f"{engine!r}")
+    if engine in out:
+        raise ValueError(f"engine {engine} is already out of this group (out: {sorted(out)})")
+    if len(out) + 1 == num_engines:
+        raise ValueError(f"engine {engine} is the last engine of this group; close the group "
+                         f"instead")
 
 
 def check_engines(control: ControlPlane, placements: Sequence[Placement], *,
