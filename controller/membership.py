@@ -20,9 +20,9 @@ from controller.report import JoinReport, TransferError, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import TransferPlan
-from weightbridge.coordination.session import (check_removable, join_group, plan_group,
-                                               run_update)
+from weightbridge import TransferPlan, WorkerId
+from weightbridge.coordination.session import (check_removable, join_group, leave_group,
+                                               plan_group, run_update)
 
 
 class Membership:
@@ -108,8 +108,10 @@ class Membership:
 
     def remove_engine(self, engine: int) -> TransferPlan:
         """Take rollout engine ``engine`` out of the group between updates (to restart or
-        retire it): re-plan over the others from the source maps of connect (no probe); no
-        byte is sent to or through it afterwards. Returns the new plan.
+        retire it); no byte is sent to or through it afterwards. An engine nothing depends on
+        (one mirrored in by `add_engine`) just loses its rows: only the rollouts that
+        forwarded to it take new writes. Otherwise the others are planned again from the
+        source maps of connect (no probe). Returns the plan in force.
 
         Raises:
             ValueError: no such engine, it is already out, or it is the last one.
@@ -118,7 +120,14 @@ class Membership:
             raise RuntimeError("call connect() before remove_engine()")
         check_removable(engine, self.rollout_spec.engines, self.lost_engines)
         self.lost_engines.add(engine)
-        self._replan()
+        size = self.rollout_spec.workers_per_engine
+        shrunk = leave_group(self.control, self.connected, self.config,
+                             [WorkerId("rollout", j) for j in range(engine * size,
+                                                                    (engine + 1) * size)])
+        if shrunk is None:  # others depend on it: plan again
+            self._replan()
+        else:
+            self._use(shrunk)
         return self.plan
 
     def _replan(self) -> None:

@@ -28,6 +28,12 @@ class Partial(Model):
         super().load_weights((n, t) for n, t in weights if n in self.params)
 
 
+def plan_rollouts(plan):
+    """The rollout workers ``plan`` routes bytes to."""
+    return tuple(w for w in plan.workers if w.side == "rollout"
+                 and plan.rollout_maps[w.index].pieces)
+
+
 def _add_receiver(control, config, rank: int, model=Model):
     m = model()
     return m, control.add(ReceiverAdapter(
@@ -61,6 +67,15 @@ def test_an_engine_joins_and_another_leaves_and_every_install_is_whole(mode):
         rollouts[0][1].poll_requests()
     assert update(3, rollouts[1:]) == [3, 3]
     assert all(m.holds(3) for m, _ in rollouts[1:]) and rollouts[0][0].holds(2)
+    # A fourth engine joins (a replica: mirrored) and leaves again: only the rollouts that
+    # forwarded to it change, and the plan routes to the same workers as before.
+    plan = trainers[0][1].plan
+    rollouts.append(_add_receiver(control, config, 3))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    assert update(4, rollouts[1:]) == [4, 4, 4]
+    assert in_threads(*[lambda a=a: a.remove_engine(3) for _, a in trainers]) == [None, None]
+    assert trainers[0][1].group.live_rollouts == plan_rollouts(plan)
+    assert update(5, rollouts[1:3]) == [5, 5] and rollouts[3][0].holds(4)
 
 
 @pytest.mark.parametrize("mode", ["sync", "rs"])

@@ -1,14 +1,19 @@
-"""extend_plan: a joining engine planned on its own, appended; the old workers' part unchanged."""
+"""extend_plan and shrink_plan: engines joining and leaving a plan in force.
+
+A replica joins mirrored on a live engine (the trainers untouched, forwarders rewired), another
+layout in appended rounds (the old rollouts untouched); every extended plan moves every rollout
+bit-exact; a mirrored engine leaves by dropping its rows, back to the plan before the join.
+"""
 
 import dataclasses
 
 import pytest
-
+import torch
 from test_plan import check_invariants
 
 from planning_layouts import checkpoint, fused_rollout, loaded, params_of, same_bytes, tp_trainer
 from weightbridge import LayoutError, Placement, WorkerId, plan_transfer, run_plan_locally
-from weightbridge.planning.extend import extend_plan, rewired
+from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 
 TRAINERS = [(tp_trainer(r % 2, 2), Placement(f"t{r // 2}")) for r in range(4)]
 
@@ -80,6 +85,26 @@ def test_extended_plans_move_every_rollout_bit_exact(tp):
     for (smap, _), got in zip(everyone, rollout_params):
         want = loaded(smap, ckpt, fill=-1.0)
         assert all(same_bytes(got[n], want[n]) for n in want)
+
+
+def test_a_mirrored_engine_leaves_by_dropping_its_rows_and_an_original_one_cannot():
+    plan = plan_transfer(TRAINERS, _engine(0) + _engine(1), round_bytes=96)
+    grown = extend_plan(plan, _engine(2))
+    changed, _ = rewired(plan, grown)
+    shrunk, writers = shrink_plan(grown, [4, 5])
+    assert set(writers) == set(changed)  # the forwarders, and only they, change again
+    before, after = plan.worker_plans(), shrunk.worker_plans(plan.workers)
+    assert all(after[w] == before[w] for w in plan.workers)  # as before the join
+    assert shrink_plan(grown, [0, 1]) is None  # it lands segments the others need
+    ckpt = checkpoint(seed=5)
+    maps = [m for m, _ in _engine(0) + _engine(1) + _engine(2)]
+    rollout_params = [params_of(m, fill=-1.0) for m in maps]
+    run_plan_locally(shrunk, [loaded(m, ckpt) for m, _ in TRAINERS], rollout_params)
+    for smap, got in zip(maps[:4], rollout_params[:4]):
+        want = loaded(smap, ckpt, fill=-1.0)
+        assert all(same_bytes(got[n], want[n]) for n in want)
+    assert all(torch.equal(t, torch.full_like(t, -1.0)) for p in rollout_params[4:]
+               for t in p.values())  # the engine that left gets nothing
 
 
 def test_a_join_on_a_node_the_group_uses_is_refused():

@@ -8,8 +8,9 @@ in the sender-staging modes; never during a transfer)::
 
     join:   probe only the new engines -> extend the plan in force (appended rounds,
             `weightbridge.planning.extend`) -> set up only them and the trainers
-    leave:  tell the engine's workers (their poll_requests() raise) -> re-plan the others
-            from the kept source maps (no probe) -> set every live worker up again
+    leave:  tell the engine's workers (their poll_requests() raise) -> drop its rows when
+            nothing depends on it (a mirrored engine: its forwarders take new writes), else
+            re-plan the others from the kept source maps (no probe, every live worker set up)
 
 A joining engine's first `poll_requests` returns the first version sent after the join,
 whole; the engines already in keep what they run and never see a partial version.
@@ -18,7 +19,7 @@ whole; the engines already in keep what they run and never see a partial version
 from __future__ import annotations
 
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
-from weightbridge.coordination.session import check_removable, join_group
+from weightbridge.coordination.session import check_removable, join_group, leave_group
 
 
 class SenderMembership:
@@ -52,9 +53,11 @@ class SenderMembership:
         """Collective over the trainers, between `send_weights` calls: take rollout engine
         ``engine`` out of the group (to retire or restart it). No byte is sent to or through
         it afterwards; its workers' `poll_requests` raise `TransferFailed` saying it was
-        removed; the other engines are re-planned from the kept source maps (no probe) and
-        keep the whole version they hold (a version landed in their staging but not
-        installed yet is superseded by the next one).
+        removed. An engine nothing depends on (mirrored in by a join) just loses its rows:
+        only the rollouts that forwarded to it take new writes. Otherwise the others are
+        re-planned from the kept source maps (no probe); they keep the whole version they hold
+        (a version landed in their staging but not installed yet is superseded by the next
+        one).
 
         Raises:
             ValueError: no such engine, it is out already, or it is the last one.
@@ -144,7 +147,12 @@ class SenderMembership:
                           f"(remove_engine({engine})): nothing more is sent to it; to use it "
                           f"again, restart its workers and add them with add_engines()",
                           return_errors=True)
-        self._replan()
+        shrunk = leave_group(self.control, self.group, self.config,
+                             engine_workers(self.control, engine))
+        if shrunk is None:  # others depend on it: plan again
+            self._replan()
+        else:
+            self.group, self.plan = shrunk, shrunk.plan
 
 
 def _call(what: tuple) -> str:

@@ -32,7 +32,7 @@ from weightbridge.coordination.sequencer import active_steps, run_rounds
 from weightbridge.coordination.worker import ReplicaMismatch
 from weightbridge.errors import LayoutError
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
-from weightbridge.planning.extend import extend_plan, rewired
+from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
 
@@ -197,6 +197,29 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
         group, plan=plan, active=group.active | active_steps(plans.values()),
         live_rollouts=group.live_rollouts + tuple(joining), num_handles=len(handles),
         handles=handles), group.plan.num_rounds if appended else 0
+
+
+def leave_group(control: ControlPlane, group: ConnectedGroup, config: TransferConfig,
+                leaving: Sequence[WorkerId]) -> ConnectedGroup | None:
+    """Take the rollout workers ``leaving`` (whole engines) out of the plan in force when no
+    other worker depends on them (`shrink_plan`: an engine that was mirrored in by a join):
+    only the workers that forwarded to them take new writes, nobody else is set up again.
+    None when some segment is landed or relayed by them: plan the group again (`plan_group`
+    with them excluded)."""
+    shrunk = shrink_plan(group.plan, [w.index for w in leaving])
+    if shrunk is None:
+        return None
+    plan, writers = shrunk
+    plans = plan.worker_plans(writers)
+    control.call_each(writers, PeerCall.SETUP, [(plans[w], None) for w in writers])
+    gone = set(leaving)
+    handles = {k: h for k, h in group.handles.items() if k[0] not in gone}
+    control.call_each(writers, PeerCall.SET_PEERS, [
+        ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
+        for w in writers])
+    return dataclasses.replace(
+        group, plan=plan, live_rollouts=tuple(w for w in group.live_rollouts if w not in gone),
+        num_handles=len(handles), handles=handles)
 
 
 def _restricted(smap: SourceMap, tensors: frozenset[str]) -> SourceMap:

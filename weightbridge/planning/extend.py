@@ -1,4 +1,5 @@
-"""Extend a plan in force with a joining rollout engine, leaving the others' buffers be.
+"""Grow a plan in force by a joining rollout engine (or shrink it by one that leaves),
+leaving the other workers' buffers be.
 
 Two ways, chosen by `extend_plan`:
 
@@ -23,6 +24,11 @@ append (any other layout). The joining engine is planned on its own, trainers to
 Either way the result is a `TransferPlan` whose joining workers are numbered after the plan's
 rollouts and whose added writes are appended to its tables: the workers to set up again are
 the writers of those rows and the joining workers (`rewired`).
+
+`shrink_plan` takes an engine out the same way when nothing else depends on it (it lands no
+segment from the trainers and forwards nothing to workers that stay: true of a mirrored
+engine): its rows go, and only the workers that forwarded to it take new writes. Otherwise
+the group is planned again (`plan_transfer` from the kept source maps).
 
 Typical usage::
 
@@ -75,6 +81,51 @@ def rewired(old: TransferPlan, new: TransferPlan) -> tuple[list[WorkerId], list[
     first_new = len(old.trainers) + len(old.rollouts)
     return ([workers[int(w)] for w in writers if w < first_new],
             list(workers[first_new:]))
+
+
+def shrink_plan(plan: TransferPlan, leaving: Sequence[int]
+                ) -> tuple[TransferPlan, list[WorkerId]] | None:
+    """(``plan`` without the rollout workers ``leaving``, the workers that wrote to them and
+    stay), when the others do not depend on them; None when some segment is landed by one of
+    them or forwarded by one of them to a worker that stays (then plan again).
+
+    The leaving workers keep their numbers, with empty source maps and no rows, as
+    `plan_transfer` numbers workers that are left out.
+    """
+    t = plan.tables
+    T = len(plan.trainers)
+    gone = np.zeros(T + len(plan.rollouts), dtype=bool)
+    gone[[T + i for i in leaving]] = True
+    into = gone[t.dst]
+    if (into & (t.stage == RECEIVE)).any() or (gone[t.src] & ~into).any():
+        return None
+    keep = ~into
+    writers = np.unique(t.src[into & ~gone[t.src]])
+    recv = t.recv_bytes.copy()
+    recv[gone] = 0
+    tables = dataclasses.replace(
+        t, stage=t.stage[keep], src=t.src[keep], dst=t.dst[keep], seg=t.seg[keep],
+        src_offset=t.src_offset[keep], dst_offset=t.dst_offset[keep], recv_bytes=recv)
+    out = frozenset(leaving)
+    kept: dict[tuple[int, ...], tuple[int, ...]] = {}
+    overlaps = []
+    for o in plan.correspondence.overlaps:
+        needers = kept.get(o.needers)
+        if needers is None:
+            needers = kept[o.needers] = tuple(n for n in o.needers if n not in out)
+        overlaps.append(o if len(needers) == len(o.needers) else
+                        Overlap(o.region, o.dtype, o.holders, needers, o.source_dtype,
+                                o.target_dtype))
+    maps = tuple(dataclasses.replace(m, pieces=(), unsourced=(), unused=()) if i in out else m
+                 for i, m in enumerate(plan.rollout_maps))
+    corr = plan.correspondence
+    shrunk = TransferPlan(
+        correspondence=Correspondence(overlaps=tuple(overlaps), num_trainers=corr.num_trainers,
+                                      num_rollouts=corr.num_rollouts),
+        trainer_maps=plan.trainer_maps, rollout_maps=maps, trainers=plan.trainers,
+        rollouts=plan.rollouts, round_bytes=plan.round_bytes, tables=tables)
+    workers = plan.workers
+    return shrunk, [workers[int(w)] for w in writers]
 
 
 def _template(plan: TransferPlan, maps: list[SourceMap]) -> list[int] | None:
