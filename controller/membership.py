@@ -2,13 +2,14 @@
 
 Mixed into `controller.driver.MeshTransfer` (it uses the transfer's specs, maps, control plane
 and plan). An engine joins with `add_engine`: only it is probed, the plan in force is extended
-with rounds that carry it its weights (`weightbridge.planning.extend`: the other engines keep
-their tables and buffers), and it receives the version the others hold before `add_engine`
-returns. An engine is out when it was lost mid-update (`WorkersLost`) or taken out with
-`remove_engine`; a trainer when it was lost (its replicas then send its regions). Leaving and
-recovery re-plan the whole group from the kept source maps, without probing, as `replan` does
-(which also folds joined engines into one non-redundant plan); the plan in force only ever
-routes bytes between live workers.
+for it (`weightbridge.planning.extend`: a replica is mirrored on a live engine, the trainers
+untouched; the other engines keep their buffers and registered ranges), and it receives the
+version the others hold before `add_engine` returns. An engine is out when it was lost
+mid-update (`WorkersLost`) or taken out with `remove_engine` (which just drops a mirrored
+engine's rows); a trainer when it was lost (its replicas then send its regions). Otherwise
+leaving and recovery re-plan the whole group from the kept source maps, without probing, as
+`replan` does (one balanced plan over every live engine); the plan in force only ever routes
+bytes between live workers.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from controller.report import JoinReport, TransferError, WorkersLost
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import TransferPlan, WorkerId
-from weightbridge.coordination.session import (check_removable, join_group, leave_group,
-                                               plan_group, run_update)
+from weightbridge.coordination.elastic import check_removable, join_group, leave_group
+from weightbridge.coordination.session import plan_group, run_update
 
 
 class Membership:
@@ -79,11 +80,12 @@ class Membership:
             try:
                 run_update(self.control, self.connected, first_round=start,
                            deadline_s=deadline)
-            except Exception as e:  # noqa: BLE001  (the others hold their version untouched)
+            except Exception as e:  # noqa: BLE001  (the others' bytes are their version's)
                 raise TransferError(f"engine {engine} joined the plan but moving the current "
                                     f"weights into it failed ({type(e).__name__}: {e}); the "
-                                    f"other engines are untouched: remove_engine({engine}) and "
-                                    f"try again") from e
+                                    f"other engines hold their version (the catch-up writes "
+                                    f"them the same bytes): remove_engine({engine}) and try "
+                                    f"again") from e
             t = self.plan.tables
             moved = int(t.real_bytes[t.round >= start].sum())
             count, bad = self._verify([(first, actors)], self._held)

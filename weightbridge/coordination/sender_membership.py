@@ -19,7 +19,7 @@ whole; the engines already in keep what they run and never see a partial version
 from __future__ import annotations
 
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
-from weightbridge.coordination.session import check_removable, join_group, leave_group
+from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 
 
 class SenderMembership:
