@@ -229,12 +229,13 @@ class _Copies:
             if hit is None:
                 overlap = self.overlaps[chunk.overlap]
                 # A box between a parameter of another dtype and the wire converts.
-                hit = known[chunk.overlap] = (dtype_itemsize(overlap.dtype),
-                                              overlap.region.count,
-                                              finder.targets(overlap.region),
-                                              [None if d == overlap.dtype else overlap.dtype
-                                               for d in finder.dtypes])
-            size, shape, targets, buffer_dtype = hit
+                # (Only the targets' dtypes: a worker has hundreds of parameters.)
+                wire, dtypes = overlap.dtype, finder.dtypes
+                hit = known[chunk.overlap] = (
+                    dtype_itemsize(wire), overlap.region.count,
+                    [(p, base, steps, None if dtypes[p] == wire else wire)
+                     for p, base, steps in finder.targets(overlap.region)])
+            size, shape, targets = hit
             sub = offset + rel
             span = (shape, chunk.start, chunk.start + chunk.count)
             sub_boxes = boxes.get(span)
@@ -242,14 +243,14 @@ class _Copies:
                 sub_boxes = boxes[span] = tuple((start, count, math.prod(count))
                                                 for start, count in _flat_boxes(*span))
             for start, count, numel in sub_boxes:
-                for param_index, base, steps in targets:
+                for param_index, base, steps, buffer_dtype in targets:
                     key = (steps, count)
                     box_strides = strides.get(key)
                     if box_strides is None:
                         box_strides = strides[key] = tuple(m if c > 1 else 0
                                                            for m, c in zip(steps, count))
                     out.append(BoxCopy(param_index, base + sum(map(operator.mul, start, steps)),
-                                       count, box_strides, sub, buffer_dtype[param_index]))
+                                       count, box_strides, sub, buffer_dtype))
                 sub += numel * size
         return out
 
