@@ -29,6 +29,8 @@ class Copies:
         self.cuts, self.overlap, self.first, self.count, self.rel = segment_chunks(plan)
         self.boxes: dict[tuple, tuple] = {}
         """(shape, first, end) -> the sub-boxes (start, count, elements) of that flat run."""
+        self.strides: dict[tuple, tuple[int, ...]] = {}
+        """(piece steps, box count) -> the box's strides (0 where the count is 1)."""
         self.columns: tuple[list, ...] = ([], [], [], [], [], [])
         """The fields of every box built, in `BoxCopy` field order."""
 
@@ -38,9 +40,8 @@ class Copies:
         per piece holding it. Returns each segment's number of boxes."""
         finder = PieceFinder(smap, all_pieces=all_pieces)
         known: dict[int, tuple] = {}
-        """Overlap -> (itemsize, region shape, targets: param, base, steps, buffer dtype,
-        strides by box shape)."""
-        boxes = self.boxes
+        """Overlap -> (itemsize, region shape, targets: param, base, steps, buffer dtype)."""
+        boxes, strides = self.boxes, self.strides
         cuts, overlaps = self.cuts, self.overlaps
         chunk_overlap, chunk_first, chunk_count, chunk_rel = (self.overlap, self.first,
                                                               self.count, self.rel)
@@ -60,7 +61,7 @@ class Copies:
                     wire, dtypes = overlap.dtype, finder.dtypes
                     hit = known[overlap_index] = (
                         dtype_itemsize(wire), overlap.region.count,
-                        [(p, base, steps, None if dtypes[p] == wire else wire, {})
+                        [(p, base, steps, None if dtypes[p] == wire else wire)
                          for p, base, steps in finder.targets(overlap.region)])
                 size, shape, targets = hit
                 sub = offset + chunk_rel[j]
@@ -71,10 +72,11 @@ class Copies:
                     sub_boxes = boxes[span] = tuple((start, count, math.prod(count))
                                                     for start, count in flat_boxes(*span))
                 for start, count, numel in sub_boxes:
-                    for param_index, base, steps, buffer_dtype, strides in targets:
-                        box_strides = strides.get(count)
+                    for param_index, base, steps, buffer_dtype in targets:
+                        key = (steps, count)
+                        box_strides = strides.get(key)
                         if box_strides is None:
-                            box_strides = strides[count] = tuple(
+                            box_strides = strides[key] = tuple(
                                 m if c > 1 else 0 for m, c in zip(steps, count))
                         add_tensor(param_index)
                         add_offset(base + sum(map(operator.mul, start, steps)))
