@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 
-from weightbridge.planning.route import RECEIVE, STAGES
 from weightbridge.planning.box_copies import PieceFinder, flat_boxes
-from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan, WorkerRound,
-                                dtype_itemsize)
+from weightbridge.planning.route import RECEIVE, STAGES
+from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
+                                WorkerRound, dtype_itemsize)
 
 
 def reference_worker_plan(plan, worker: WorkerId) -> WorkerPlan:

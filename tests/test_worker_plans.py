@@ -65,3 +65,17 @@ def test_a_subset_of_workers_gets_only_theirs():
     got = worker_plans(plan, some)
     assert list(got) == some
     assert all(got[w] == reference_worker_plan(plan, w) for w in some)
+
+
+def test_write_dests_from_the_tables_are_the_peers_of_the_workers_writes():
+    from controller.baselines import p2p_plan
+    from controller.timing import write_dests
+
+    for _, plan in [*_small_layouts(), ("p2p", p2p_plan(next(p for _, p in _small_layouts())))]:
+        want: dict = {}
+        for p in worker_plans(plan).values():
+            for rnd in p.rounds:
+                for w in rnd.writes:
+                    want.setdefault((p.worker.side, p.worker.index, rnd.index, w.stage.value),
+                                    set()).add(w.peer.index)
+        assert write_dests(plan) == {k: frozenset(v) for k, v in want.items()}

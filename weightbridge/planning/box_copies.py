@@ -15,7 +15,7 @@ from itertools import repeat
 
 import numpy as np
 
-from weightbridge.types import BoxCopy, Piece, Region, dtype_itemsize
+from weightbridge.types import Piece, Region, dtype_itemsize
 
 
 class Copies:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import math
-import operator
 
 import numpy as np
 
