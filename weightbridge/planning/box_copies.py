@@ -19,14 +19,14 @@ from weightbridge.types import Piece, Region, dtype_itemsize
 
 
 class Copies:
-    """Builds the BoxCopies of segments for source maps (a piece finder kept per map) as field
-    columns, so that `instances` makes them, and the copies shifted from them, in one pass."""
+    """Builds the BoxCopies of segments, one source map at a time, as field columns (so that
+    `instances` makes them, and the copies shifted from them, in one pass)."""
 
-    def __init__(self, plan):
+    def __init__(self, plan, needed: np.ndarray | None = None):
         self.plan = plan
         self.overlaps = plan.correspondence.overlaps
-        # Every segment's chunks as columns: a segment's sender and receivers share them.
-        self.cuts, self.overlap, self.first, self.count, self.rel = segment_chunks(plan)
+        # The segments' chunks as columns: a segment's sender and receivers share them.
+        self.cuts, self.overlap, self.first, self.count, self.rel = segment_chunks(plan, needed)
         self.boxes: dict[tuple, tuple] = {}
         """(shape, first, end) -> the sub-boxes (start, count, elements) of that flat run."""
         self.strides: dict[tuple, tuple[int, ...]] = {}
@@ -163,10 +163,12 @@ def _contains(outer: Region, inner: Region) -> bool:
     return True
 
 
-def segment_chunks(plan) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+def segment_chunks(plan, needed: np.ndarray | None = None
+                   ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
     """Every segment's `TransferPlan.placed_chunks` as columns, computed for all at once:
     [S + 1] cuts (segment ``s``'s chunks are rows ``cuts[s]:cuts[s + 1]``), then per chunk its
-    overlap, first element, element count and byte offset from the segment's start."""
+    overlap, first element, element count and byte offset from the segment's start. With
+    ``needed`` ([S] bools), only those segments get their chunks (the others none)."""
     t = plan.tables
     overlaps = plan.correspondence.overlaps
     size = np.array([dtype_itemsize(o.dtype) for o in overlaps], dtype=np.int64)
@@ -188,6 +190,8 @@ def segment_chunks(plan) -> tuple[list[int], list[int], list[int], list[int], li
     first = np.searchsorted(keys, seg_start + lift[seg_group], side="right") - 1
     stop = np.searchsorted(keys, seg_stop + lift[seg_group], side="left")
     n = stop - first
+    if needed is not None:
+        n = np.where(needed, n, 0)
     seg = np.repeat(np.arange(len(seg_start)), n)
     i = np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))
     o = members[i]

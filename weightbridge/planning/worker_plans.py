@@ -49,8 +49,7 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
         mine = np.zeros(num_workers, dtype=bool)
         mine[numbers] = True
         rows = np.flatnonzero(mine[t.src] | mine[t.dst])
-    # Rows each worker writes, in its order: round, stage, peer, peer offset (then row); the
-    # first four folded into one key (fewer, faster sort passes).
+    # Rows each worker writes, in its order: round, stage, peer, peer offset (then row).
     src, dst = t.src[rows], t.dst[rows]
     step = (rnd[rows] * len(STAGES) + t.stage[rows]).astype(np.int64)
     steps = num_rounds * len(STAGES)
@@ -60,18 +59,22 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     # Rows written into each worker, in the same order (the peer is the worker itself).
     by_dst = rows[_order([dst.astype(np.int64) * steps + step, peer_offset],
                          [num_workers * steps])]
+    if len(numbers) < num_workers:  # (then only these workers' own writes and assembles)
+        by_src, into = by_src[mine[t.src[by_src]]], by_dst[mine[t.dst[by_dst]]]
+    else:
+        into = by_dst
     packed = by_src[t.stage[by_src] == RECEIVE]
     # Millions of small acyclic objects: generational collection would rescan the growing
     # result again and again (half the time at Kimi-K2's scale) and can free nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, by_dst)
+        boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, into)
         writes, write_rows = _all_writes(plan, by_src)
         # Per (worker, round): its run of packed rows, of rows written into it, of writes; a
         # run of rows gives a run of box indices (each row's boxes, concatenated in row order).
         pack = _runs(t.src[packed], rnd[packed], num_workers, num_rounds, pack_at, pack_n)
-        assemble = _runs(t.dst[by_dst], rnd[by_dst], num_workers, num_rounds, asm_at, asm_n)
+        assemble = _runs(t.dst[into], rnd[into], num_workers, num_rounds, asm_at, asm_n)
         write_cuts = _cuts(t.src[write_rows], rnd[write_rows], num_workers, num_rounds)
         repeated = _repeated_rounds(t.src[packed], rnd[packed], t.seg[packed], num_rounds,
                                     len(t.seg_bytes))
@@ -137,7 +140,9 @@ def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
     group = np.cumsum(head) - 1
     # The built copies, map by map (runs are sorted by map), then every run's boxes made at
     # once from their fields: a shifted run takes its group's fields, offsets moved.
-    copies = Copies(plan)
+    needed = np.zeros(len(t.seg_bytes), dtype=bool)
+    needed[seg] = True
+    copies = Copies(plan, needed)
     sizes = []
     hm, hs, ho = fm[head], fs[head], fo[head]
     for lo, hi in _bounds(hm):
