@@ -36,8 +36,8 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     rows written into it), contiguous writes are merged for all workers at once, and the
     copies of a segment are built once per source map, then shifted to each distinct buffer
     offset a worker of that map holds it at (replicas share theirs). Boxes and writes are made
-    into flat lists, and each (worker, round) takes its runs of them by index. Same result as
-    one `worker_plan` per worker.
+    in one pass each, then put in plan order, so that each (worker, round) takes a slice. Same
+    result as one `worker_plan` per worker.
     """
     t = plan.tables
     workers = list(plan.workers if workers is None else workers)
@@ -71,14 +71,16 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     try:
         boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, into)
         writes, write_rows = _all_writes(plan, by_src)
-        # Per (worker, round): its run of packed rows, of rows written into it, of writes; a
-        # run of rows gives a run of box indices (each row's boxes, concatenated in row order).
-        pack = _runs(t.src[packed], rnd[packed], num_workers, num_rounds, pack_at, pack_n)
-        assemble = _runs(t.dst[into], rnd[into], num_workers, num_rounds, asm_at, asm_n)
+        # Every worker's boxes in plan order, one tuple per side (a row's boxes, rows in
+        # order); a (worker, round) takes a slice of it, and of the writes.
+        pack, pack_cuts = _in_order(boxes, t.src[packed], rnd[packed], pack_at, pack_n,
+                                    num_workers, num_rounds)
+        assemble, asm_cuts = _in_order(boxes, t.dst[into], rnd[into], asm_at, asm_n,
+                                       num_workers, num_rounds)
+        writes = tuple(writes)
         write_cuts = _cuts(t.src[write_rows], rnd[write_rows], num_workers, num_rounds)
         repeated = _repeated_rounds(t.src[packed], rnd[packed], t.seg[packed], num_rounds,
                                     len(t.seg_bytes))
-        take = boxes.__getitem__
         out = {}
         for worker, me in zip(workers, numbers):
             smap = (plan.trainer_maps if worker.side == "trainer" else plan.rollout_maps)[
@@ -87,15 +89,16 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
             at = me * num_rounds
             rounds = []
             for r, s, v in zip(range(num_rounds), send.tolist(), recv.tolist()):
-                packs = tuple(map(take, pack[at + r]))
+                i = at + r
+                packs = pack[pack_cuts[i]:pack_cuts[i + 1]]
                 # A segment written to several receivers in one round (a P2P plan: no
                 # forwarding) is packed once; WeightBridge's plans write each segment once.
                 if (me, r) in repeated:
                     packs = tuple(dict.fromkeys(packs))
                 rounds.append(WorkerRound(
                     index=r, pack=packs,
-                    writes=tuple(writes[write_cuts[at + r]:write_cuts[at + r + 1]]),
-                    assemble=tuple(map(take, assemble[at + r])), send_bytes=s, recv_bytes=v))
+                    writes=writes[write_cuts[i]:write_cuts[i + 1]],
+                    assemble=assemble[asm_cuts[i]:asm_cuts[i + 1]], send_bytes=s, recv_bytes=v))
             out[worker] = WorkerPlan(
                 worker=worker, placement=plan.placement(worker), params=smap.params,
                 buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),
@@ -198,14 +201,13 @@ def _cuts(worker: np.ndarray, rounds: np.ndarray, num_workers: int, num_rounds: 
                            np.arange(num_workers * num_rounds + 1)).tolist()
 
 
-def _runs(worker, rounds, num_workers: int, num_rounds: int, at: np.ndarray, n: np.ndarray
-          ) -> list[list[int]]:
-    """Per (worker, round), the box indices of its rows (sorted by worker, round), in row
-    order: row ``i`` has boxes ``at[i] .. at[i] + n[i] - 1``."""
-    index = _ranges(at, n).tolist()
+def _in_order(boxes: list, worker, rounds, at: np.ndarray, n: np.ndarray, num_workers: int,
+              num_rounds: int) -> tuple[tuple, list[int]]:
+    """The boxes of rows sorted by worker, round (row ``i`` has ``boxes[at[i]:at[i] + n[i]]``),
+    in row order, and the [W * R + 1] bounds of each (worker, round)'s boxes in them."""
+    ordered = tuple(map(boxes.__getitem__, _ranges(at, n).tolist()))
     bounds = np.concatenate(([0], np.cumsum(n)))[_cuts(worker, rounds, num_workers, num_rounds)]
-    bounds = bounds.tolist()
-    return [index[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return ordered, bounds.tolist()
 
 
 def _repeated_rounds(workers: np.ndarray, rounds: np.ndarray, segs: np.ndarray,
