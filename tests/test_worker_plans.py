@@ -88,7 +88,7 @@ def test_segment_chunks_are_every_segments_placed_chunks():
     trainers, rollouts = workers(dep)
     for plan in [p for _, p in _small_layouts()] + [
             plan_transfer(trainers, rollouts, round_bytes=64 << 20)]:
-        cuts, overlap, first, count, rel = segment_chunks(plan)
+        cuts, overlap, first, count, rel = (c.tolist() for c in segment_chunks(plan))
         for s in range(len(plan.tables.seg_bytes)):
             want = [(c.overlap, c.start, c.count, r) for c, r in plan.placed_chunks(s)]
             part = slice(cuts[s], cuts[s + 1])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from collections import deque
 from itertools import repeat
 
@@ -19,74 +18,117 @@ from weightbridge.types import Piece, Region, dtype_itemsize
 
 
 class Copies:
-    """Builds the BoxCopies of segments, one source map at a time, as field columns (so that
-    `instances` makes them, and the copies shifted from them, in one pass)."""
+    """Builds the BoxCopies of segments, one source map at a time, as field columns (numpy
+    arrays, so that `worker_plans` makes them, and the copies shifted from them, in one pass).
+
+    Vectorized over a map's (segment, chunk, sub-box, piece) products: only the pieces holding
+    each overlap (`PieceFinder.targets`) and each distinct run shape's sub-boxes are found in
+    Python."""
 
     def __init__(self, plan, needed: np.ndarray | None = None):
-        self.plan = plan
         self.overlaps = plan.correspondence.overlaps
         # The segments' chunks as columns: a segment's sender and receivers share them.
         self.cuts, self.overlap, self.first, self.count, self.rel = segment_chunks(plan, needed)
-        self.boxes: dict[tuple, tuple] = {}
-        """(shape, first, end) -> the sub-boxes (start, count, elements) of that flat run."""
-        self.strides: dict[tuple, tuple[int, ...]] = {}
-        """(piece steps, box count) -> the box's strides (0 where the count is 1)."""
-        self.columns: tuple[list, ...] = ([], [], [], [], [], [])
-        """The fields of every box built, in `BoxCopy` field order."""
+        self.dims = max([len(o.region.count) for o in self.overlaps] + [1])
+        self._sub = self._sub_boxes()
+        self.parts: list[tuple[np.ndarray, ...]] = []
+        """Per `build`: the fields of its boxes, in `BoxCopy` field order."""
 
-    def build(self, smap, all_pieces: bool, segs, offsets) -> list[int]:
+    def _sub_boxes(self):
+        """Per chunk, the row-major sub-boxes of its run: [C + 1] cuts, then per sub-box its
+        start and count ([B, dims], padded with 0 and 1), count tuple, number of dims and
+        element offset from its chunk's first element."""
+        pad, overlaps = self.dims, self.overlaps
+        cache: dict[tuple, tuple] = {}
+        starts, counts, shapes, per_chunk = [], [], [], []
+        for o, first, count in zip(self.overlap.tolist(), self.first.tolist(),
+                                   self.count.tolist()):
+            span = (overlaps[o].region.count, first, first + count)
+            hit = cache.get(span)
+            if hit is None:  # many runs cover a whole overlap of a common shape
+                boxes = flat_boxes(*span)
+                hit = cache[span] = (
+                    [b + (0,) * (pad - len(b)) for b, _ in boxes],
+                    [c + (1,) * (pad - len(c)) for _, c in boxes], [c for _, c in boxes])
+            starts += hit[0]
+            counts += hit[1]
+            shapes += hit[2]
+            per_chunk.append(len(hit[2]))
+        n = np.array(per_chunk, dtype=np.int64)
+        counts = np.array(counts, dtype=np.int64).reshape(-1, pad)
+        elems = counts.prod(1)
+        before = np.cumsum(elems) - elems
+        cuts = np.concatenate(([0], np.cumsum(n)))
+        before -= np.repeat(before[cuts[:-1]], n) if len(n) else 0
+        return (cuts, np.array(starts, dtype=np.int64).reshape(-1, pad), counts,
+                np.fromiter(shapes, dtype=object, count=len(shapes)),
+                np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes)), before)
+
+    def build(self, smap, all_pieces: bool, segs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Append the copies of each segment of ``segs`` held at the byte of ``offsets`` in a
         buffer, for ``smap``: per run of an overlap's elements, its row-major sub-boxes, once
         per piece holding it. Returns each segment's number of boxes."""
         finder = PieceFinder(smap, all_pieces=all_pieces)
-        known: dict[int, tuple] = {}
-        """Overlap -> (itemsize, region shape, targets: param, base, steps, buffer dtype)."""
-        boxes, strides = self.boxes, self.strides
-        cuts, overlaps = self.cuts, self.overlaps
-        chunk_overlap, chunk_first, chunk_count, chunk_rel = (self.overlap, self.first,
-                                                              self.count, self.rel)
-        columns = self.columns
-        add_tensor, add_offset, add_shape, add_strides, add_at, add_dtype = (
-            c.append for c in columns)
-        sizes = []
-        for seg, offset in zip(segs, offsets):
-            before = len(columns[0])
-            for j in range(cuts[seg], cuts[seg + 1]):
-                overlap_index = chunk_overlap[j]
-                hit = known.get(overlap_index)
-                if hit is None:
-                    overlap = overlaps[overlap_index]
-                    # A box between a parameter of another dtype and the wire converts.
-                    # (Only the targets' dtypes: a worker has hundreds of parameters.)
-                    wire, dtypes = overlap.dtype, finder.dtypes
-                    hit = known[overlap_index] = (
-                        dtype_itemsize(wire), overlap.region.count,
-                        [(p, base, steps, None if dtypes[p] == wire else wire)
-                         for p, base, steps in finder.targets(overlap.region)])
-                size, shape, targets = hit
-                sub = offset + chunk_rel[j]
-                first = chunk_first[j]
-                span = (shape, first, first + chunk_count[j])
-                sub_boxes = boxes.get(span)
-                if sub_boxes is None:  # many runs cover a whole overlap of a common shape
-                    sub_boxes = boxes[span] = tuple((start, count, math.prod(count))
-                                                    for start, count in flat_boxes(*span))
-                for start, count, numel in sub_boxes:
-                    for param_index, base, steps, buffer_dtype in targets:
-                        key = (steps, count)
-                        box_strides = strides.get(key)
-                        if box_strides is None:
-                            box_strides = strides[key] = tuple(
-                                m if c > 1 else 0 for m, c in zip(steps, count))
-                        add_tensor(param_index)
-                        add_offset(base + sum(map(operator.mul, start, steps)))
-                        add_shape(count)
-                        add_strides(box_strides)
-                        add_at(sub)
-                        add_dtype(buffer_dtype)
-                    sub += numel * size
-            sizes.append(len(columns[0]) - before)
-        return sizes
+        n = self.cuts[segs + 1] - self.cuts[segs]
+        chunk = concat_ranges(self.cuts[segs], n)  # [U] the chunks of each segment, in order
+        seg_of = np.repeat(np.arange(len(segs)), n)
+        used, which = np.unique(self.overlap[chunk], return_inverse=True)
+        # The pieces holding each overlap used, and the itemsize of each.
+        pad, dtypes = self.dims, finder.dtypes
+        t_n, tp, tb, ts, tdt, size = [], [], [], [], [], []
+        for o in used.tolist():
+            overlap = self.overlaps[o]
+            wire = overlap.dtype
+            size.append(dtype_itemsize(wire))
+            targets = finder.targets(overlap.region)
+            t_n.append(len(targets))
+            for p, base, steps in targets:
+                tp.append(p)
+                tb.append(base)
+                ts.append(steps + (0,) * (pad - len(steps)))
+                # A box between a parameter of another dtype and the wire converts.
+                tdt.append(None if dtypes[p] == wire else wire)
+        t_n = np.array(t_n, dtype=np.int64)
+        t_first = np.cumsum(t_n) - t_n
+        ts = np.array(ts, dtype=np.int64).reshape(-1, pad)
+        # One box per (chunk, sub-box, piece), sub-boxes outer, pieces inner.
+        cuts, starts, counts, shapes, ndims, before = self._sub
+        k_s, k_t = cuts[chunk + 1] - cuts[chunk], t_n[which]
+        m = k_s * k_t
+        use = np.repeat(np.arange(len(chunk)), m)
+        local = np.arange(int(m.sum())) - np.repeat(np.cumsum(m) - m, m)
+        sub = cuts[chunk][use] + local // k_t[use]
+        tg = t_first[which][use] + local % k_t[use]
+        steps = ts[tg]
+        offset = np.array(tb, dtype=np.int64)[tg] + (starts[sub] * steps).sum(1)
+        at = (np.repeat(offsets, n) + self.rel[chunk])[use] + before[sub] * np.array(
+            size, dtype=np.int64)[which[use]]
+        strides = _strides(np.where(counts[sub] > 1, steps, 0), ndims[sub])
+        self.parts.append((np.array(tp, dtype=np.int64)[tg], offset, shapes[sub], strides, at,
+                           np.fromiter(tdt, dtype=object, count=len(tdt))[tg]))
+        return np.bincount(seg_of[use], minlength=len(segs)) if len(use) else np.zeros(
+            len(segs), dtype=np.int64)
+
+
+def _strides(masked: np.ndarray, ndims: np.ndarray) -> np.ndarray:
+    """[B] stride tuples (object array) of the rows of ``masked`` ([B, dims]) cut to their
+    number of dims: one tuple per distinct row, shared."""
+    out = np.empty(len(masked), dtype=object)
+    for d in np.unique(ndims).tolist():
+        rows = np.flatnonzero(ndims == d)
+        if not d:  # 0-d tensors
+            out[rows] = np.fromiter([()] * len(rows), dtype=object, count=len(rows))
+            continue
+        uniq, inverse = np.unique(masked[rows, :d], axis=0, return_inverse=True)
+        made = np.fromiter(map(tuple, uniq.tolist()), dtype=object, count=len(uniq))
+        out[rows] = made[inverse.reshape(-1)]
+    return out
+
+
+def concat_ranges(at: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """``at[i] .. at[i] + n[i] - 1`` for every ``i``, concatenated."""
+    ends = np.cumsum(n)
+    return np.repeat(at - ends + n, n) + np.arange(int(ends[-1]) if len(n) else 0)
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int
@@ -163,8 +205,7 @@ def _contains(outer: Region, inner: Region) -> bool:
     return True
 
 
-def segment_chunks(plan, needed: np.ndarray | None = None
-                   ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+def segment_chunks(plan, needed: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """Every segment's `TransferPlan.placed_chunks` as columns, computed for all at once:
     [S + 1] cuts (segment ``s``'s chunks are rows ``cuts[s]:cuts[s + 1]``), then per chunk its
     overlap, first element, element count and byte offset from the segment's start. With
@@ -200,8 +241,7 @@ def segment_chunks(plan, needed: np.ndarray | None = None
     keep = hi > lo  # a range can hold only an overlap's ALIGN padding
     seg, i, o, lo, hi = seg[keep], i[keep], o[keep], lo[keep], hi[keep]
     cuts = np.searchsorted(seg, np.arange(len(seg_start) + 1))
-    return (cuts.tolist(), o.tolist(), (lo // size[o]).tolist(), ((hi - lo) // size[o]).tolist(),
-            (starts[i] + lo - seg_start[seg]).tolist())
+    return cuts, o, lo // size[o], (hi - lo) // size[o], starts[i] + lo - seg_start[seg]
 
 
 def instances(cls, n: int, columns) -> list:

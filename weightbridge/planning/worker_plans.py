@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from weightbridge.planning.box_copies import Copies, instances
+from weightbridge.planning.box_copies import Copies, concat_ranges, instances
 from weightbridge.planning.route import RECEIVE, STAGES
 from weightbridge.types import BoxCopy, BufferWrite, WorkerId, WorkerPlan, WorkerRound
 
@@ -146,22 +146,19 @@ def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
     needed = np.zeros(len(t.seg_bytes), dtype=bool)
     needed[seg] = True
     copies = Copies(plan, needed)
-    sizes = []
     hm, hs, ho = fm[head], fs[head], fo[head]
-    for lo, hi in _bounds(hm):
-        mk = int(hm[lo])
-        sizes += copies.build(maps[mk // 2], bool(mk % 2), hs[lo:hi].tolist(),
-                              ho[lo:hi].tolist())
-    sizes = np.array(sizes, dtype=np.int64)
+    sizes = np.concatenate([np.zeros(0, dtype=np.int64)] + [
+        copies.build(maps[int(hm[lo]) // 2], bool(hm[lo] % 2), hs[lo:hi], ho[lo:hi])
+        for lo, hi in _bounds(hm)])
     count = sizes[group]
     at = np.cumsum(sizes) - sizes  # each group's first built box
-    index = _ranges(at[group], count)
+    index = concat_ranges(at[group], count)
     shifts = np.repeat(fo - fo[head][group], count)
-    columns, picked = copies.columns, index.tolist()
-    boxes = instances(BoxCopy, len(picked), [
-        *(map(c.__getitem__, picked) for c in columns[:4]),
-        (np.array(columns[4], dtype=np.int64)[index] + shifts).tolist(),
-        map(columns[5].__getitem__, picked)])
+    columns = [np.concatenate(c) for c in zip(*copies.parts)] if copies.parts else [
+        np.zeros(0, dtype=np.int64)] * 6
+    boxes = instances(BoxCopy, len(index), [
+        *(c[index].tolist() for c in columns[:4]),
+        (columns[4][index] + shifts).tolist(), columns[5][index].tolist()])
     at = np.cumsum(count) - count  # each run's first box
     row_at, row_n = at[run_of], count[run_of]
     return (boxes, (row_at[:len(packed)], row_n[:len(packed)]),
@@ -188,12 +185,6 @@ def _bounds(values: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:])) if len(values) else []
 
 
-def _ranges(at: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """``at[i] .. at[i] + n[i] - 1`` for every ``i``, concatenated."""
-    ends = np.cumsum(n)
-    return np.repeat(at - ends + n, n) + np.arange(int(ends[-1]) if len(n) else 0)
-
-
 def _cuts(worker: np.ndarray, rounds: np.ndarray, num_workers: int, num_rounds: int
           ) -> list[int]:
     """[W * R + 1] bounds of each (worker, round)'s rows, the rows sorted by worker, round."""
@@ -205,7 +196,7 @@ def _in_order(boxes: list, worker, rounds, at: np.ndarray, n: np.ndarray, num_wo
               num_rounds: int) -> tuple[tuple, list[int]]:
     """The boxes of rows sorted by worker, round (row ``i`` has ``boxes[at[i]:at[i] + n[i]]``),
     in row order, and the [W * R + 1] bounds of each (worker, round)'s boxes in them."""
-    ordered = tuple(map(boxes.__getitem__, _ranges(at, n).tolist()))
+    ordered = tuple(map(boxes.__getitem__, concat_ranges(at, n).tolist()))
     bounds = np.concatenate(([0], np.cumsum(n)))[_cuts(worker, rounds, num_workers, num_rounds)]
     return ordered, bounds.tolist()
 
