@@ -22,8 +22,8 @@ class Copies:
     arrays, so that `worker_plans` makes them, and the copies shifted from them, in one pass).
 
     Vectorized over a map's (segment, chunk, sub-box, piece) products: only the pieces holding
-    each overlap (`PieceFinder.targets`) and each distinct run shape's sub-boxes are found in
-    Python."""
+    each overlap (`PieceFinder.targets`) and the sub-boxes of each distinct (overlap shape,
+    element range) are found in Python."""
 
     def __init__(self, plan, needed: np.ndarray | None = None):
         self.overlaps = plan.correspondence.overlaps
