@@ -239,7 +239,7 @@ class MeshTransfer(ClosingContext, Membership):
         """Make ``connected`` (a `ConnectedGroup`) the plan in force."""
         self.connected, self.plan = connected, connected.plan
         self.num_handles = connected.num_handles
-        self._dests = write_dests(self.plan.worker_plans().values())
+        self._dests = write_dests(self.plan)  # from its tables: no second build of the plans
         if self.links:
             egress = self.link_rate or self.links["trainer->rollout"]
             self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
+import numpy as np
+
 Span = tuple[str, int, int, int]
 """(stage, round, start_ns, end_ns) of one step an actor ran."""
 Worker = tuple[str, int]
@@ -111,14 +113,24 @@ def update_timing(spans: Mapping[Worker, Iterable[Span]], dests: Dests) -> Updat
     return UpdateTiming(start_ns=t0, spans=spans, stalls=stalls)
 
 
-def write_dests(plans: Iterable) -> dict[tuple[str, int, int, str], frozenset[int]]:
-    """(side, rank, round, stage) -> rollout ranks written, from `WorkerPlan`s."""
+def write_dests(plan) -> dict[tuple[str, int, int, str], frozenset[int]]:
+    """(side, rank, round, stage) -> rollout ranks written, from a `TransferPlan`'s tables: the
+    peers of its workers' `BufferWrite`s, without building their `WorkerPlan`s."""
+    from weightbridge.planning.route import STAGES
+
+    t = plan.tables
+    num_trainers, num_rounds = len(plan.trainers), plan.num_rounds
+    num_workers = num_trainers + len(plan.rollouts)
+    key = (((t.src.astype(np.int64) * num_rounds + t.round) * len(STAGES) + t.stage)
+           * num_workers + t.dst)
+    key = np.unique(key)
+    dst, key = key % num_workers, key // num_workers
+    stage, key = key % len(STAGES), key // len(STAGES)
+    rnd, src = key % num_rounds, key // num_rounds
     out: dict[tuple[str, int, int, str], set[int]] = {}
-    for p in plans:
-        for rnd in p.rounds:
-            for w in rnd.writes:
-                key = (p.worker.side, p.worker.index, rnd.index, w.stage.value)
-                out.setdefault(key, set()).add(w.peer.index)
+    for s, r, k, d in zip(src.tolist(), rnd.tolist(), stage.tolist(), dst.tolist()):
+        side, rank = ("trainer", s) if s < num_trainers else ("rollout", s - num_trainers)
+        out.setdefault((side, rank, r, STAGES[k].value), set()).add(d - num_trainers)
     return {k: frozenset(v) for k, v in out.items()}
 
 

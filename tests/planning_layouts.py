@@ -150,6 +150,6 @@ def _flat_index(shape, start) -> int:
 
 
 def _flat_boxes(shape, lo, hi):
-    from weightbridge.planning.worker_plans import _flat_boxes as boxes
+    from weightbridge.planning.box_copies import flat_boxes as boxes
 
     return boxes(tuple(shape), lo, hi)

@@ -8,10 +8,10 @@ import math
 
 import numpy as np
 
+from weightbridge.planning.box_copies import PieceFinder, flat_boxes
 from weightbridge.planning.route import RECEIVE, STAGES
-from weightbridge.planning.worker_plans import _add_write, _flat_boxes, _PieceFinder
-from weightbridge.types import (BoxCopy, Piece, Region, WorkerId, WorkerPlan, WorkerRound,
-                                dtype_itemsize)
+from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
+                                WorkerRound, dtype_itemsize)
 
 
 def reference_worker_plan(plan, worker: WorkerId) -> WorkerPlan:
@@ -19,7 +19,7 @@ def reference_worker_plan(plan, worker: WorkerId) -> WorkerPlan:
     t = plan.tables
     me = plan.number(worker)
     smap = (plan.trainer_maps if worker.side == "trainer" else plan.rollout_maps)[worker.index]
-    finder = _PieceFinder(smap, all_pieces=worker.side == "rollout")
+    finder = PieceFinder(smap, all_pieces=worker.side == "rollout")
     overlaps = plan.correspondence.overlaps
     rnd = t.round
     pack = [[] for _ in range(plan.num_rounds)]
@@ -53,14 +53,28 @@ def reference_worker_plan(plan, worker: WorkerId) -> WorkerPlan:
                       rounds=rounds)
 
 
-def _add_copies(out: list, chunks, buffer_offset: int, overlaps, finder: "_PieceFinder") -> None:
+def _add_write(writes: list, stage, peer, offset: int, peer_offset: int, nbytes: int) -> None:
+    """Append a write, merging it into the previous one when both ranges continue it."""
+    if writes:
+        last = writes[-1]
+        if (last.stage is stage and last.peer == peer and last.offset + last.nbytes == offset
+                and last.peer_offset + last.nbytes == peer_offset):
+            writes[-1] = BufferWrite(stage=stage, peer=peer, offset=last.offset,
+                                     peer_offset=last.peer_offset, nbytes=last.nbytes + nbytes)
+            return
+    writes.append(BufferWrite(stage=stage, peer=peer, offset=offset, peer_offset=peer_offset,
+                              nbytes=nbytes))
+
+
+
+def _add_copies(out: list, chunks, buffer_offset: int, overlaps, finder: "PieceFinder") -> None:
     """BoxCopies between the buffer (a segment placed at ``buffer_offset``) and params."""
     for chunk, rel in chunks:
         overlap = overlaps[chunk.overlap]
         size = dtype_itemsize(overlap.dtype)
         targets = finder.find(overlap.region)
         sub = buffer_offset + rel
-        for start, count in _flat_boxes(overlap.region.count, chunk.start,
+        for start, count in flat_boxes(overlap.region.count, chunk.start,
                                         chunk.start + chunk.count):
             for param_index, piece in targets:
                 box = _box(param_index, piece, overlap.region, start, count, sub)

@@ -65,3 +65,54 @@ def test_a_subset_of_workers_gets_only_theirs():
     got = worker_plans(plan, some)
     assert list(got) == some
     assert all(got[w] == reference_worker_plan(plan, w) for w in some)
+
+
+def test_write_dests_from_the_tables_are_the_peers_of_the_workers_writes():
+    from controller.baselines import p2p_plan
+    from controller.timing import write_dests
+
+    for _, plan in [*_small_layouts(), ("p2p", p2p_plan(next(p for _, p in _small_layouts())))]:
+        want: dict = {}
+        for p in worker_plans(plan).values():
+            for rnd in p.rounds:
+                for w in rnd.writes:
+                    want.setdefault((p.worker.side, p.worker.index, rnd.index, w.stage.value),
+                                    set()).add(w.peer.index)
+        assert write_dests(plan) == {k: frozenset(v) for k, v in want.items()}
+
+
+def test_segment_chunks_are_every_segments_placed_chunks():
+    from weightbridge.planning.box_copies import segment_chunks
+
+    dep = TABLE_2[0]
+    trainers, rollouts = workers(dep)
+    for plan in [p for _, p in _small_layouts()] + [
+            plan_transfer(trainers, rollouts, round_bytes=64 << 20)]:
+        cuts, overlap, first, count, rel = (c.tolist() for c in segment_chunks(plan))
+        for s in range(len(plan.tables.seg_bytes)):
+            want = [(c.overlap, c.start, c.count, r) for c, r in plan.placed_chunks(s)]
+            part = slice(cuts[s], cuts[s + 1])
+            assert list(zip(overlap[part], first[part], count[part], rel[part])) == want, s
+
+
+def test_instances_equal_the_constructed_dataclasses():
+    from weightbridge.planning.box_copies import instances
+    from weightbridge.types import BoxCopy
+
+    values = [(1, 7, (2, 3), (3, 1), 64, None), (0, 0, (), (), 0, "bfloat16")]
+    made = instances(BoxCopy, len(values), [list(c) for c in zip(*values)])
+    assert made == [BoxCopy(*v) for v in values]
+    assert [hash(b) for b in made] == [hash(BoxCopy(*v)) for v in values]
+
+
+def test_folded_sort_order_is_lexsorts_and_falls_back_to_it_when_keys_do_not_fit():
+    import numpy as np
+
+    from weightbridge.planning.worker_plans import _order
+
+    rng = np.random.default_rng(0)
+    a, b, c = rng.integers(0, 5, 1000), rng.integers(0, 7, 1000), rng.integers(0, 3, 1000)
+    want = np.lexsort((c, b, a))
+    assert (_order([a, b, c], [5, 7]) == want).all()
+    huge = c.astype(np.int64) << 60  # does not fold: lexsort
+    assert (_order([a, b, huge], [5, 7]) == np.lexsort((huge, b, a))).all()

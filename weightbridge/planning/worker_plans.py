@@ -3,7 +3,8 @@
 Inside buffers, bytes are in canonical checkpoint order: a run of an overlap's elements,
 row-major, in the overlap's wire dtype; a box between a parameter of another dtype and the
 buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts. A
-sender packs with its own pieces' strides and a receiver assembles with its own, so transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
+sender packs with its own pieces' strides and a receiver assembles with its own, so transposes,
+fusions, padding and reversals on either side are just strides of a `BoxCopy`.
 
 Typical usage (an executor at connect)::
 
@@ -15,14 +16,12 @@ from __future__ import annotations
 
 import gc
 import math
-import operator
-from itertools import chain
 
 import numpy as np
 
+from weightbridge.planning.box_copies import Copies, concat_ranges, instances
 from weightbridge.planning.route import RECEIVE, STAGES
-from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
-                                WorkerRound, dtype_itemsize)
+from weightbridge.types import BoxCopy, BufferWrite, WorkerId, WorkerPlan, WorkerRound
 
 
 def worker_plan(plan, worker: WorkerId) -> WorkerPlan:
@@ -36,53 +35,74 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     The work is shared: the plan's columns are sorted once per side (rows a worker writes,
     rows written into it), contiguous writes are merged for all workers at once, and the
     copies of a segment are built once per source map, then shifted to each distinct buffer
-    offset a worker of that map holds it at (replicas share theirs). Same result as one
-    `worker_plan` per worker.
+    offset a worker of that map holds it at (replicas share theirs). Boxes and writes are made
+    in one pass each, then put in plan order, so that each (worker, round) takes a slice. Same
+    result as one `worker_plan` per worker.
     """
     t = plan.tables
     workers = list(plan.workers if workers is None else workers)
     numbers = [plan.number(w) for w in workers]
     rnd = t.round
-    num_workers = len(plan.workers)
+    num_workers, num_rounds = len(plan.workers), plan.num_rounds
     rows = np.arange(len(t.seg))
     if len(numbers) < num_workers:  # only the rows these workers write or receive
         mine = np.zeros(num_workers, dtype=bool)
         mine[numbers] = True
         rows = np.flatnonzero(mine[t.src] | mine[t.dst])
-    # Rows each worker writes, in its order: round, stage, peer, peer offset (then row); the
-    # first four folded into one key (fewer, faster sort passes).
+    # Rows each worker writes, in its order: round, stage, peer, peer offset (then row).
     src, dst = t.src[rows], t.dst[rows]
     step = (rnd[rows] * len(STAGES) + t.stage[rows]).astype(np.int64)
-    by_src = rows[np.lexsort((t.dst_offset[rows],
-                              (src.astype(np.int64) * plan.num_rounds * len(STAGES) + step)
-                              * num_workers + dst))]
+    steps = num_rounds * len(STAGES)
+    peer_offset = t.dst_offset[rows]
+    by_src = rows[_order([(src.astype(np.int64) * steps + step) * num_workers + dst,
+                          peer_offset], [num_workers * steps * num_workers])]
     # Rows written into each worker, in the same order (the peer is the worker itself).
-    by_dst = rows[np.lexsort((t.dst_offset[rows],
-                              dst.astype(np.int64) * plan.num_rounds * len(STAGES) + step))]
+    by_dst = rows[_order([dst.astype(np.int64) * steps + step, peer_offset],
+                         [num_workers * steps])]
+    if len(numbers) < num_workers:  # (then only these workers' own writes and assembles)
+        by_src, into = by_src[mine[t.src[by_src]]], by_dst[mine[t.dst[by_dst]]]
+    else:
+        into = by_dst
     packed = by_src[t.stage[by_src] == RECEIVE]
-    cuts = {name: np.searchsorted(side[rows], np.arange(num_workers + 1))
-            for name, side, rows in (("out", t.src, by_src), ("pack", t.src, packed),
-                                     ("in", t.dst, by_dst))}
-    merged = _merged_writes(t, by_src, rnd, t.nbytes)
     # Millions of small acyclic objects: generational collection would rescan the growing
     # result again and again (half the time at Kimi-K2's scale) and can free nothing.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        boxes, pack_ids, assemble_ids = _all_copies(plan, packed, by_dst)
+        boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, into)
+        writes, write_rows = _all_writes(plan, by_src)
+        # Every worker's boxes in plan order, one tuple per side (a row's boxes, rows in
+        # order); a (worker, round) takes a slice of it, and of the writes.
+        pack, pack_cuts = _in_order(boxes, t.src[packed], rnd[packed], pack_at, pack_n,
+                                    num_workers, num_rounds)
+        assemble, asm_cuts = _in_order(boxes, t.dst[into], rnd[into], asm_at, asm_n,
+                                       num_workers, num_rounds)
+        writes = tuple(writes)
+        write_cuts = _cuts(t.src[write_rows], rnd[write_rows], num_workers, num_rounds)
+        repeated = _repeated_rounds(t.src[packed], rnd[packed], t.seg[packed], num_rounds,
+                                    len(t.seg_bytes))
         out = {}
         for worker, me in zip(workers, numbers):
             smap = (plan.trainer_maps if worker.side == "trainer" else plan.rollout_maps)[
                 worker.index]
-            pk = slice(cuts["pack"][me], cuts["pack"][me + 1])
-            asm = slice(cuts["in"][me], cuts["in"][me + 1])
-            out[worker] = _one_plan(
-                plan, worker, me, smap, by_src[cuts["out"][me]:cuts["out"][me + 1]],
-                cuts["out"][me], merged, rnd,
-                _per_round(rnd[packed[pk]], pack_ids[pk], boxes, plan.num_rounds),
-                _per_round(rnd[by_dst[asm]], assemble_ids[asm], boxes, plan.num_rounds),
-                repeated=_repeated_rounds(rnd[packed[pk]], t.seg[packed[pk]],
-                                          len(t.seg_bytes)))
+            send, recv = t.send_bytes[me], t.recv_bytes[me]
+            at = me * num_rounds
+            rounds = []
+            for r, s, v in zip(range(num_rounds), send.tolist(), recv.tolist()):
+                i = at + r
+                packs = pack[pack_cuts[i]:pack_cuts[i + 1]]
+                # A segment written to several receivers in one round (a P2P plan: no
+                # forwarding) is packed once; WeightBridge's plans write each segment once.
+                if (me, r) in repeated:
+                    packs = tuple(dict.fromkeys(packs))
+                rounds.append(WorkerRound(
+                    index=r, pack=packs,
+                    writes=writes[write_cuts[i]:write_cuts[i + 1]],
+                    assemble=assemble[asm_cuts[i]:asm_cuts[i + 1]], send_bytes=s, recv_bytes=v))
+            out[worker] = WorkerPlan(
+                worker=worker, placement=plan.placement(worker), params=smap.params,
+                buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),
+                rounds=tuple(rounds))
     finally:
         if collecting:
             gc.enable()
@@ -90,8 +110,8 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
 
 
 def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
-    """(box lists, [P] list id of each packed row, [A] list id of each row written into its
-    receiver): one list per distinct (source map, segment, buffer offset)."""
+    """(boxes, (first box, box count) of each packed row, the same of each row written into its
+    receiver): the boxes of one run per distinct (source map, segment, buffer offset)."""
     t = plan.tables
     sides = list(plan.trainer_maps) + list(plan.rollout_maps)
     ids: dict[int, int] = {}
@@ -108,234 +128,106 @@ def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
     seg = np.concatenate([t.seg[packed], t.seg[by_dst]])
     off = np.concatenate([t.src_offset[packed], t.dst_offset[by_dst]])
     keys = np.stack([m, seg, off])
-    order = np.lexsort(keys[::-1])
+    order = _order(list(keys), [len(maps) * 2, len(t.seg_bytes)])
     new = np.ones(len(order), dtype=bool)
     if len(order) > 1:
         new[1:] = (np.diff(keys[:, order], axis=1) != 0).any(0)
-    list_of = np.empty(len(order), dtype=np.int64)
-    list_of[order] = np.cumsum(new) - 1
-    firsts = order[new]
-    copies = _Copies(plan)
-    boxes = []
-    last = None
-    for mk, sg, o in zip(m[firsts].tolist(), seg[firsts].tolist(), off[firsts].tolist()):
-        if last is not None and last[0] == mk and last[1] == sg:
-            shift = o - last[2]
-            boxes.append([BoxCopy(b.tensor, b.offset, b.shape, b.strides,
-                                  b.buffer_offset + shift, b.buffer_dtype) for b in last[3]])
-        else:
-            built = copies.build(maps[mk // 2], bool(mk % 2), sg, o)
-            boxes.append(built)
-            last = (mk, sg, o, built)
-    return boxes, list_of[:len(packed)], list_of[len(packed):]
+    run_of = np.empty(len(order), dtype=np.int64)
+    run_of[order] = np.cumsum(new) - 1
+    firsts = order[new]  # one row per run, runs sorted by (map, segment, offset)
+    fm, fs, fo = m[firsts], seg[firsts], off[firsts]
+    # Runs of one (map, segment) differ only by their offsets: its copies are built once, at
+    # its first offset, and shifted for the others.
+    head = np.ones(len(firsts), dtype=bool)
+    head[1:] = (fm[1:] != fm[:-1]) | (fs[1:] != fs[:-1])
+    group = np.cumsum(head) - 1
+    # The built copies, map by map (runs are sorted by map), then every run's boxes made at
+    # once from their fields: a shifted run takes its group's fields, offsets moved.
+    needed = np.zeros(len(t.seg_bytes), dtype=bool)
+    needed[seg] = True
+    copies = Copies(plan, needed)
+    hm, hs, ho = fm[head], fs[head], fo[head]
+    sizes = np.concatenate([np.zeros(0, dtype=np.int64)] + [
+        copies.build(maps[int(hm[lo]) // 2], bool(hm[lo] % 2), hs[lo:hi], ho[lo:hi])
+        for lo, hi in _bounds(hm)])
+    count = sizes[group]
+    at = np.cumsum(sizes) - sizes  # each group's first built box
+    index = concat_ranges(at[group], count)
+    shifts = np.repeat(fo - fo[head][group], count)
+    columns = [np.concatenate(c) for c in zip(*copies.parts)] if copies.parts else [
+        np.zeros(0, dtype=np.int64)] * 6
+    boxes = instances(BoxCopy, len(index), [
+        *(c[index].tolist() for c in columns[:4]),
+        (columns[4][index] + shifts).tolist(), columns[5][index].tolist()])
+    at = np.cumsum(count) - count  # each run's first box
+    row_at, row_n = at[run_of], count[run_of]
+    return (boxes, (row_at[:len(packed)], row_n[:len(packed)]),
+            (row_at[len(packed):], row_n[len(packed):]))
 
 
-def _per_round(rounds: np.ndarray, list_ids: np.ndarray, boxes: list, num_rounds: int
-               ) -> list[list]:
-    """Per round, the boxes of the rows (sorted by round) in row order."""
-    out = [[] for _ in range(num_rounds)]
-    if not len(rounds):
-        return out
-    cuts = np.searchsorted(rounds, np.arange(num_rounds + 1))
-    ids = list_ids.tolist()
-    for r in np.flatnonzero(np.diff(cuts)).tolist():
-        out[r] = list(chain.from_iterable(map(boxes.__getitem__, ids[cuts[r]:cuts[r + 1]])))
-    return out
+def _order(keys: list[np.ndarray], bounds: list[int]) -> np.ndarray:
+    """The stable order sorting rows by ``keys`` (most significant first, non-negative; every
+    key but the last below its bound): one argsort of the keys folded into one int64 where
+    they fit (several times faster than lexsort's pass per key), else lexsort."""
+    last = int(keys[-1].max(initial=0)) + 1
+    if math.prod(bounds) * last < 1 << 62:
+        folded = keys[0].astype(np.int64)
+        for key, bound in zip(keys[1:], bounds[1:] + [last]):
+            folded = folded * bound + key
+        return np.argsort(folded, kind="stable")
+    return np.lexsort(keys[::-1])
 
 
-def _repeated_rounds(rounds: np.ndarray, segs: np.ndarray, num_segments: int) -> set[int]:
-    """Rounds in which a worker writes one segment more than once (a P2P plan)."""
+def _bounds(values: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) of each run of equal values in ``values``."""
+    edges = np.flatnonzero(np.diff(values)) + 1
+    cuts = [0, *edges.tolist(), len(values)]
+    return list(zip(cuts[:-1], cuts[1:])) if len(values) else []
+
+
+def _cuts(worker: np.ndarray, rounds: np.ndarray, num_workers: int, num_rounds: int
+          ) -> list[int]:
+    """[W * R + 1] bounds of each (worker, round)'s rows, the rows sorted by worker, round."""
+    return np.searchsorted(worker.astype(np.int64) * num_rounds + rounds,
+                           np.arange(num_workers * num_rounds + 1)).tolist()
+
+
+def _in_order(boxes: list, worker, rounds, at: np.ndarray, n: np.ndarray, num_workers: int,
+              num_rounds: int) -> tuple[tuple, list[int]]:
+    """The boxes of rows sorted by worker, round (row ``i`` has ``boxes[at[i]:at[i] + n[i]]``),
+    in row order, and the [W * R + 1] bounds of each (worker, round)'s boxes in them."""
+    ordered = tuple(map(boxes.__getitem__, concat_ranges(at, n).tolist()))
+    bounds = np.concatenate(([0], np.cumsum(n)))[_cuts(worker, rounds, num_workers, num_rounds)]
+    return ordered, bounds.tolist()
+
+
+def _repeated_rounds(workers: np.ndarray, rounds: np.ndarray, segs: np.ndarray,
+                     num_rounds: int, num_segments: int) -> set[tuple[int, int]]:
+    """(worker, round) pairs in which a worker packs one segment more than once (a P2P plan)."""
     if not len(rounds):
         return set()
-    uniq, counts = np.unique(rounds * num_segments + segs, return_counts=True)
-    return set((uniq[counts > 1] // num_segments).tolist())
+    key = (workers.astype(np.int64) * num_rounds + rounds) * num_segments + segs
+    uniq, counts = np.unique(key, return_counts=True)
+    pairs = uniq[counts > 1] // num_segments
+    return set(zip((pairs // num_rounds).tolist(), (pairs % num_rounds).tolist()))
 
 
-def _merged_writes(t, by_src: np.ndarray, rnd: np.ndarray, nbytes: np.ndarray):
-    """[B] first row (in ``by_src`` order) of each merged write and its bytes: consecutive rows
-    of one writer, round, stage and peer whose ranges continue each other on both sides."""
+def _all_writes(plan, by_src: np.ndarray) -> tuple[list[BufferWrite], np.ndarray]:
+    """Every worker's writes (in ``by_src`` order) and each one's first row: consecutive rows
+    of one writer, round, stage and peer whose ranges continue each other on both sides are
+    merged into one write."""
+    t = plan.tables
     src, dst, stage = t.src[by_src], t.dst[by_src], t.stage[by_src]
-    r, so, do, nb = rnd[by_src], t.src_offset[by_src], t.dst_offset[by_src], nbytes[by_src]
+    r, so, do = t.round[by_src], t.src_offset[by_src], t.dst_offset[by_src]
+    nb = t.nbytes[by_src]
     cont = ((src[1:] == src[:-1]) & (r[1:] == r[:-1]) & (stage[1:] == stage[:-1])
             & (dst[1:] == dst[:-1]) & (so[1:] == so[:-1] + nb[:-1])
             & (do[1:] == do[:-1] + nb[:-1]))
     starts = np.flatnonzero(np.concatenate([[True], ~cont])) if len(src) else np.zeros(0, int)
     sums = np.add.reduceat(nb, starts) if len(starts) else np.zeros(0, np.int64)
-    return starts, sums
-
-
-def _one_plan(plan, worker, me, smap, rows_out, first_out, merged, rnd, pack, assemble, *,
-              repeated: set[int]) -> WorkerPlan:
-    t = plan.tables
-    num_rounds = plan.num_rounds
-    writes = [[] for _ in range(num_rounds)]
     workers = plan.workers
-    starts, sums = merged
-    lo = np.searchsorted(starts, first_out)
-    hi = np.searchsorted(starts, first_out + len(rows_out))
-    if hi > lo:
-        firsts = rows_out[starts[lo:hi] - first_out]
-        for r, stage, dst, so, do, n in zip(
-                rnd[firsts].tolist(), t.stage[firsts].tolist(), t.dst[firsts].tolist(),
-                t.src_offset[firsts].tolist(), t.dst_offset[firsts].tolist(),
-                sums[lo:hi].tolist()):
-            writes[r].append(BufferWrite(stage=STAGES[stage], peer=workers[dst], offset=so,
-                                         peer_offset=do, nbytes=n))
-    send = t.send_bytes[me]
-    recv = t.recv_bytes[me]
-    # A segment written to several receivers in one round (a P2P plan: no forwarding) is packed
-    # once; WeightBridge's plans write each segment once (nothing to drop).
-    rounds = tuple(WorkerRound(index=r, pack=tuple(dict.fromkeys(pack[r]) if r in repeated
-                                                   else pack[r]),
-                               writes=tuple(writes[r]), assemble=tuple(assemble[r]),
-                               send_bytes=int(send[r]), recv_bytes=int(recv[r]))
-                   for r in range(num_rounds))
-    return WorkerPlan(worker=worker, placement=plan.placement(worker), params=smap.params,
-                      buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),
-                      rounds=rounds)
-
-
-class _Copies:
-    """Builds the BoxCopies of a segment for a source map (its piece finder kept per map)."""
-
-    def __init__(self, plan):
-        self.plan = plan
-        self.overlaps = plan.correspondence.overlaps
-        self.finders: dict[tuple[int, bool], _PieceFinder] = {}
-        self.chunks: dict[int, tuple] = {}
-        self.per_overlap: dict[tuple[int, bool], dict[int, tuple]] = {}
-        """Per finder: overlap -> (itemsize, region shape, targets in this map)."""
-        self.boxes: dict[tuple, tuple] = {}
-        """(shape, first, end) -> the sub-boxes (start, count, elements) of that flat run."""
-        self.strides: dict[tuple, tuple[int, ...]] = {}
-        """(piece steps, box count) -> the box's strides (0 where the count is 1)."""
-
-    def build(self, smap, all_pieces: bool, seg: int, offset: int) -> list[BoxCopy]:
-        """The copies of segment ``seg`` held at byte ``offset`` of a buffer, for ``smap``:
-        per run of an overlap's elements, its row-major sub-boxes, once per piece holding it."""
-        key = (id(smap), all_pieces)
-        finder = self.finders.get(key)
-        if finder is None:
-            finder = self.finders[key] = _PieceFinder(smap, all_pieces=all_pieces)
-            self.per_overlap[key] = {}
-        known = self.per_overlap[key]
-        chunks = self.chunks.get(seg)
-        if chunks is None:  # a segment's sender and receivers share its chunks
-            chunks = self.chunks[seg] = self.plan.placed_chunks(seg)
-        out: list[BoxCopy] = []
-        boxes, strides = self.boxes, self.strides
-        for chunk, rel in chunks:
-            hit = known.get(chunk.overlap)
-            if hit is None:
-                overlap = self.overlaps[chunk.overlap]
-                # A box between a parameter of another dtype and the wire converts.
-                hit = known[chunk.overlap] = (dtype_itemsize(overlap.dtype),
-                                              overlap.region.count,
-                                              finder.targets(overlap.region),
-                                              [None if d == overlap.dtype else overlap.dtype
-                                               for d in finder.dtypes])
-            size, shape, targets, buffer_dtype = hit
-            sub = offset + rel
-            span = (shape, chunk.start, chunk.start + chunk.count)
-            sub_boxes = boxes.get(span)
-            if sub_boxes is None:  # many runs cover a whole overlap of a common shape
-                sub_boxes = boxes[span] = tuple((start, count, math.prod(count))
-                                                for start, count in _flat_boxes(*span))
-            for start, count, numel in sub_boxes:
-                for param_index, base, steps in targets:
-                    key = (steps, count)
-                    box_strides = strides.get(key)
-                    if box_strides is None:
-                        box_strides = strides[key] = tuple(m if c > 1 else 0
-                                                           for m, c in zip(steps, count))
-                    out.append(BoxCopy(param_index, base + sum(map(operator.mul, start, steps)),
-                                       count, box_strides, sub, buffer_dtype[param_index]))
-                sub += numel * size
-        return out
-
-
-def _add_write(writes: list, stage, peer, offset: int, peer_offset: int, nbytes: int) -> None:
-    """Append a write, merging it into the previous one when both ranges continue it."""
-    if writes:
-        last = writes[-1]
-        if (last.stage is stage and last.peer == peer and last.offset + last.nbytes == offset
-                and last.peer_offset + last.nbytes == peer_offset):
-            writes[-1] = BufferWrite(stage=stage, peer=peer, offset=last.offset,
-                                     peer_offset=last.peer_offset, nbytes=last.nbytes + nbytes)
-            return
-    writes.append(BufferWrite(stage=stage, peer=peer, offset=offset, peer_offset=peer_offset,
-                              nbytes=nbytes))
-
-
-def _flat_boxes(shape: tuple[int, ...], lo: int, hi: int
-                ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Sub-boxes (start, count) covering flat row-major indices [lo, hi) of a box, in order."""
-    if lo >= hi:
-        return []
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,))] if shape else [((), ())]
-    inner = math.prod(shape[1:])
-    rest = len(shape) - 1
-    out = []
-    row = lo // inner
-    if lo % inner:  # a partial first row
-        end = min(hi, (row + 1) * inner)
-        out += [((row,) + s, (1,) + c)
-                for s, c in _flat_boxes(shape[1:], lo - row * inner, end - row * inner)]
-        lo, row = end, row + 1
-    last = hi // inner
-    if last > row:  # whole rows
-        out.append(((row,) + (0,) * rest, (last - row,) + tuple(shape[1:])))
-    if hi > max(lo, last * inner):  # a partial last row
-        out += [((last,) + s, (1,) + c) for s, c in _flat_boxes(shape[1:], 0, hi - last * inner)]
-    return out
-
-
-class _PieceFinder:
-    """Which of a worker's pieces contain a given overlap region (cached by region)."""
-
-    def __init__(self, smap, *, all_pieces: bool):
-        self.index = {p.name: i for i, p in enumerate(smap.params)}
-        self.dtypes = [p.dtype for p in smap.params]
-        self.by_tensor: dict[str, list[Piece]] = {}
-        for piece in smap.pieces:
-            self.by_tensor.setdefault(piece.region.tensor, []).append(piece)
-        self.all_pieces = all_pieces
-        self.cache: dict[Region, list[tuple[int, Piece]]] = {}
-        self.placed: dict[Region, list[tuple[int, int, tuple[int, ...]]]] = {}
-
-    def targets(self, region: Region) -> list[tuple[int, int, tuple[int, ...]]]:
-        """(param index, storage offset of the region's first element, storage step per
-        index of each region dim) of every piece holding ``region``: a sub-box at ``start``
-        begins at ``offset + sum(start * step)``. Exact: a containing piece's step divides
-        the region's start offset and, where the region has more than one index, its step."""
-        hit = self.placed.get(region)
-        if hit is None:
-            hit = self.placed[region] = []
-            for param_index, piece in self.find(region):
-                src, base, steps = piece.region, piece.offset, []
-                for d, stride in enumerate(piece.strides):
-                    base += (region.start[d] - src.start[d]) // src.step[d] * stride
-                    steps.append(region.step[d] // src.step[d] * stride)
-                hit.append((param_index, base, tuple(steps)))
-        return hit
-
-    def find(self, region: Region) -> list[tuple[int, Piece]]:
-        hit = self.cache.get(region)
-        if hit is None:
-            hit = [(self.index[p.param], p) for p in self.by_tensor.get(region.tensor, ())
-                   if _contains(p.region, region)]
-            assert hit, f"no piece of this worker contains {region}"
-            if not self.all_pieces:
-                hit = hit[:1]  # a sender needs one copy of the bytes
-            self.cache[region] = hit
-        return hit
-
-
-def _contains(outer: Region, inner: Region) -> bool:
-    for s, c, k, s2, c2, k2 in zip(outer.start, outer.count, outer.step,
-                                   inner.start, inner.count, inner.step):
-        last2 = s2 + k2 * (c2 - 1)
-        if s2 < s or last2 > s + k * (c - 1) or (s2 - s) % k or (c2 > 1 and k2 % k):
-            return False
-    return True
+    writes = instances(BufferWrite, len(starts), [
+        map(STAGES.__getitem__, stage[starts].tolist()),
+        map(workers.__getitem__, dst[starts].tolist()), so[starts].tolist(),
+        do[starts].tolist(), sums.tolist()])
+    return writes, by_src[starts]
