@@ -432,7 +432,9 @@ def test_an_engine_removed_between_updates_gets_nothing_and_the_others_stay_exac
             with pytest.raises(ValueError, match=match):
                 mt.remove_engine(bad)
         plan = mt.remove_engine(1)
-        assert plan is mt.plan and all(d <= {0} for d in mt._dests.values())
+        # No byte is routed to engine 1's worker (rollout 1) any more, from anyone.
+        assert not plan.stage_bytes()[1][len(plan.trainers) + 1].any()
+        assert all(d <= {0} for d in mt._dests.values())
         with pytest.raises(ValueError, match="engine 1 is already out"):
             mt.remove_engine(1)
         with pytest.raises(ValueError, match="engine 0 is the last engine"):
