@@ -161,7 +161,7 @@ def _check(run: dict, ss: bool, stalled_at: float | None) -> None:
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
     assert re.search(r"round \d+, (trainers' send|rollouts' (external forward|land))", message), \
         message[-2000:]
-    assert "Engine [0] is excluded" in message and "new group" in message, message[-2000:]
+    assert "Engine [0] is excluded" in message and "add_engines()" in message, message[-2000:]
     # Within timeout_s of the fault: peers count as lost after peer_timeout_s, the rest of the
     # budget finds which and re-plans (and, in sync mode, re-sends the version to the
     # survivors). A stalled process (SIGSTOP) answers nothing, so only the timeouts find it.
