@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import torch
 
 from weightbridge.discovery.codec import BITS_DTYPE, alphabet, signed_values
+from weightbridge.discovery.quantized import expected_source
 from weightbridge.discovery.replay import first_mismatch
 from weightbridge.types import CheckpointSpec, SourceMap
 
@@ -103,11 +104,14 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
     fill_zero(get())
     load_weights(iter(checkpoint.items()))
     live = get()
+    images: dict = {}
     for piece in smap.pieces:
-        bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
+        plain, source = expected_source(piece, checkpoint, images)
+        bad = first_mismatch(plain, live[piece.param], source)
         if bad is not None:
             p = live[piece.param]
-            cast = ("" if piece.cast_from is None else
+            cast = ("" if piece.cast_from is None and not piece.block else
+                    f" block-quantized in {piece.block} blocks" if piece.block else
                     f" cast from {piece.cast_from} rounding to nearest even")
             # The tensor the index probe decoded here is not named: when values changed, it
             # can be any tensor (see `_refuse`).

@@ -2,7 +2,8 @@
 
 Inside buffers, bytes are in canonical checkpoint order: a run of an overlap's elements,
 row-major, in the overlap's wire dtype; a box between a parameter of another dtype and the
-buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts. A
+buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts; a sender's box of a
+block-quantized overlap is whole blocks and carries its ``block`` (its pack quantizes). A
 sender packs with its own pieces' strides and a receiver assembles with its own, so transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
 
 Typical usage (an executor at connect)::
@@ -21,8 +22,8 @@ from itertools import chain
 import numpy as np
 
 from weightbridge.planning.route import RECEIVE, STAGES
-from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
-                                WorkerRound, dtype_itemsize)
+from weightbridge.types import (BoxCopy, BufferWrite, Chunk, Overlap, Piece, Region, WorkerId,
+                                WorkerPlan, WorkerRound, dtype_itemsize, scaled_tensor)
 
 
 def worker_plan(plan, worker: WorkerId) -> WorkerPlan:
@@ -122,7 +123,8 @@ def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
         if last is not None and last[0] == mk and last[1] == sg:
             shift = o - last[2]
             boxes.append([BoxCopy(b.tensor, b.offset, b.shape, b.strides,
-                                  b.buffer_offset + shift, b.buffer_dtype) for b in last[3]])
+                                  b.buffer_offset + shift, b.buffer_dtype, b.block)
+                          for b in last[3]])
         else:
             built = copies.build(maps[mk // 2], bool(mk % 2), sg, o)
             boxes.append(built)
@@ -225,6 +227,9 @@ class _Copies:
         out: list[BoxCopy] = []
         boxes, strides = self.boxes, self.strides
         for chunk, rel in chunks:
+            if not all_pieces and self.overlaps[chunk.overlap].block:
+                out += _quantizing(self.overlaps[chunk.overlap], chunk, offset + rel, finder)
+                continue
             hit = known.get(chunk.overlap)
             if hit is None:
                 overlap = self.overlaps[chunk.overlap]
@@ -252,6 +257,36 @@ class _Copies:
                                        count, box_strides, sub, buffer_dtype[param_index]))
                 sub += numel * size
         return out
+
+
+def _quantizing(overlap: Overlap, chunk: Chunk, sub: int, finder: "_PieceFinder"
+                ) -> list[BoxCopy]:
+    """A sender's copies of a run of a block-quantized overlap: boxes of whole blocks of its
+    parameter, each writing float8 values (an overlap of the tensor) or float32 scales (an
+    overlap of its `scale_tensor`: a grid box is the box of its blocks' elements, cut at the
+    end of the trainer's piece, which the correspondence keeps at the tensor's end)."""
+    region, block = overlap.region, overlap.block
+    tensor = scaled_tensor(region.tensor)
+    out = []
+    for start, count in _flat_boxes(region.count, chunk.start, chunk.start + chunk.count):
+        first = tuple(s + i for s, i in zip(region.start, start))
+        if tensor is None:
+            elements = Region(region.tensor, first, count, (1,) * len(count))
+            assert all(f % b == 0 and (c % b == 0 or f + c == e) for f, c, b, e in zip(
+                first, count, block, region.stop)), f"{elements} cuts a {block} block"
+        else:
+            lo = tuple(f * b for f, b in zip(first, block))
+            piece = finder.find(Region(tensor, lo, (1,) * len(lo), (1,) * len(lo)))[0][1]
+            hi = tuple(min((f + c) * b, stop) for f, c, b, stop in zip(first, count, block,
+                                                                        piece.region.stop))
+            elements = Region(tensor, lo, tuple(h - low for h, low in zip(hi, lo)),
+                              (1,) * len(lo))
+        (param_index, base, steps), = finder.targets(elements)
+        strides = tuple(m if c > 1 else 0 for m, c in zip(steps, elements.count))
+        out.append(BoxCopy(param_index, base, elements.count, strides, sub,
+                           overlap.dtype, block))
+        sub += math.prod(count) * dtype_itemsize(overlap.dtype)
+    return out
 
 
 def _add_write(writes: list, stage, peer, offset: int, peer_offset: int, nbytes: int) -> None:
