@@ -127,6 +127,33 @@ def test_probe_refuses_a_quantizer_that_is_not_per_block():
         extract_source_map(shard.params, shard.load_weights, SPEC)
 
 
+def _dividing(x, block):
+    """vLLM's formula but x / scale instead of x * (1 / scale): one float32 rounding apart."""
+    q, scale = block_quantize(x, block)
+    inverse = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return (x.float() / inverse[:x.shape[0], :x.shape[1]]).to(torch.float8_e4m3fn), scale
+
+
+def _floored(x, block):
+    """vLLM's formula with amax floored at 1e-12 instead of 1e-4."""
+    bm, bk = block
+    padded = torch.zeros(-(-x.shape[0] // bm) * bm, -(-x.shape[1] // bk) * bk, dtype=x.dtype)
+    padded[:x.shape[0], :x.shape[1]] = x
+    grid = (padded.shape[0] // bm, padded.shape[1] // bk)
+    scale = padded.view(grid[0], bm, grid[1], bk).abs().float().amax(dim=(1, 3)).clamp(1e-12) / 448
+    inverse = (1.0 / scale).repeat_interleave(bm, 0).repeat_interleave(bk, 1)
+    return (x.float() * inverse[:x.shape[0], :x.shape[1]]).to(torch.float8_e4m3fn), scale
+
+
+@pytest.mark.parametrize("quantize", [_dividing, _floored], ids=["divides", "floor-1e-12"])
+def test_probe_refuses_near_misses_of_the_formula(quantize):
+    """Formulas that random values almost never tell apart from vLLM's: the verification values
+    (telling values, a block under the amax floor) do."""
+    shard = Fp8RolloutShard(CONFIG, 1, 0, 1, 0, block=(32, 32), quantize=quantize)
+    with pytest.raises(LayoutError, match="block scales, but not bit for bit"):
+        extract_source_map(shard.params, shard.load_weights, SPEC)
+
+
 def test_probe_refuses_float8_weights_without_their_scales():
     shard = Fp8RolloutShard(CONFIG, 1, 0, 1, 0, block=(32, 32))
     params = {n: p for n, p in shard.params.items() if not n.endswith("_scale_inv")}

@@ -190,3 +190,66 @@ def expected_source(piece: Piece, checkpoint: Mapping[str, torch.Tensor],
         images[key] = block_quantize(checkpoint[tensor], piece.block)
     q, s = images[key]
     return replace(piece, cast_from=None), (s if piece.region.tensor != tensor else q)
+
+
+# --------------------------------------------------------------------------------------------
+# The verification values of a quantized tensor
+# --------------------------------------------------------------------------------------------
+
+_ANCHORS = 4
+"""Distinct block maxima: every block's amax is one of these, so the telling values (below) are
+searched for a few scales only."""
+
+
+def salted(shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, int],
+           gen: torch.Generator) -> torch.Tensor:
+    """Verification values for a tensor rollouts quantize in ``block`` blocks: random values of
+    both signs whose block maxima are known, salted with values that tell vLLM's formula from
+    its near misses (x / scale instead of x * (1 / scale), another rounding of ties: values the
+    two round differently, and products that are exact float8 ties), with values in float8's
+    subnormal range, one all-zero block and one block of amax below the 1e-4 floor."""
+    rows, cols = shape
+    bm, bk = block
+    grid = (-(-rows // bm), -(-cols // bk))
+    anchors = (torch.rand(_ANCHORS, generator=gen, dtype=torch.float64) * 7.5 + 0.5).to(dtype)
+    which = torch.arange(grid[0] * grid[1]).view(grid) % _ANCHORS
+    amax = anchors[which].repeat_interleave(bm, 0).repeat_interleave(bk, 1)[:rows, :cols]
+    x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * amax.double()
+    small = torch.rand(shape, generator=gen) < 0.2  # float8 subnormals after scaling
+    x = torch.where(small, x * 2.0 ** -torch.randint(8, 16, shape, generator=gen), x)
+    x = x.to(dtype)
+    for k in range(_ANCHORS):
+        telling = _telling(anchors[k], dtype)
+        if telling.numel():
+            pick = telling[torch.randint(telling.numel(), shape, generator=gen)]
+            sign = torch.where(torch.rand(shape, generator=gen) < 0.5, -1.0, 1.0).to(dtype)
+            use = (amax == anchors[k]) & (torch.rand(shape, generator=gen) < 0.3)
+            x = torch.where(use, pick * sign, x)
+    x = torch.minimum(torch.maximum(x, -amax), amax)
+    first = x[::bm, ::bk]
+    first.copy_(anchors[which])  # each block's amax, exactly
+    if grid[0] * grid[1] > 1:
+        x[-1 - (rows - 1) % bm:, -1 - (cols - 1) % bk:].zero_()  # the last block: all zero
+    if grid[0] * grid[1] > 2:
+        x[:bm, -1 - (cols - 1) % bk:].mul_(2.0 ** -20)  # a block below the amax floor
+    return x
+
+
+def _telling(anchor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Positive values <= ``anchor`` of ``dtype`` that a near-miss formula quantizes otherwise,
+    in a block of amax ``anchor``."""
+    if dtype.itemsize == 2:
+        bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16)
+        values = bits.view(dtype)
+    else:
+        values = torch.rand(1 << 20, generator=torch.Generator().manual_seed(7)).to(dtype)
+    values = values[values.float() <= float(anchor)]
+    scale = torch.tensor(float(anchor), dtype=torch.float32).clamp(1e-4) / FP8_MAX
+    product = values.float() * (1.0 / scale)
+    q = product.to(FP8)
+    divided = (values.float() / scale).to(FP8)
+    up = (q.view(torch.uint8) + 1).clamp(max=0x7E).view(FP8).float()
+    tie = (product - q.float()).abs() * 2 == (up - q.float()).abs()
+    down = (q.view(torch.uint8).to(torch.int16) - 1).clamp(min=0).to(torch.uint8).view(FP8)
+    tie |= (product - q.float()).abs() * 2 == (q.float() - down.float()).abs()
+    return values[(divided.view(torch.uint8) != q.view(torch.uint8)) | (tie & (product > 0))]
