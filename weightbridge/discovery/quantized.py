@@ -211,7 +211,11 @@ def salted(shape: tuple[int, ...], dtype: torch.dtype, block: tuple[int, int],
     rows, cols = shape
     bm, bk = block
     grid = (-(-rows // bm), -(-cols // bk))
-    anchors = (torch.rand(_ANCHORS, generator=gen, dtype=torch.float64) * 7.5 + 0.5).to(dtype)
+    # Two random block maxima, and two of 448 * 2**-k: their scales are powers of two, so many
+    # products x * (1 / scale) are exact float8 ties (a rounding other than to even shows).
+    anchors = torch.cat([torch.rand(_ANCHORS - 2, generator=gen, dtype=torch.float64) * 7.5
+                         + 0.5, torch.tensor([FP8_MAX / 128, FP8_MAX / 64],
+                                             dtype=torch.float64)]).to(dtype)
     which = torch.arange(grid[0] * grid[1]).view(grid) % _ANCHORS
     amax = anchors[which].repeat_interleave(bm, 0).repeat_interleave(bk, 1)[:rows, :cols]
     x = (torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 1) * amax.double()
