@@ -103,6 +103,10 @@ def test_bf16_trainers_update_block_fp8_rollouts_quantizing_in_their_pack(procs)
             assert not report.mismatched, report.line()
             assert report.num_params > 0
             assert report.rdma_bytes == planned
+        # A delta of one quantized tensor moves its values and its scales, nothing else.
+        assert not any(t.endswith("::block_scale_inv") for t in mt._read_tensors())
+        delta = mt.update(4, changed=["model.layers.1.self_attn.k_proj.weight"])
+        assert not delta.mismatched and 0 < delta.rdma_bytes < planned / 10, delta.line()
 
 
 class SkipsExpertTrainer(TrainerActor):

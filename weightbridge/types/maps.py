@@ -140,8 +140,10 @@ class SourceMap:
         return sum(p.region.numel for p in self.pieces)
 
     def tensors(self) -> tuple[str, ...]:
-        """Checkpoint tensors this worker reads, in first-use order."""
-        return tuple(dict.fromkeys(p.region.tensor for p in self.pieces))
+        """Checkpoint tensors this worker reads, in first-use order (a block scale's virtual
+        tensor counts as its tensor: it is computed from it)."""
+        return tuple(dict.fromkeys(scaled_tensor(p.region.tensor) or p.region.tensor
+                                   for p in self.pieces))
 
     def summary(self) -> str:
         """A few readable lines: params, pieces, transposed pieces, unsourced, unused."""
