@@ -120,7 +120,10 @@ def _run_bf16(label, config, args, fp8_block):
         if u == 0:
             _check(rollouts, received, weights, label)
     moved = sum(t.nbytes for r in plan.rounds for t in r.transfers)
-    return label, moved, statistics.median(times[1:]), plan.num_rounds, 0
+    quantized = [o for o in plan.correspondence.overlaps if o.block]
+    as_bf16 = 2 * sum(o.region.numel for o in quantized if o.dtype == "float8_e4m3fn")
+    return (label, moved, statistics.median(times[1:]), plan.num_rounds,
+            (sum(o.nbytes for o in quantized), as_bf16))
 
 
 def main() -> None:
@@ -159,9 +162,11 @@ def fp8_main(args, config) -> None:
     print(f"bench_dtype fp8: {args.size} model, trainers TP{args.tp} x EP{args.ep} bf16, "
           f"{args.engines} x TP{args.rollout_tp} engines (fp8-block: attention projections in "
           f"{block[0]}x{block[1]} blocks), median of {args.updates} updates (bit-exact checked)")
-    for label, moved, t, rounds, _ in rows:
+    for label, moved, t, rounds, (fp8, as_bf16) in rows:
         print(f"  {label:9s}: {moved / 1e6:8.2f} MB moved ({moved / base_bytes:.2f}x send-bf16), "
-              f"{rounds:3d} rounds, {t * 1e3:8.1f} ms/update ({t / base_time:.2f}x send-bf16)")
+              f"{rounds:3d} rounds, {t * 1e3:8.1f} ms/update ({t / base_time:.2f}x send-bf16)"
+              + (f"; its quantized tensors: {fp8 / 1e6:.2f} MB of fp8 values and scales for "
+                 f"{as_bf16 / 1e6:.2f} MB of bf16 ({fp8 / as_bf16:.2f}x)" if as_bf16 else ""))
 
 
 if __name__ == "__main__":
