@@ -10,7 +10,7 @@ two ways around it, all measured in the same run on the same layout.
   checkpoint spec; bytes as converted, plus the copy's memory and cast.
 
 A second table, bf16 trainers and block-scaled FP8 rollouts (`meshes.fp8_rollout`, attention
-projections in ``--fp8-block`` blocks):
+projections and experts in ``--fp8-block`` blocks):
 
 - ``send-bf16``: bf16 rollouts, the source dtype on the wire (the baseline);
 - ``fp8-block``: the rollouts' loaders quantize; the plan sends float8 values and float32
@@ -160,7 +160,7 @@ def fp8_main(args, config) -> None:
             _run_bf16("fp8-block", config, args, block)]
     base_bytes, base_time = rows[0][1], rows[0][2]
     print(f"bench_dtype fp8: {args.size} model, trainers TP{args.tp} x EP{args.ep} bf16, "
-          f"{args.engines} x TP{args.rollout_tp} engines (fp8-block: attention projections in "
+          f"{args.engines} x TP{args.rollout_tp} engines (fp8-block: attention and experts in "
           f"{block[0]}x{block[1]} blocks), median of {args.updates} updates (bit-exact checked)")
     for label, moved, t, rounds, (fp8, as_bf16) in rows:
         print(f"  {label:9s}: {moved / 1e6:8.2f} MB moved ({moved / base_bytes:.2f}x send-bf16), "

@@ -41,8 +41,8 @@ def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int, 
               fp8_block: tuple[int, int] | None = None) -> WorkerParts:
     """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`). The trainers hold
     ``trainer_dtype`` parameters and the checkpoint is written in it; the rollouts are bf16
-    and cast it on load, or with ``fp8_block`` quantize their attention projections to
-    block-scaled FP8 (`meshes.fp8_rollout`)."""
+    and cast it on load, or with ``fp8_block`` quantize their attention projections and
+    experts to block-scaled FP8 (`meshes.fp8_rollout`)."""
     config = SIZES[size]
     spec.validate(config)
     if side == "trainer":
@@ -69,6 +69,6 @@ meshes.workers:tiny_fp32_trainer``): the bf16 rollouts' loaders cast it, so the 
 bfloat16, converted in the trainers' pack."""
 tiny_fp8_rollout = functools.partial(qwen3_moe, "tiny", fp8_block=(32, 32))
 """The tiny model with block-scaled FP8 rollouts (``--workers meshes.workers:tiny_fp8_rollout``):
-bf16 trainers, rollouts quantizing attention projections in 32 x 32 blocks (the tiny model's
+bf16 trainers, rollouts quantizing attention and experts in 32 x 32 blocks (the tiny model's
 TP shards are 32-row multiples); the plan sends float8 values and float32 scales, quantized in
 the trainers' pack."""

@@ -1,7 +1,7 @@
 """Block-scaled FP8 rollouts updated from bf16 trainers, in one process.
 
 The trainers hold (and write) a bf16 checkpoint; each rollout's own ``load_weights`` quantizes
-its attention projections into float8_e4m3fn values plus float32 ``weight_scale_inv`` block
+its attention projections and experts into float8_e4m3fn values plus float32 ``weight_scale_inv`` block
 scales (`meshes.fp8_rollout`, vLLM's formula). The probe recognizes the quantization and its
 block shape, the plan sends float8 values and float32 scales (the trainers' pack quantizes whole
 blocks), and after every update each rollout parameter, scales included, must equal bit for bit

@@ -84,7 +84,7 @@ def test_fp32_trainers_update_bf16_rollouts_converting_in_their_pack(procs):
 
 
 def test_bf16_trainers_update_block_fp8_rollouts_quantizing_in_their_pack(procs):
-    """The rollouts' loaders quantize attention projections to float8 with 32 x 32 block
+    """The rollouts' loaders quantize attention and experts to float8 with 32 x 32 block
     scales; the plan sends float8 values and float32 scales (fewer bytes than the bf16 the
     trainers hold), quantized in the trainers' pack, and every rollout parameter, scales
     included, matches its own loader after each update."""

@@ -133,12 +133,13 @@ def block_pieces(pieces: list[Piece], live: Mapping[str, torch.Tensor], spec: Ch
 
 def _block_shape(name: str, shape: tuple[int, ...], scale: str, scale_shape: tuple[int, ...]
                  ) -> tuple[int, int]:
-    if len(shape) != 2 or len(scale_shape) != 2:
+    if len(shape) < 2 or len(scale_shape) != len(shape) or shape[:-2] != scale_shape[:-2]:
         raise LayoutError(f"parameter {name!r} {shape} with scales {scale!r} {scale_shape}: block "
-                          f"quantization is supported for 2-d weights only (stacked 3-d experts "
-                          f"are not yet); load those unquantized")
+                          f"quantization needs a weight of 2 or more dims (stacked experts: "
+                          f"[E, N, K]) and scales of the same leading dims, one per block of "
+                          f"its last two ([E, ceil(N / bm), ceil(K / bk)])")
     block = []
-    for n, g in zip(shape, scale_shape):
+    for n, g in zip(shape[-2:], scale_shape[-2:]):
         b = next((1 << e for e in range(31) if -(-n // (1 << e)) == g), None)
         if b is None:
             raise LayoutError(f"parameter {name!r} {shape} has scales {scale!r} {scale_shape}, "
@@ -151,16 +152,17 @@ def _block_shape(name: str, shape: tuple[int, ...], scale: str, scale_shape: tup
 def _scale_piece(value: Piece, shape: tuple[int, ...], scale: str, scale_shape: tuple[int, ...],
                  tensor_shape: tuple[int, ...]) -> Piece:
     region, block = value.region, value.block
-    rows, cols = shape
-    pr, pc = divmod(value.offset, cols)
+    rows, cols = shape[-2:]
+    lead, within = divmod(value.offset, rows * cols)  # a stacked expert's index, then (row, col)
+    pr, pc = divmod(within, cols)
     steps_ok = region.step == (1, 1) and all(
         c == 1 or s == want for c, s, want in zip(region.count, value.strides, (cols, 1)))
     aligned = all(
         start % b == 0 and at % b == 0
         and (count % b == 0 or (start + count == full and at + count == local))
         for start, at, count, b, full, local in zip(region.start, (pr, pc), region.count, block,
-                                                    tensor_shape, shape))
-    if len(region.count) != 2 or not steps_ok or not aligned:
+                                                    tensor_shape, (rows, cols)))
+    if len(region.count) != 2 or not steps_ok or not aligned or pr + region.count[0] > rows:
         raise LayoutError(
             f"parameter {value.param!r} holds checkpoint tensor {region.tensor!r} rows "
             f"{region.start[0]}..+{region.count[0]}, columns {region.start[-1]}..+"
@@ -172,7 +174,8 @@ def _scale_piece(value: Piece, shape: tuple[int, ...], scale: str, scale_shape: 
     return Piece(Region(scale_tensor(region.tensor), (region.start[0] // block[0],
                                                       region.start[1] // block[1]), grid,
                         (1, 1)),
-                 scale, (pr // block[0]) * scale_shape[1] + pc // block[1], (scale_shape[1], 1),
+                 scale, lead * scale_shape[-2] * scale_shape[-1]
+                 + (pr // block[0]) * scale_shape[-1] + pc // block[1], (scale_shape[-1], 1),
                  block=block)
 
 
