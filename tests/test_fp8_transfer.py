@@ -1,8 +1,8 @@
 """Block-scaled FP8 rollouts updated from bf16 trainers, in one process.
 
 The trainers hold (and write) a bf16 checkpoint; each rollout's own ``load_weights`` quantizes
-its attention projections and experts into float8_e4m3fn values plus float32 ``weight_scale_inv`` block
-scales (`meshes.fp8_rollout`, vLLM's formula). The probe recognizes the quantization and its
+its attention projections and experts into float8_e4m3fn values plus float32
+``weight_scale_inv`` block scales (`meshes.fp8_rollout`, vLLM's formula). The probe recognizes the quantization and its
 block shape, the plan sends float8 values and float32 scales (the trainers' pack quantizes whole
 blocks), and after every update each rollout parameter, scales included, must equal bit for bit
 what its own loader produces from the same checkpoint.
@@ -210,5 +210,20 @@ def test_trainer_shards_that_cut_blocks_are_refused_before_planning():
     one trainer (the bf16 fallback is not implemented): a LayoutError at plan time."""
     trainers = [TrainerShard(WIDE_KV, 2, r % 2, 2, r // 2) for r in range(4)]
     rollouts = [Fp8RolloutShard(WIDE_KV, 1, 0, 1, 0) for _ in range(2)]
-    with pytest.raises(LayoutError, match="cuts a block"):
+    with pytest.raises(LayoutError, match=r"no single trainer holds some of their blocks whole: "
+                                          r"'model\.layers\.0\.self_attn\.q_proj\.weight'"):
         _plan(trainers, rollouts, 64 << 10, checkpoint_spec(WIDE_KV))
+
+
+def test_blocks_go_to_the_trainers_that_hold_them_whole():
+    """TP2 trainers cut the 128 x 128 attention blocks, two more trainers hold attention
+    unsharded: the plan quantizes every attention block on those two only, bit-exactly."""
+    spec = checkpoint_spec(WIDE_KV)
+    trainers = ([TrainerShard(WIDE_KV, 2, r % 2, 2, r // 2) for r in range(4)]
+                + [TrainerShard(WIDE_KV, 1, 0, 2, r) for r in range(2)])
+    rollouts = [Fp8RolloutShard(WIDE_KV, 1, 0, 1, 0) for _ in range(2)]
+    plan, _ = _plan(trainers, rollouts, 64 << 10, spec)
+    attention = [o for o in plan.correspondence.overlaps if ".self_attn." in o.region.tensor
+                 and o.block]
+    assert attention and all(set(o.holders) <= {4, 5} for o in attention)
+    _update_and_check(plan, trainers, rollouts, CpuCopyKernels(), seeds=(9, 10), spec=spec)

@@ -4,10 +4,10 @@ trainers can compute which scales.
 A rollout piece with a block (`Piece.block`) holds float8 values of a checkpoint tensor; a piece
 of its `scale_tensor` holds the scales. On the wire both travel as the rollouts hold them
 (float8 values, float32 scales: fewer bytes than the trainers' bf16), so the trainers' pack must
-quantize, and quantizing a block needs the whole block: a trainer holds an element of the
-virtual scale tensor when it holds that whole block in one piece. This first version asks every
-trainer piece of a quantized tensor to be whole blocks (the usual case: row shards of a multiple
-of the block), and refuses other layouts before any byte moves.
+quantize, and quantizing a block needs the whole block: a trainer counts as holding an element
+of a quantized tensor, and the scale of its block, only when it holds that whole block in one
+piece. A block no trainer holds whole (every trainer's shard cuts it) is refused before any
+byte moves; sending bf16 and quantizing on the rollouts is not implemented.
 """
 
 from __future__ import annotations
@@ -61,26 +61,52 @@ def extents(rollout_maps: Sequence[SourceMap], blocks: dict[str, tuple[int, ...]
 
 def trainer_scales(held: Regions, blocks: dict[str, tuple[int, ...]],
                    shape: dict[str, tuple[int, ...]]) -> None:
-    """Add to ``held`` the scale regions the trainers can compute: per trainer region of a
-    quantized tensor, its blocks (LayoutError where a region cuts a block)."""
+    """Keep, of each trainer region of a quantized tensor, only its whole blocks (a trainer
+    quantizes only blocks it holds whole), and add the scale regions of those blocks to
+    ``held``. Elements no trainer holds a whole block of are then missing (`missing_message`)."""
     for tensor, block in blocks.items():
-        for region, workers in list(held.get(tensor, {}).items()):
-            full = shape[tensor]
-            cut = [d for d, (s, c, k, b, n) in enumerate(zip(
-                region.start, region.count, region.step, block, full))
-                if k != 1 or s % b or (c % b and s + c < n)]
-            if cut:
-                raise LayoutError(
-                    f"trainer worker {workers[0]} holds elements {region.start}..+{region.count} "
-                    f"of checkpoint tensor {tensor!r}, which rollouts hold block-quantized in "
-                    f"{block} blocks: the trainer's piece cuts a block, and a block is quantized "
-                    f"whole by the one trainer that packs it. Shard the trainer on multiples of "
-                    f"the block along dim {cut[0]} (sending bf16 and quantizing on the rollouts "
-                    f"is not implemented yet), or load the tensor unquantized on the rollouts")
-            grid = Region(scale_tensor(tensor), tuple(s // b for s, b in zip(region.start, block)),
-                          tuple(-(-c // b) for c, b in zip(region.count, block)),
+        kept: dict[Region, list[int]] = {}
+        for region, workers in held.get(tensor, {}).items():
+            whole = _whole_blocks(region, block, shape[tensor])
+            if whole is None:
+                continue
+            kept.setdefault(whole, []).extend(workers)
+            grid = Region(scale_tensor(tensor), tuple(s // b for s, b in zip(whole.start, block)),
+                          tuple(-(-c // b) for c, b in zip(whole.count, block)),
                           (1,) * len(block))
             held.setdefault(grid.tensor, {}).setdefault(grid, []).extend(workers)
+        held[tensor] = kept
+
+
+def _whole_blocks(region: Region, block: tuple[int, ...], full: tuple[int, ...]
+                  ) -> Region | None:
+    """The part of ``region`` that is whole blocks (blocks cut at the tensor's end count as
+    whole), or None when it holds no whole block (or is strided)."""
+    if any(k != 1 for k in region.step):
+        return None
+    start, count = [], []
+    for s, c, b, n in zip(region.start, region.count, block, full):
+        lo = -(-s // b) * b
+        hi = s + c if s + c == n else (s + c) // b * b
+        if hi <= lo:
+            return None
+        start.append(lo), count.append(hi - lo)
+    return Region(region.tensor, tuple(start), tuple(count), region.step)
+
+
+def missing_message(missing: dict[str, int], blocks: dict[str, tuple[int, ...]]) -> str | None:
+    """The LayoutError message when elements of quantized tensors are missing, else None."""
+    cut = {t: n for t, n in missing.items() if t in blocks}
+    if not cut:
+        return None
+    listed = ", ".join(f"{t!r} ({n:,} elements, {blocks[t]} blocks)"
+                       for t, n in sorted(cut.items(), key=lambda kv: -kv[1])[:6])
+    return (f"rollouts hold {len(cut)} checkpoint tensors block-quantized, but no single trainer "
+            f"holds some of their blocks whole: {listed}. A block is quantized whole by the one "
+            f"trainer that packs it, so each needs a trainer whose piece covers it (the "
+            f"trainers' shards cut these blocks, or no trainer holds them). Shard the trainers "
+            f"on multiples of the block (sending bf16 and quantizing on the rollouts is not "
+            f"implemented yet), or load these tensors unquantized on the rollouts")
 
 
 def wire(blocks: dict[str, tuple[int, ...]], trainer_dtypes: dict[str, tuple[str, str]],

@@ -49,8 +49,8 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
         LayoutError: a rollout parameter takes no checkpoint element at all (no transfer would
             ever update it), a rollout needs elements no trainer holds (the message names the
             tensors and element counts), the two sides' dtypes of a checkpoint tensor cannot
-            be converted into each other exactly (`wire_dtypes`), or a trainer piece of a tensor
-            rollouts hold block-quantized cuts a block (`blockwire`).
+            be converted into each other exactly (`wire_dtypes`), or no trainer holds whole a
+            block of a tensor rollouts hold block-quantized (`blockwire`).
     """
     if not trainer_maps or not rollout_maps:
         raise ValueError(f"correspond needs at least one trainer and one rollout source map, got "
@@ -76,7 +76,7 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
         overlaps.extend(Overlap(region, dtype, holders, needers, source, target, block)
                         for region, holders, needers in cells)
     if missing:
-        raise LayoutError(_missing_message(missing))
+        raise LayoutError(blockwire.missing_message(missing, blocks) or _missing_message(missing))
     return Correspondence(tuple(overlaps), len(trainer_maps), len(rollout_maps))
 
 

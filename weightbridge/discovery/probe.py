@@ -182,7 +182,7 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
 
 def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip):
     """A block-quantizing loader's passes (`quantized`): per modulus, its sign passes decoded
-    into one float8 pass. ``skip``: the scale parameters (listed under the key "")."""
+    into one float8 pass. ``skip``: the scale parameters (nothing to decode there)."""
     scans: dict = {name: [] for name in _checked_params(get(), None)}
     shapes = None
     for k in range(num_passes):

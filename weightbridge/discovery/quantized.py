@@ -6,9 +6,9 @@ whatever its shape, amax 448, so its scale is exactly 1 and every float8 value i
 checkpoint value (and bf16 / fp16 / fp32 parameters copy it exactly too). Only the sign carries
 information, so pass (k, b) stores bit b of the digit ``g mod p_k`` (`codec`) of each element's
 global index g in its sign; ``ceil(log2 p_k)`` sign passes give the digits of one ordinary
-float8 pass, which the ordinary boundary analysis (`runs`) then reads. Parameters that hold 1.0
-where the checkpoint holds +-448 are the scales: each float8 parameter ``N`` pairs with the
-float32 parameter ``N_scale_inv`` (or ``N_scale``), the block shape follows from the two shapes
+float8 pass, which the ordinary boundary analysis (`runs`) then reads. The scales (they hold 1.0
+where the checkpoint holds +-448) pair by name: float8 parameter ``N`` with the float32
+parameter ``N_scale_inv`` (or ``N_scale``); the block shape follows from the two shapes
 (the smallest power of two per dim that gives the scale's shape), and the scale pieces follow
 from the value pieces. The probe's pseudo-random pass then checks every value and every scale
 bit for bit against `weightbridge.quant` (vLLM's formula) applied to whole checkpoint tensors,
@@ -37,26 +37,22 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")
 
 def quantizing(params: Mapping[str, torch.Tensor], ckpt_dtypes: Mapping[str, torch.dtype]
                ) -> bool:
-    """True when some parameter is float8 and no checkpoint tensor is: a quantizing loader."""
-    return (any(p.dtype == FP8 for p in params.values())
-            and not any(d == FP8 for d in ckpt_dtypes.values()))
+    """True when some float8 parameter has a scale parameter and no checkpoint tensor is
+    float8: a block-quantizing loader."""
+    return bool(scale_params(params)) and not any(d == FP8 for d in ckpt_dtypes.values())
 
 
 def scale_params(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """float8 parameter -> its float32 scale parameter; LayoutError naming one that has none."""
+    """float8 parameter -> its float32 scale parameter (``<name>_scale_inv`` or
+    ``<name>_scale``), for the float8 parameters that have one. A float8 parameter without is
+    probed as a plain cast (refused unless the loader casts with ``copy_``)."""
     out = {}
     for name, p in params.items():
         if p.dtype != FP8:
             continue
         scale = next((name + s for s in SCALE_SUFFIXES if name + s in params), None)
-        if scale is None or params[scale].dtype != torch.float32:
-            raise LayoutError(
-                f"parameter {name!r} is {QUANT_DTYPE}, loaded from a checkpoint that is not, but "
-                f"no float32 parameter {name + SCALE_SUFFIXES[0]!r} (or {name + '_scale'!r}) "
-                f"holds its block scales. Block-scaled FP8 rollouts need the scale tensor among "
-                f"the probed parameters (vLLM names it weight_scale_inv); pass it to "
-                f"extract_source_map")
-        out[name] = scale
+        if scale is not None and params[scale].dtype == torch.float32:
+            out[name] = scale
     return out
 
 

@@ -276,9 +276,14 @@ def _quantizing(overlap: Overlap, chunk: Chunk, sub: int, finder: "_PieceFinder"
                 first, count, block, region.stop)), f"{elements} cuts a {block} block"
         else:
             lo = tuple(f * b for f, b in zip(first, block))
-            piece = finder.find(Region(tensor, lo, (1,) * len(lo), (1,) * len(lo)))[0][1]
-            hi = tuple(min((f + c) * b, stop) for f, c, b, stop in zip(first, count, block,
-                                                                        piece.region.stop))
+            # Of the pieces holding the first element, the one reaching furthest: the
+            # correspondence made this sender a holder only if one holds the blocks whole (to
+            # the tensor's end for its last blocks).
+            one = (1,) * len(lo)
+            hi = max((tuple(min((f + c) * b, e) for f, c, b, e in zip(first, count, block,
+                                                                        p.region.stop))
+                      for p in finder.candidates(Region(tensor, lo, one, one))),
+                     key=lambda h: math.prod(e - s for e, s in zip(h, lo)))
             elements = Region(tensor, lo, tuple(h - low for h, low in zip(hi, lo)),
                               (1,) * len(lo))
         (param_index, base, steps), = finder.targets(elements)
@@ -354,6 +359,10 @@ class _PieceFinder:
                     steps.append(region.step[d] // src.step[d] * stride)
                 hit.append((param_index, base, tuple(steps)))
         return hit
+
+    def candidates(self, region: Region) -> list[Piece]:
+        """Every piece of this worker containing ``region`` (not cached)."""
+        return [p for p in self.by_tensor.get(region.tensor, ()) if _contains(p.region, region)]
 
     def find(self, region: Region) -> list[tuple[int, Piece]]:
         hit = self.cache.get(region)
