@@ -36,10 +36,11 @@ class Fp8RolloutShard(RolloutShard):
     [E, 2I / bm, H / bk], vLLM's fused-MoE layout)."""
 
     def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
-                 block: tuple[int, int] = (128, 128), quantize: Quantizer = block_quantize):
+                 block: tuple[int, int] = (128, 128), quantize: Quantizer = block_quantize,
+                 quantized: tuple[str, ...] = _QUANTIZED):
         super().__init__(c, tp, tp_rank, ep, ep_rank)
         self.block, self.quantize = block, quantize
-        for name in [n for n in self.params if n.endswith(_QUANTIZED)]:
+        for name in [n for n in self.params if n.endswith(quantized)]:
             shape = self.params[name].shape
             self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn)
             grid = tuple(shape[:-2]) + block_grid(tuple(shape[-2:]), block)
@@ -81,7 +82,11 @@ class Fp8RolloutShard(RolloutShard):
                ) -> None:
         """Quantize one TP shard and write its values at ``row`` (of stacked ``expert``) and
         its scales at the matching block row (vLLM's block-FP8 loaders require shard offsets on
-        block boundaries)."""
+        block boundaries). A parameter left unquantized gets a plain copy."""
+        if self.params[param].dtype != torch.float8_e4m3fn:
+            dst = self.params[param] if expert is None else self.params[param][expert]
+            dst[row:row + shard.shape[0]].copy_(shard)
+            return
         bm = self.block[0]
         if row % bm:
             raise ValueError(f"{param}: shard at row {row} is not on a {bm}-row block boundary")

@@ -21,6 +21,7 @@ from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (CpuCopyKernels, LayoutError, Placement, extract_source_map,
                           plan_transfer, run_plan_locally)
 from weightbridge.discovery.replay import replay
+from weightbridge.planning.simulate import eq1
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.quant import block_grid, block_quantize
 from weightbridge.types import BoxCopy, scaled_tensor
@@ -187,6 +188,22 @@ def test_deepseek_blocks_from_unsharded_attention_trainers():
     _update_and_check(plan, trainers, rollouts, CpuCopyKernels(), seeds=(7, 8), spec=spec)
 
 
+def test_edge_blocks_cut_by_the_tensor_end():
+    """96-column down_proj experts in 64 x 64 blocks: the last block column is 32 wide. The
+    probe infers 64 from the 2 x 2 scale grids, and trainers holding whole experts quantize the
+    cut blocks as the rollouts' loaders do."""
+    config = dataclasses.replace(CONFIG, moe_intermediate=96)
+    spec = checkpoint_spec(config)
+    trainers = [TrainerShard(config, 1, 0, 2, r) for r in range(2)]
+    rollouts = [Fp8RolloutShard(config, 1, 0, 1, 0, block=(64, 64),
+                                quantized=("mlp.experts.w2_weight",)) for _ in range(2)]
+    plan, (smap, *_) = _plan(trainers, rollouts, 64 << 10, spec)
+    assert {p.block for p in smap.pieces if p.block} == {(64, 64)}
+    scales = [o for o in plan.correspondence.overlaps if o.dtype == "float32"]
+    assert scales and {o.region.count for o in scales} == {(2, 2)}
+    _update_and_check(plan, trainers, rollouts, CpuCopyKernels(), seeds=(11, 12), spec=spec)
+
+
 def test_fp8_plan_moves_fewer_bytes_than_sending_bf16():
     """The same layout with bf16 rollouts needs 2 bytes per element; the fp8 plan 1 byte per
     quantized element plus 4 per block, so fewer bytes and no more rounds."""
@@ -203,6 +220,9 @@ def test_fp8_plan_moves_fewer_bytes_than_sending_bf16():
     assert bf16.correspondence.nbytes - fp8.correspondence.nbytes == quantized - 4 * num_scales
     assert fp8.correspondence.nbytes < bf16.correspondence.nbytes
     assert fp8.num_rounds <= bf16.num_rounds
+    rates = dict(trainer_node_bandwidth=1e9, rollout_node_bandwidth=1e9)  # Eq. (1) in bytes sent
+    assert eq1(fp8, **rates) / eq1(bf16, **rates) == pytest.approx(
+        fp8.correspondence.nbytes / bf16.correspondence.nbytes)
 
 
 def test_trainer_shards_that_cut_blocks_are_refused_before_planning():
