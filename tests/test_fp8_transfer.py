@@ -247,3 +247,57 @@ def test_blocks_go_to_the_trainers_that_hold_them_whole():
                  and o.block]
     assert attention and all(set(o.holders) <= {4, 5} for o in attention)
     _update_and_check(plan, trainers, rollouts, CpuCopyKernels(), seeds=(9, 10), spec=spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Refusals on hand-made maps and boxes (no probe)
+# --------------------------------------------------------------------------------------------
+
+
+def _maps(trainer_dtype="bfloat16", ckpt="bfloat16", blocks=((32, 32),), plain_rollout=False):
+    """A (64, 64) checkpoint tensor "w": one trainer holding it, one rollout per block shape
+    holding it quantized (and one loading it unquantized with ``plain_rollout``)."""
+    from weightbridge.types import ParamSpec, Piece, Region, SourceMap, scale_tensor
+    reg = Region("w", (0, 0), (64, 64), (1, 1))
+    cast = None if trainer_dtype == ckpt else ckpt
+    trainer = SourceMap((ParamSpec("w", (64, 64), trainer_dtype),),
+                        (Piece(reg, "w", 0, (64, 1), cast_from=cast),))
+    rollouts = []
+    for b in blocks:
+        grid = (64 // b[0], 64 // b[1])
+        rollouts.append(SourceMap(
+            (ParamSpec("w", (64, 64), "float8_e4m3fn"), ParamSpec("w_scale_inv", grid, "float32")),
+            (Piece(reg, "w", 0, (64, 1), cast_from=ckpt, block=b),
+             Piece(Region(scale_tensor("w"), (0, 0), grid, (1, 1)), "w_scale_inv", 0,
+                   (grid[1], 1), block=b))))
+    if plain_rollout:
+        rollouts.append(SourceMap((ParamSpec("w", (64, 64), "bfloat16"),),
+                                  (Piece(reg, "w", 0, (64, 1)),)))
+    return [trainer], rollouts
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(blocks=((32, 32), (64, 64))), r"quantize checkpoint tensor 'w' in blocks \(32, 32\) "
+                                        r"and \(64, 64\)"),
+    (dict(plain_rollout=True), r"'w' into both"),
+    (dict(trainer_dtype="bfloat16", ckpt="float32"), r"trainers hold it as bfloat16 \(from a "
+                                                     r"float32 checkpoint\)"),
+], ids=["two-block-shapes", "quantized-and-plain", "rounded-trainer"])
+def test_correspond_refuses_what_no_pack_can_quantize(kwargs, message):
+    from weightbridge.discovery.correspond import correspond
+    trainers, rollouts = _maps(**kwargs)
+    with pytest.raises(LayoutError, match=message):
+        correspond(trainers, rollouts)
+
+
+@pytest.mark.parametrize("copy, message", [
+    (BoxCopy(0, 0, (4, 4, 4), (16, 4, 1), 0, "float8_e4m3fn", (2, 2)), "2-d boxes"),
+    (BoxCopy(0, 15, (4, 4), (-4, 1), 0, "float8_e4m3fn", (2, 2)), "negative stride"),
+    (BoxCopy(0, 0, (4, 4), (4, 1), 0, "bfloat16", (2, 2)), "into float8_e4m3fn values"),
+    (BoxCopy(0, 0, (4, 4), (4, 1), 2, "float32", (2, 2)), "align it to 4 bytes"),
+], ids=["3-d", "negative-stride", "buffer-dtype", "unaligned-scales"])
+@pytest.mark.parametrize("kernels", [TorchCopyKernels(), CpuCopyKernels()],
+                         ids=["reference", "cpu"])
+def test_bad_block_boxes_are_refused_when_the_table_is_built(kernels, copy, message):
+    with pytest.raises(ValueError, match=message):
+        kernels.build_table([copy], [torch.zeros(64, dtype=torch.bfloat16)])
