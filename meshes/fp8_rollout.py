@@ -54,7 +54,8 @@ class Fp8RolloutShard(RolloutShard):
             elif name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
                 c, tp, r = self.c, self.tp, self.tp_rank
                 q, kv = c.heads * c.head_dim // tp, c.kv_heads * c.head_dim // tp
-                offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[name.split(".")[-2][0]]
+                kind = name.split(".")[-2][0]
+                offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[kind]
                 self._store(name.rsplit(".", 2)[0] + ".qkv_proj.weight", offset,
                             w.narrow(0, r * size, size))
             elif name.endswith("o_proj.weight"):

@@ -2,10 +2,10 @@
 
 The trainers hold (and write) a bf16 checkpoint; each rollout's own ``load_weights`` quantizes
 its attention projections and experts into float8_e4m3fn values plus float32
-``weight_scale_inv`` block scales (`meshes.fp8_rollout`, vLLM's formula). The probe recognizes the quantization and its
-block shape, the plan sends float8 values and float32 scales (the trainers' pack quantizes whole
-blocks), and after every update each rollout parameter, scales included, must equal bit for bit
-what its own loader produces from the same checkpoint.
+``weight_scale_inv`` block scales (`meshes.fp8_rollout`, vLLM's formula). The probe recognizes
+the quantization and its block shape, the plan sends float8 values and float32 scales (the
+trainers' pack quantizes whole blocks), and after every update each rollout parameter, scales
+included, must equal bit for bit what its own loader produces from the same checkpoint.
 """
 
 from __future__ import annotations

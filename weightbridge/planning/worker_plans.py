@@ -2,9 +2,10 @@
 
 Inside buffers, bytes are in canonical checkpoint order: a run of an overlap's elements,
 row-major, in the overlap's wire dtype; a box between a parameter of another dtype and the
-buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts; a sender's box of a
-block-quantized overlap is whole blocks and carries its ``block`` (its pack quantizes). A
-sender packs with its own pieces' strides and a receiver assembles with its own, so transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
+buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts;
+a sender's box of a block-quantized overlap is whole blocks and carries its ``block`` (its pack
+quantizes). A sender packs with its own pieces' strides and a receiver assembles with its own,
+so transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
 
 Typical usage (an executor at connect)::
 

@@ -14,8 +14,8 @@ Three modules, imported in this order (each imports only the ones before it): `s
 correspondence, rounds, per-worker plans). Import the names from here.
 """
 
-from weightbridge.types.maps import (SCALE_SUFFIX, BoxCopy, Piece, Region, SourceMap, pieces_by_param,
-                                     scale_tensor, scaled_tensor)
+from weightbridge.types.maps import (SCALE_SUFFIX, BoxCopy, Piece, Region, SourceMap,
+                                     pieces_by_param, scale_tensor, scaled_tensor)
 from weightbridge.types.plans import (BufferWrite, Chunk, Correspondence, Overlap, Placement,
                                       Range, Round, Stage, Transfer, WorkerId, WorkerPlan,
                                       WorkerRound)
