@@ -53,6 +53,7 @@ from weightbridge.coordination.session import connect_group, run_update, unanswe
 from weightbridge.mesh.control import MeshControl, TransferGroup
 from weightbridge.mesh.transport import backend, configure_transport, drop_all
 from weightbridge.planning.simulate import eq1
+from weightbridge.types import scaled_tensor
 
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
@@ -310,7 +311,9 @@ class MeshTransfer(ClosingContext, Membership):
         """Every checkpoint tensor some worker reads (walked once: the maps never change)."""
         if self._tensor_names is None:
             maps = self._maps.trainers + self._maps.rollouts
-            self._tensor_names = sorted({p.region.tensor for m, _ in maps for p in m.pieces})
+            # (A block scale's virtual tensor is its tensor's: versioned with it.)
+            self._tensor_names = sorted({scaled_tensor(p.region.tensor) or p.region.tensor
+                                         for m, _ in maps for p in m.pieces})
         return self._tensor_names
 
     def _versions_of(self, version: int, changed) -> int | dict[str, int]:

@@ -38,6 +38,10 @@ def _assemble_kernel(copies,  # *int64 [C, NUM_FIELDS] box descriptors
 def assemble(desc: Descriptors, buffer: torch.Tensor, *, num_warps: int = 4) -> None:
     """Scatter every box of ``desc`` from ``buffer`` (1-d contiguous uint8) into its tensor."""
     check_launch(desc, buffer)
+    if desc.num_quantizing:
+        raise ValueError(f"this table has {desc.num_quantizing} block-quantizing boxes, which "
+                         f"only pack (rollouts receive the float8 values and scales and copy "
+                         f"them): build the assemble table without them")
     if desc.num_tiles == 0:
         return
     _assemble_kernel[(desc.num_tiles,)](desc.copies, desc.tiles, buffer.data_ptr(),

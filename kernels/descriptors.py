@@ -16,6 +16,10 @@ tensors' device:
     TCODE, BCODE   0 for a plain box; for a converting box (a ``buffer_dtype``) the dtype codes
                    of the tensor and of the buffer elements (kernels/_convert.py): the box is
                    then moved by value, and ESIZE and strides are the tensor's
+    BM, BK, QKIND  a block-quantizing box (a ``block``; pack only, kernels/_quantize.py): its
+                   block shape and 1 for float8 values, 2 for float32 scales; 0 otherwise.
+                   Such a box is never normalized: NROWS x N3 is its 2-d shape, S2 and S3
+                   its strides, and it has one program per block
 
 ``tiles`` [T, 3], one row per program of a launch: (copy row, first box row, first column). A
 program moves the BLOCK_ROWS x BLOCK_COLS elements of its box from there, masked at the edges.
@@ -40,12 +44,13 @@ from typing import Any, Sequence
 import torch
 
 from weightbridge.execution.boxcopy import MAX_RANK, check_rank, copy_columns, merge_dims
+from weightbridge.types import QUANT_DTYPE
 
 # MAX_RANK (weightbridge.execution.boxcopy) is the number of box dims the kernels address after
 # merging. To raise it: add N/S fields here, pad to the new rank where `merge_dims` is called,
 # and decompose the extra row dims in `kernels/_tile.py`.
-ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3, TCODE, BCODE = range(13)
-NUM_FIELDS = 13
+ADDR, BUF, ESIZE, NROWS, N1, N2, N3, S0, S1, S2, S3, TCODE, BCODE, BM, BK, QKIND = range(16)
+NUM_FIELDS = 16
 DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
 """TCODE / BCODE of each convertible dtype; the branches of kernels/_convert.py use them."""
 BLOCK_ROWS = 16
@@ -70,6 +75,8 @@ class Descriptors:
     block_cols: int
     tensors: tuple[torch.Tensor, ...]
     """The addressed tensors: the table holds raw addresses, so it keeps their storage alive."""
+    num_quantizing: int = 0
+    """Block-quantizing boxes (their rows come last in `copies`); such a table only packs."""
 
     @property
     def num_copies(self) -> int:
@@ -91,6 +98,11 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
     dims that cannot be merged.
     """
     cols = _columns(copies, tensors)
+    quant_rows, quant_tiles = _quantizing(copies, tensors, cols)
+    if quant_rows is not None:  # the other boxes' table, then the block boxes' rows
+        return _with_quantizing(build_descriptors(
+            [c for c in copies if not getattr(c, "block", ())], tensors, block_rows=block_rows,
+            block_cols=block_cols), quant_rows, quant_tiles, cols)
     device, count = cols["device"], len(cols["tensor"])
     if not count:
         empty = torch.zeros((0, NUM_FIELDS), dtype=torch.int64, device=device)
@@ -113,8 +125,9 @@ def build_descriptors(copies: Sequence[Any], tensors: Sequence[torch.Tensor], *,
         i = int((nrows >= 2**31).nonzero()[0, 0])
         raise ValueError(f"{copies[int(cols['index'][i])]} has {int(nrows[i])} rows (all dims "
                          "but the innermost); the kernels take fewer than 2**31: split the box")
+    zero = torch.zeros_like(addr)
     table = torch.stack([addr, buf, esize, nrows, shape[:, 1], shape[:, 2], shape[:, 3],
-                         *strides.unbind(1), *codes.unbind(1)], dim=1)
+                         *strides.unbind(1), *codes.unbind(1), zero, zero, zero], dim=1)
     tiles = _tiles(table, block_rows, block_cols)
     return Descriptors(table.to(device), tiles.to(device), cols["nbytes"], cols["overlap"],
                        device, block_rows, block_cols, tuple(tensors))
@@ -136,6 +149,8 @@ def _columns(copies: Sequence[Any], tensors: Sequence[torch.Tensor]) -> dict[str
         "buffer_offset": cols.buffer_offset[keep], "itemsize": cols.itemsize[keep],
         "data_ptr": data_ptr[cols.tensor[keep]], "device": next(iter(devices), None),
         "codes": _dtype_codes(copies, tensors, cols.converting)[keep],
+        "quant": torch.tensor([bool(getattr(copies[i], "block", ())) for i in keep.tolist()],
+                              dtype=torch.bool),
         "buffer_itemsize": cols.buffer_itemsize[keep],
         "nbytes": cols.nbytes, "overlap": cols.buffer_overlap,
     }
@@ -147,6 +162,8 @@ def _dtype_codes(copies: Sequence[Any], tensors: Sequence[torch.Tensor],
     codes = torch.zeros((len(copies), 2), dtype=torch.int64)
     for i in converting.nonzero()[:, 0].tolist():
         c = copies[i]
+        if getattr(c, "block", ()):
+            continue  # _quantizing codes them
         codes[i, 0] = DTYPE_CODES[str(tensors[c.tensor].dtype).removeprefix("torch.")]
         codes[i, 1] = DTYPE_CODES[c.buffer_dtype]
     return codes
@@ -209,3 +226,38 @@ def _tiles(table: torch.Tensor, block_rows: int, block_cols: int) -> torch.Tenso
     local = torch.arange(int(count.sum())) - (torch.cumsum(count, 0) - count)[copy]
     return torch.stack([copy, local // col_tiles[copy] * block_rows,
                         local % col_tiles[copy] * block_cols], dim=1)
+
+
+def _quantizing(copies: Sequence[Any], tensors: Sequence[torch.Tensor], cols: dict[str, Any]
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Rows and tiles (copy row relative to the first block box, block's first row and column)
+    of the block-quantizing boxes, or (None, None) when there are none. Validated already."""
+    index = cols["index"][cols["quant"]].tolist()
+    if not index:
+        return None, None
+    rows, tiles = [], []
+    for k, i in enumerate(index):
+        c = copies[i]
+        t = tensors[c.tensor]
+        bm, bk = c.block
+        code = DTYPE_CODES[str(t.dtype).removeprefix("torch.")]
+        rows.append([t.data_ptr() + c.offset * t.element_size(), c.buffer_offset,
+                     t.element_size(), c.shape[0], 1, c.shape[0], c.shape[1], 0, 0,
+                     c.strides[0], c.strides[1], code, 0, bm, bk,
+                     1 if c.buffer_dtype == QUANT_DTYPE else 2])
+        tiles += [(k, r, col) for r in range(0, c.shape[0], bm)
+                  for col in range(0, c.shape[1], bk)]
+    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(tiles, dtype=torch.int64))
+
+
+def _with_quantizing(desc: Descriptors, rows: torch.Tensor, tiles: torch.Tensor,
+                     cols: dict[str, Any]) -> Descriptors:
+    """``desc`` (the other boxes) with the block boxes' rows and tiles appended; buffer size
+    and overlap those of all boxes (``cols``)."""
+    device = cols["device"]
+    tiles = tiles.clone()
+    tiles[:, 0] += desc.num_copies
+    return Descriptors(torch.cat([desc.copies.to(device), rows.to(device)]),
+                       torch.cat([desc.tiles.to(device), tiles.to(device)]), cols["nbytes"],
+                       cols["overlap"], device, desc.block_rows, desc.block_cols, desc.tensors,
+                       len(rows))

@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import WorkerParts
@@ -36,14 +37,19 @@ def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = No
 
 
 def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int, *,
-              trainer_dtype: torch.dtype = torch.bfloat16) -> WorkerParts:
+              trainer_dtype: torch.dtype = torch.bfloat16,
+              fp8_block: tuple[int, int] | None = None) -> WorkerParts:
     """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`). The trainers hold
     ``trainer_dtype`` parameters and the checkpoint is written in it; the rollouts are bf16
-    and cast it on load."""
+    and cast it on load, or with ``fp8_block`` quantize their attention projections and
+    experts to block-scaled FP8 (`meshes.fp8_rollout`)."""
     config = SIZES[size]
     spec.validate(config)
     if side == "trainer":
         shard = spec.shard(config, rank, dtype=trainer_dtype)
+    elif fp8_block is not None:
+        c = spec.coords(rank)
+        shard = Fp8RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"], block=fp8_block)
     else:
         c = spec.coords(rank)
         shard = RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"])
@@ -61,3 +67,8 @@ tiny_fp32_trainer = functools.partial(qwen3_moe, "tiny", trainer_dtype=torch.flo
 """The tiny model with float32 trainers and an fp32 checkpoint (``--workers
 meshes.workers:tiny_fp32_trainer``): the bf16 rollouts' loaders cast it, so the plan sends
 bfloat16, converted in the trainers' pack."""
+tiny_fp8_rollout = functools.partial(qwen3_moe, "tiny", fp8_block=(32, 32))
+"""The tiny model with block-scaled FP8 rollouts (``--workers meshes.workers:tiny_fp8_rollout``):
+bf16 trainers, rollouts quantizing attention and experts in 32 x 32 blocks (the tiny model's
+TP shards are 32-row multiples); the plan sends float8 values and float32 scales, quantized in
+the trainers' pack."""

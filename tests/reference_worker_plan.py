@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from weightbridge.planning.box_copies import PieceFinder, flat_boxes
+from weightbridge.planning.box_copies import PieceFinder, flat_boxes, quantizing
 from weightbridge.planning.route import RECEIVE, STAGES
 from weightbridge.types import (BoxCopy, BufferWrite, Piece, Region, WorkerId, WorkerPlan,
                                 WorkerRound, dtype_itemsize)
@@ -66,16 +66,19 @@ def _add_write(writes: list, stage, peer, offset: int, peer_offset: int, nbytes:
                               nbytes=nbytes))
 
 
-
 def _add_copies(out: list, chunks, buffer_offset: int, overlaps, finder: "PieceFinder") -> None:
-    """BoxCopies between the buffer (a segment placed at ``buffer_offset``) and params."""
+    """BoxCopies between the buffer (a segment placed at ``buffer_offset``) and params; a
+    sender's of a block-quantized overlap are `quantizing`'s."""
     for chunk, rel in chunks:
         overlap = overlaps[chunk.overlap]
+        sub = buffer_offset + rel
+        if overlap.block and not finder.all_pieces:
+            out += quantizing(overlap, chunk.start, chunk.start + chunk.count, sub, finder)
+            continue
         size = dtype_itemsize(overlap.dtype)
         targets = finder.find(overlap.region)
-        sub = buffer_offset + rel
         for start, count in flat_boxes(overlap.region.count, chunk.start,
-                                        chunk.start + chunk.count):
+                                       chunk.start + chunk.count):
             for param_index, piece in targets:
                 box = _box(param_index, piece, overlap.region, start, count, sub)
                 if finder.dtypes[param_index] != overlap.dtype:  # pack or assemble converts

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (CpuCopyKernels, Placement, extract_source_map, plan_transfer,
                           run_plan_locally)
@@ -113,28 +114,40 @@ def test_fp32_master_trainers_of_a_bf16_checkpoint_send_bf16():
     _update_and_check(spec, trainers, rollouts, plan, CpuCopyKernels(), seeds=(8, 9))
 
 
+_ADAPTER_CASES = {
+    "fp32-to-bf16": (torch.float32, lambda k: RolloutShard(CONFIG, 2, k, 1, 0),
+                     {("bfloat16", "float32")}),
+    "bf16-to-fp8": (torch.bfloat16, lambda k: Fp8RolloutShard(CONFIG, 2, k, 1, 0, block=(32, 32)),
+                    {("float8_e4m3fn", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", None)}),
+}
+"""trainer dtype, rollout shard of rank k, the plan's (wire dtype, trainer dtype) pairs."""
+
+
+@pytest.mark.parametrize("case", sorted(_ADAPTER_CASES))
 @pytest.mark.parametrize("staging", [(False, False), (True, True)], ids=["sync", "async"])
-def test_adapters_install_bit_exact_bf16_versions_from_fp32_trainers(staging):
+def test_adapters_install_bit_exact_converted_versions(staging, case):
     """The user-actor path (SenderAdapter / ReceiverAdapter, in one process): fp32 trainers
-    send, bf16 rollouts install; with staging on both sides the converted bytes go through the
-    host staging copies too."""
+    send, bf16 rollouts install (or bf16 trainers, block-scaled FP8 rollouts: their pack
+    quantizes); with staging on both sides the converted bytes go through the host staging
+    copies too."""
     from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig
     from weightbridge.coordination.local_control import LocalControl
 
-    spec = checkpoint_spec(CONFIG, "float32")
+    trainer_dtype, rollout_shard, wire = _ADAPTER_CASES[case]
+    spec = checkpoint_spec(CONFIG, _name(trainer_dtype))
     versions = {v: _checkpoint(spec, 50 + v) for v in range(3)}
     config = TransferConfig(sender_staging=staging[0], receiver_staging=staging[1],
                             round_bytes=96 << 10, timeout_s=30)
     control = LocalControl()
     trainers, rollouts = [], []
     for i in range(2):
-        shard = TrainerShard(CONFIG, 2, i, 1, 0, dtype=torch.float32)
+        shard = TrainerShard(CONFIG, 2, i, 1, 0, dtype=trainer_dtype)
         shard.load_weights(versions[0].items())
         trainers.append((shard, control.add(SenderAdapter(
             shard.params, shard.load_weights, spec, rank=i, control=control,
             transport=control.transport, config=config))))
     for k in range(2):
-        shard = RolloutShard(CONFIG, 2, k, 1, 0)
+        shard = rollout_shard(k)
         shard.load_weights(versions[0].items())
         rollouts.append((shard, control.add(ReceiverAdapter(
             shard.params, shard.load_weights, spec, rank=k, engine=0, engine_rank=k,
@@ -142,7 +155,7 @@ def test_adapters_install_bit_exact_bf16_versions_from_fp32_trainers(staging):
     reference = {}
     for v, ckpt in versions.items():
         for k in range(2):
-            ref = RolloutShard(CONFIG, 2, k, 1, 0)
+            ref = rollout_shard(k)
             ref.load_weights(ckpt.items())
             reference[v, k] = ref.params
     errors: list[BaseException] = []
@@ -192,7 +205,7 @@ def test_adapters_install_bit_exact_bf16_versions_from_fp32_trainers(staging):
     assert not errors, errors
     assert all(a.version == 2 for _, a in rollouts)
     assert {(o.dtype, o.source_dtype) for o in trainers[0][1].plan.correspondence.overlaps} \
-        == {("bfloat16", "float32")}
+        == wire
 
 
 def _join(threads: list[threading.Thread]) -> None:

@@ -83,6 +83,32 @@ def test_fp32_trainers_update_bf16_rollouts_converting_in_their_pack(procs):
             assert report.rdma_bytes == planned  # the bf16 plan's bytes, not fp32's
 
 
+def test_bf16_trainers_update_block_fp8_rollouts_quantizing_in_their_pack(procs):
+    """The rollouts' loaders quantize attention and experts to float8 with 32 x 32 block
+    scales; the plan sends float8 values and float32 scales (fewer bytes than the bf16 the
+    trainers hold), quantized in the trainers' pack, and every rollout parameter, scales
+    included, matches its own loader after each update."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"),
+                      "meshes.workers:tiny_fp8_rollout", config=CONFIG, procs=procs) as mt:
+        plan = mt.connect()
+        overlaps = plan.correspondence.overlaps
+        assert {(o.dtype, o.block) for o in overlaps} == {
+            ("float8_e4m3fn", (32, 32)), ("float32", (32, 32)), ("bfloat16", ())}
+        assert plan.correspondence.nbytes < 2 * sum(o.region.numel for o in overlaps
+                                                    if o.dtype != "float32")
+        planned = sum(t.nbytes for r in plan.rounds for t in r.transfers)
+        for version in (1, 2, 3):
+            report = mt.update(version)
+            assert not report.mismatched, report.line()
+            assert report.num_params > 0
+            assert report.rdma_bytes == planned
+        # A delta of one quantized tensor moves its values and its scales, nothing else.
+        assert not any(t.endswith("::block_scale_inv") for t in mt._read_tensors())
+        delta = mt.update(4, changed=["model.layers.1.self_attn.k_proj.weight"])
+        assert not delta.mismatched and 0 < delta.rdma_bytes < planned / 10, delta.line()
+
+
 class SkipsExpertTrainer(TrainerActor):
     """A trainer whose loader drops expert 0 of layer 0: no trainer holds those tensors."""
 

@@ -96,3 +96,24 @@ def test_fit_reads_copy_and_link_rates_off_synthetic_spans():
     assert oh.link_efficiency == pytest.approx(0.9, rel=0.01)
     assert math.isinf(oh.checksum_bandwidth)  # no gap between pack and write
     assert point_cluster(run).gpu_nic_bandwidth == rate
+
+
+def test_a_block_quantizing_pack_costs_the_source_bytes_it_reads():
+    """bf16 trainer, block-scaled FP8 rollout (32 x 32 blocks of a 64 x 64 weight), one round:
+    the wire carries 1 byte per element and 4 per block, but the trainer's pack reads every
+    bf16 element twice (amax, then values) and every block once more for its scale."""
+    from weightbridge.types import scale_tensor
+    reg = Region("w", (0, 0), (64, 64), (1, 1))
+    trainer = SourceMap((ParamSpec("w", (64, 64), "bfloat16"),), (Piece(reg, "w", 0, (64, 1)),))
+    grid = Region(scale_tensor("w"), (0, 0), (2, 2), (1, 1))
+    rollout = SourceMap((ParamSpec("w", (64, 64), "float8_e4m3fn"),
+                         ParamSpec("w_scale_inv", (2, 2), "float32")),
+                        (Piece(reg, "w", 0, (64, 1), cast_from="bfloat16", block=(32, 32)),
+                         Piece(grid, "w_scale_inv", 0, (2, 1), block=(32, 32))))
+    plan = plan_transfer([(trainer, Placement("t0"))], [(rollout, Placement("r0", engine=0))],
+                         round_bytes=1 << 20)
+    wire = 64 * 64 + 4 * 4
+    assert plan.num_rounds == 1 and plan.correspondence.nbytes == wire
+    est = simulate(plan, LINK, overheads=Overheads(copy_bandwidth=1e7), depth=2)
+    packed = 64 * 64 * 2 * 2 + 4 * 32 * 32 * 2  # values read twice, each scale's block once
+    assert est.ewtt == pytest.approx(packed / 1e7 + wire / 1e6 + wire / 1e7, rel=1e-6)

@@ -40,8 +40,9 @@ def _import_kernels():
 
     import kernels
 
-    modules = [importlib.import_module(f"kernels.{m}") for m in ("_tile", "pack", "assemble")]
-    if not ON_GPU and not isinstance(modules[1]._pack_kernel, InterpretedFunction):
+    modules = [importlib.import_module(f"kernels.{m}")
+               for m in ("_tile", "_convert", "_quantize", "pack", "assemble")]
+    if not ON_GPU and not isinstance(modules[3]._pack_kernel, InterpretedFunction):
         for m in (*modules, kernels):  # helpers first: pack/assemble import them by name
             importlib.reload(m)
     return kernels
@@ -140,6 +141,35 @@ def test_converting_boxes_cast_as_torch_does_in_the_same_launch():
     """fp32 <-> bf16 <-> fp16 boxes in one pack launch with a plain box, several tiles per box
     and a folded tail: bit for bit torch's casts (ties to even, subnormals, overflow to inf)."""
     assert_conversions_match_reference(SMALL_TILES, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_quantizing_boxes_pack_as_the_reference_in_the_same_launch(dtype):
+    """Values and scales of whole blocks (a cut last block row, a transposed box), with a plain
+    and a converting box in one pack launch; the values are the probe's telling ones (ties,
+    float8 subnormals, a zero block, one under the amax floor). Bit for bit the torch
+    reference, which is `weightbridge.quant` (vLLM's formula)."""
+    from weightbridge.discovery.quantized import salted
+    block = (16, 8)
+    gen = torch.Generator().manual_seed(11)
+    w = salted((40, 24), dtype, block, gen)
+    base = w.t().contiguous()  # (24, 40): the box below reads it transposed
+    other = torch.randn(10, generator=gen)
+    tensors = [base.to(DEVICE), other.to(DEVICE)]
+    rows = 40 - 16  # rows 16.. of w: a whole block row and a cut one
+    copies = [BoxCopy(0, 16, (rows, 24), (1, 40), 0, "float8_e4m3fn", block),
+              BoxCopy(0, 16, (rows, 24), (1, 40), rows * 24, "float32", block),
+              BoxCopy(1, 0, (10,), (1,), rows * 24 + 4 * 6, None),
+              BoxCopy(1, 0, (10,), (1,), rows * 24 + 4 * 6 + 40, "bfloat16")]
+    got = torch.zeros(rows * 24 + 4 * 6 + 60, dtype=torch.uint8, device=DEVICE)
+    k = kernels.TritonKernels(block_rows=4, block_cols=4)  # several tiles per block
+    k.pack(k.build_table(copies, tensors), got)
+    ref = TorchCopyKernels()
+    want = torch.zeros_like(got.cpu())
+    ref.pack(ref.build_table(copies, [base, other]), want)
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="only pack"):
+        k.assemble(k.build_table(copies, tensors), got)
 
 
 def test_converting_rows_are_not_widened_and_keep_their_dtype_codes():

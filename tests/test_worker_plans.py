@@ -53,6 +53,28 @@ def test_p2p_plans_pack_each_box_once_as_the_reference_does():
     _assert_same(p2p_plan(plan))
 
 
+def test_block_fp8_plans_equal_the_reference():
+    """A sender's quantizing boxes (whole blocks, `block` set) in the reference's order, small
+    rounds cutting the value overlaps often; in a P2P plan too, where one segment is packed at
+    several offsets (boxes built once and shifted, `block` carried)."""
+    from controller.baselines import p2p_plan
+    from test_fp8_transfer import CONFIG, _plan
+
+    from meshes.fp8_rollout import Fp8RolloutShard
+    from meshes.qwen3_moe import TrainerShard
+
+    trainers = [TrainerShard(CONFIG, 2, r % 2, 2, r // 2) for r in range(4)]
+    rollouts = [Fp8RolloutShard(CONFIG, 2, r, 1, 0, block=(32, 32))
+                for _ in range(2) for r in range(2)]
+    for round_bytes in (64 << 10, 8 << 10):
+        plan, _ = _plan(trainers, rollouts, round_bytes)
+        for each in (plan, p2p_plan(plan)):
+            _assert_same(each)
+            packs = [b for wp in worker_plans(each).values() for r in wp.rounds for b in r.pack]
+            assert {(b.buffer_dtype, b.block) for b in packs if b.block} == {
+                ("float8_e4m3fn", (32, 32)), ("float32", (32, 32))}
+
+
 def test_paper_scale_moonlight_equals_the_reference():
     dep = TABLE_2[0]  # Moonlight-16B: 8 trainers, 8 rollouts, real shapes
     trainers, rollouts = workers(dep)
@@ -99,7 +121,8 @@ def test_instances_equal_the_constructed_dataclasses():
     from weightbridge.planning.box_copies import instances
     from weightbridge.types import BoxCopy
 
-    values = [(1, 7, (2, 3), (3, 1), 64, None), (0, 0, (), (), 0, "bfloat16")]
+    values = [(1, 7, (2, 3), (3, 1), 64, None, ()), (0, 0, (), (), 0, "bfloat16", ()),
+              (2, 5, (64, 32), (32, 1), 8, "float8_e4m3fn", (32, 32))]
     made = instances(BoxCopy, len(values), [list(c) for c in zip(*values)])
     assert made == [BoxCopy(*v) for v in values]
     assert [hash(b) for b in made] == [hash(BoxCopy(*v)) for v in values]

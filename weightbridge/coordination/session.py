@@ -33,7 +33,7 @@ from weightbridge.coordination.worker import ReplicaMismatch
 from weightbridge.errors import LayoutError
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan, plan_transfer
-from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId
+from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, scaled_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +136,10 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
 
 
 def _restricted(smap: SourceMap, tensors: frozenset[str]) -> SourceMap:
-    """``smap`` with only the pieces of ``tensors``, and only the parameters they reach."""
-    pieces = tuple(p for p in smap.pieces if p.region.tensor in tensors)
+    """``smap`` with only the pieces of ``tensors`` (and of their block scales: a changed
+    tensor a rollout quantizes changes its scales too), and only the parameters they reach."""
+    pieces = tuple(p for p in smap.pieces
+                   if (scaled_tensor(p.region.tensor) or p.region.tensor) in tensors)
     reached = {p.param for p in pieces}
     return dataclasses.replace(
         smap, pieces=pieces, params=tuple(p for p in smap.params if p.name in reached),

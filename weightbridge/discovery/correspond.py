@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from weightbridge.discovery import blockwire
 from weightbridge.errors import LayoutError
 from weightbridge.types import (CONVERTIBLE_DTYPES, Correspondence, Overlap, ParamSpec, Region,
                                SourceMap, dtype_itemsize)
@@ -47,8 +48,9 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
         ValueError: either side is empty.
         LayoutError: a rollout parameter takes no checkpoint element at all (no transfer would
             ever update it), a rollout needs elements no trainer holds (the message names the
-            tensors and element counts), or the two sides' dtypes of a checkpoint tensor cannot
-            be converted into each other exactly (`wire_dtypes`).
+            tensors and element counts), the two sides' dtypes of a checkpoint tensor cannot
+            be converted into each other exactly (`wire_dtypes`), or no trainer holds whole a
+            block of a tensor rollouts hold block-quantized (`blockwire`).
     """
     if not trainer_maps or not rollout_maps:
         raise ValueError(f"correspond needs at least one trainer and one rollout source map, got "
@@ -56,7 +58,13 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
     _check_sourced(rollout_maps)
     held, trainer_dtypes = _distinct_regions(trainer_maps, "trainer")
     needed, rollout_dtypes = _distinct_regions(rollout_maps, "rollout")
-    wire = wire_dtypes(trainer_dtypes, rollout_dtypes)
+    blocks = blockwire.quantized_tensors(rollout_maps)
+    quantized = blockwire.wire(blocks, trainer_dtypes, rollout_dtypes, exact_cast)
+    if blocks:
+        blockwire.trainer_scales(held, blocks, blockwire.extents(rollout_maps, blocks))
+    wire = wire_dtypes(trainer_dtypes, {t: d for t, d in rollout_dtypes.items()
+                                        if t not in quantized})
+    wire |= {t: w[:3] for t, w in quantized.items()}
     overlaps: list[Overlap] = []
     missing: dict[str, int] = {}
     for tensor, wanted in needed.items():
@@ -64,10 +72,11 @@ def correspond(trainer_maps: Sequence[SourceMap], rollout_maps: Sequence[SourceM
         if num_missing:
             missing[tensor] = num_missing
         dtype, source, target = wire.get(tensor, (rollout_dtypes[tensor][0], None, None))
-        overlaps.extend(Overlap(region, dtype, holders, needers, source, target)
+        block = quantized[tensor][3] if tensor in quantized else ()
+        overlaps.extend(Overlap(region, dtype, holders, needers, source, target, block)
                         for region, holders, needers in cells)
     if missing:
-        raise LayoutError(_missing_message(missing))
+        raise LayoutError(blockwire.missing_message(missing, blocks) or _missing_message(missing))
     return Correspondence(tuple(overlaps), len(trainer_maps), len(rollout_maps))
 
 

@@ -34,10 +34,14 @@ import torch
 from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
 from weightbridge.discovery.codec import Alphabet, alphabet, cast_alphabet, digits_to_values
 from weightbridge.discovery.diagnose import source_tensor
+from weightbridge.discovery.quantized import ALPHABET as QUANT_ALPHABET
+from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantizing, scale_params,
+                                              sign_bits, sign_checkpoint)
 from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
 from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
+from weightbridge.quant import QUANT_DTYPE
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, SourceMap
 from weightbridge.views import memory_order, without_aliases
 
@@ -83,6 +87,9 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
         # A loader that casts usually shows as dtypes present on one side only; one that casts
         # between dtypes both sides have is found by the plain probe, which then starts over.
         casting = {p.dtype for p in first.values()} != set(ckpt_dtypes.values())
+        if quantizing(first, ckpt_dtypes):
+            return _probe(get, load_weights, spec, ckpt_dtypes, dtypes, True, verify,
+                          scales=scale_params(first))
         try:
             return _probe(get, load_weights, spec, ckpt_dtypes, dtypes, casting, verify)
         except _CastSeen:
@@ -95,31 +102,31 @@ class _CastSeen(LayoutError):
 
 def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: CheckpointSpec,
            ckpt_dtypes: dict[str, torch.dtype], dtypes: set[torch.dtype], casting: bool,
-           verify: bool) -> SourceMap:
+           verify: bool, scales: dict[str, str] | None = None) -> SourceMap:
     """Every pass of the probe. ``casting``: encode indices in `cast_alphabet` (values every
-    dtype holds exactly) instead of each dtype's own alphabet."""
+    dtype holds exactly) instead of each dtype's own alphabet. ``scales`` (a block-quantizing
+    loader: float8 parameter -> its scale parameter): sign passes instead (`quantized`)."""
     tindex = TensorIndex(spec.tensors)
-    common = cast_alphabet(tuple(sorted(dtypes, key=str))) if casting else None
-    alpha_of = (lambda dt: common) if casting else alphabet  # noqa: E731
+    if scales is not None:
+        alpha_of = lambda dt: QUANT_ALPHABET  # noqa: E731
+    else:
+        common = cast_alphabet(tuple(sorted(dtypes, key=str))) if casting else None
+        alpha_of = (lambda dt: common) if casting else alphabet  # noqa: E731
     num_passes = {dt: alpha_of(dt).num_passes(tindex.numel) for dt in dtypes}
-    scans: dict[str, list[PassRuns]] = {name: [] for name in _checked_params(get(), None)}
-    shapes = None
-    for k in range(max(num_passes.values())):
-        fill_zero(get())
-        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
-        live = _checked_params(get(), shapes)
-        shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
-        for name, p in live.items():
-            alpha = alpha_of(p.dtype)
-            if k < num_passes[p.dtype] and p.numel():
-                scans[name].append(scan_pass(flat_view(p).to(alpha.dtype), alpha,
-                                             alpha.moduli[k]))
+    skip = set(scales.values()) if scales else set()  # scale parameters: no index decoded
+    if scales is not None:
+        live, scans = _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes,
+                                   max(num_passes.values()), skip)
+    else:
+        live, scans = _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
+                                    alpha_of)
     param_specs, pieces, unsourced, holes = [], [], [], {}
     bases = torch.tensor(tindex.bases)
-    refuse = functools.partial(_refuse, get, load_weights, spec, casting)
+    refuse = (functools.partial(_refuse, get, load_weights, spec, casting) if scales is None
+              else _refuse_quantized)
     for name, p in live.items():
         param_specs.append(ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)))
-        if not p.numel():
+        if not p.numel() or name in skip:
             continue
         alpha = alpha_of(p.dtype)
         dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
@@ -135,6 +142,8 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
             holes[name] = (runs.start[hole], runs.length[hole])
     if casting:
         pieces = _record_casts(pieces, live, spec)
+        if scales:
+            pieces = block_pieces(pieces, live, spec, scales)
     else:
         bad = _check_dtypes(pieces, live, spec)
         if bad:
@@ -152,6 +161,62 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
 # --------------------------------------------------------------------------------------------
 # Probe passes
 # --------------------------------------------------------------------------------------------
+
+
+def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of):
+    """The index passes: (live parameters, per parameter its passes' runs)."""
+    scans: dict[str, list[PassRuns]] = {name: [] for name in _checked_params(get(), None)}
+    shapes = None
+    for k in range(max(num_passes.values())):
+        fill_zero(get())
+        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
+        live = _checked_params(get(), shapes)
+        shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
+        for name, p in live.items():
+            alpha = alpha_of(p.dtype)
+            if k < num_passes[p.dtype] and p.numel():
+                scans[name].append(scan_pass(flat_view(p).to(alpha.dtype), alpha,
+                                             alpha.moduli[k]))
+    return live, scans
+
+
+def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip):
+    """A block-quantizing loader's passes (`quantized`): per modulus, its sign passes decoded
+    into one float8 pass. ``skip``: the scale parameters (nothing to decode there)."""
+    scans: dict = {name: [] for name in _checked_params(get(), None)}
+    shapes = None
+    for k in range(num_passes):
+        modulus = QUANT_ALPHABET.moduli[k]
+        decoders: dict[str, SignDecoder] = {}
+        for bit in range(sign_bits(modulus)):
+            fill_zero(get())
+            load_weights(sign_checkpoint(spec, tindex, ckpt_dtypes, modulus, bit))
+            live = _checked_params(get(), shapes)
+            shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
+            for name, p in live.items():
+                if name not in skip and p.numel():
+                    decoders.setdefault(name, SignDecoder(p.numel())).add(flat_view(p), bit)
+        for name, d in decoders.items():
+            values = d.values(modulus)
+            if d.bad is not None:
+                p = live[name]
+                raise LayoutError(
+                    f"parameter {name!r} ({dtype_name(p.dtype)}, shape {tuple(p.shape)}): "
+                    f"element {d.bad} (index {coords(d.bad, p.shape)}) holds a value that is "
+                    f"neither +-448 nor 0 after load_weights of a checkpoint whose every value "
+                    f"is +-448 (a block-quantizing loader keeps them, its scales become 1). "
+                    f"{_VALUES_CHANGED}")
+            scans[name].append(scan_pass(values, QUANT_ALPHABET, modulus))
+    return live, scans
+
+
+def _refuse_quantized(bad: Bad) -> NoReturn:
+    raise LayoutError(
+        f"{bad.seen} The loader quantizes to {QUANT_DTYPE} with block scales, but not bit for "
+        f"bit as weightbridge.quant does (vLLM's per_block_cast_to_fp8: amax per block in "
+        f"float32 clamped at 1e-4, scale = amax / 448, value = fp8(x * (1 / scale)), blocks "
+        f"anchored at the checkpoint tensor's origin), so the trainer's pack cannot reproduce "
+        f"it. Quantize with that formula in load_weights, or load these weights unquantized")
 
 
 def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
@@ -288,9 +353,10 @@ def _cast_message(tensor: str, spec: CheckpointSpec, bad: Bad, p: torch.Tensor) 
             f"steps out of load_weights.{_FP8_HINT if p.dtype.itemsize == 1 else ''}")
 
 
-_FP8_HINT = (" Quantizing to float8 with scales computed from the values (block-scaled FP8: a "
-             "float8 weight plus a scale tensor such as weight_scale_inv) is not supported yet: "
-             "load these weights unquantized (bf16 / fp16), or quantize after each transfer.")
+_FP8_HINT = (" Quantizing to float8 is mapped only as block-scaled FP8 (a float8 weight plus a "
+             "float32 scale parameter named weight_scale_inv, from a checkpoint that is not "
+             "float8; see docs/layout.md): load other float8 weights unquantized, or quantize "
+             "after each transfer.")
 
 
 # --------------------------------------------------------------------------------------------

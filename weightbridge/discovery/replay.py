@@ -2,7 +2,8 @@
 
 For each piece, the checkpoint region is a strided view of its tensor and the parameter side a
 strided view of the parameter's logical elements; replaying copies one into the other (cast to
-the parameter's dtype, rounding to nearest even, for a piece with ``cast_from``).
+the parameter's dtype, rounding to nearest even, for a piece with ``cast_from``; a block piece
+copies from its tensor's block-quantized image or scales, `weightbridge.quant`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Mapping
 
 import torch
 
-from weightbridge.types import Piece, Region, SourceMap, pieces_by_param
+from weightbridge.discovery.quantized import expected_source
+from weightbridge.types import Piece, Region, SourceMap, pieces_by_param, scaled_tensor
 from weightbridge.views import memory_order
 
 
@@ -42,6 +44,7 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
            checkpoint: Mapping[str, torch.Tensor]) -> None:
     """Fill ``params`` from ``checkpoint`` as the map says; unsourced elements stay untouched."""
     _check_inputs(smap, params, checkpoint)
+    images: dict = {}
     with torch.no_grad():
         for name, pieces in pieces_by_param(smap.pieces).items():
             param = memory_order(params[name].detach())
@@ -49,7 +52,8 @@ def replay(smap: SourceMap, params: Mapping[str, torch.Tensor],
             flat = work.view(-1)
             for piece in pieces:
                 dst, flipped = param_view(flat, piece)
-                src = _bits(_source(piece, checkpoint[piece.region.tensor], dst.dtype))
+                piece, tensor = expected_source(piece, checkpoint, images)
+                src = _bits(_source(piece, tensor, dst.dtype))
                 _bits(dst).copy_(src.flip(flipped) if flipped else src)
             if work is not param:
                 param.copy_(work)
@@ -93,6 +97,6 @@ def _check_inputs(smap: SourceMap, params: Mapping[str, torch.Tensor],
         if tuple(p.shape) != spec.shape or str(p.dtype).removeprefix("torch.") != spec.dtype:
             raise ValueError(f"parameter {spec.name!r} is {tuple(p.shape)} {p.dtype}; the map "
                              f"was extracted for {spec.shape} {spec.dtype}")
-    for name in {piece.region.tensor for piece in smap.pieces}:
+    for name in {scaled_tensor(p.region.tensor) or p.region.tensor for p in smap.pieces}:
         if name not in checkpoint:
             raise ValueError(f"checkpoint tensor {name!r} that the map reads is missing")

@@ -6,7 +6,9 @@ with ``cast_from``) the expected value is the checkpoint value cast to the param
 rounding to nearest even, as torch's ``copy_`` does and as the trainer's pack reproduces; the
 random values of a cast source dtype are salted with exact rounding ties and with values in the
 target dtype's subnormal range, so a loader that truncates, rounds ties away from zero or
-flushes subnormals is refused here rather than corrupting weights on the first update.
+flushes subnormals is refused here rather than corrupting weights on the first update. A tensor
+a loader block-quantizes gets values whose block maxima are known, salted with values that tell
+the engine's formula from its near misses (`quantized.salted`).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import torch
 
 from weightbridge.discovery.codec import BITS_DTYPE, alphabet, signed_values
+from weightbridge.discovery.quantized import expected_source, salted
 from weightbridge.discovery.replay import first_mismatch
-from weightbridge.types import CheckpointSpec, SourceMap
+from weightbridge.types import CheckpointSpec, SourceMap, scaled_tensor
 
 Params = Mapping[str, torch.Tensor]
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
@@ -100,14 +103,22 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
             casts.setdefault(getattr(torch, piece.cast_from), set()).add(
                 dict(get())[piece.param].dtype)
     checkpoint = random_checkpoint(spec, dtypes, casts)
+    blocks = {p.region.tensor: p.block for p in smap.pieces
+              if p.block and scaled_tensor(p.region.tensor) is None}
+    for i, (name, block) in enumerate(sorted(blocks.items())):  # quantized: telling values
+        gen = torch.Generator().manual_seed(_VERIFY_SEED + i)
+        checkpoint[name] = salted(spec[name].shape, dtypes[name], block, gen)
     fill_zero(get())
     load_weights(iter(checkpoint.items()))
     live = get()
+    images: dict = {}
     for piece in smap.pieces:
-        bad = first_mismatch(piece, live[piece.param], checkpoint[piece.region.tensor])
+        plain, source = expected_source(piece, checkpoint, images)
+        bad = first_mismatch(plain, live[piece.param], source)
         if bad is not None:
             p = live[piece.param]
-            cast = ("" if piece.cast_from is None else
+            cast = ("" if piece.cast_from is None and not piece.block else
+                    f" block-quantized in {piece.block} blocks" if piece.block else
                     f" cast from {piece.cast_from} rounding to nearest even")
             # The tensor the index probe decoded here is not named: when values changed, it
             # can be any tensor (see `_refuse`).

@@ -31,11 +31,13 @@ the same tensor element twice on `assemble` are not detected; the result is then
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
 
+from weightbridge.quant import QUANT_DTYPE, SCALE_DTYPE, block_grid, block_scales, quantize_with
 from weightbridge.types import CONVERTIBLE_DTYPES, BoxCopy, dtype_itemsize
 
 SUPPORTED_ITEMSIZES = (1, 2, 4)
@@ -137,7 +139,7 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
         itemsizes[i], spans[i] = tensors[i].element_size(), tensor_span(tensors[i])
     itemsize = itemsizes[tensor]
     numel = shape.prod(dim=1)
-    converting, buffer_itemsize = _buffer_dtypes(copies, tensors, itemsize)
+    converting, buffer_itemsize, buffer_numel = _buffer_dtypes(copies, tensors, itemsize, numel)
 
     # Lowest and highest storage offset a box touches (empty boxes touch nothing).
     reach = (shape - 1).clamp(min=0) * strides
@@ -151,7 +153,7 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
             "its first element; fix the box's offset, shape or strides")
 
     start = buffer_offset
-    end = start + numel * buffer_itemsize
+    end = start + buffer_numel * buffer_itemsize
     nonempty = numel > 0
     nbytes = int(end[nonempty].max()) if bool(nonempty.any()) else 0
     order = torch.argsort(start[nonempty], stable=True)
@@ -162,13 +164,23 @@ def copy_columns(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor]) -> 
 
 
 def _buffer_dtypes(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor],
-                   itemsize: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(converting mask, buffer element size) per copy; ValueError for a conversion the kernels
-    do not implement or a converting box whose buffer offset is not aligned to its elements."""
+                   itemsize: torch.Tensor, numel: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(converting mask, buffer element size, buffer elements) per copy; ValueError for a
+    conversion the kernels do not implement or a converting box whose buffer offset is not
+    aligned to its elements."""
     converting = torch.zeros(len(copies), dtype=torch.bool)
     buffer_itemsize = itemsize.clone()
+    buffer_numel = numel.clone()
     for i, c in enumerate(copies):
         name = c.buffer_dtype
+        if c.block:
+            _check_block_box(c, tensors[c.tensor])
+            converting[i] = True
+            buffer_itemsize[i] = dtype_itemsize(name)
+            if name == SCALE_DTYPE:
+                buffer_numel[i] = math.prod(block_grid(c.shape, c.block))
+            continue
         if name is None:
             continue
         have = str(tensors[c.tensor].dtype).removeprefix("torch.")
@@ -181,7 +193,26 @@ def _buffer_dtypes(copies: Sequence[BoxCopy], tensors: Sequence[torch.Tensor],
                              f"multiple of {size}; align converting boxes to their buffer dtype")
         converting[i] = name != have
         buffer_itemsize[i] = size
-    return converting, buffer_itemsize
+    return converting, buffer_itemsize, buffer_numel
+
+
+def _check_block_box(c: BoxCopy, tensor: torch.Tensor) -> None:
+    """A block-quantizing box: 2-d, positive strides, a float tensor the quantizer reads, a
+    buffer dtype of float8 values or float32 scales at an aligned offset."""
+    have = str(tensor.dtype).removeprefix("torch.")
+    if len(c.block) != 2 or len(c.shape) != 2 or min(c.block) < 1:
+        raise ValueError(f"{c} block-quantizes a {len(c.shape)}-d box in blocks {c.block}; "
+                         f"block quantization takes 2-d boxes and a (rows, columns) block")
+    if have not in CONVERTIBLE_DTYPES or c.buffer_dtype not in (QUANT_DTYPE, SCALE_DTYPE):
+        raise ValueError(f"{c} block-quantizes {have} into {c.buffer_dtype}; it quantizes "
+                         f"{', '.join(CONVERTIBLE_DTYPES)} tensors into {QUANT_DTYPE} values "
+                         f"or {SCALE_DTYPE} scales")
+    if any(s < 0 for s in c.strides):
+        raise ValueError(f"{c} block-quantizes a box with a negative stride; give block boxes "
+                         f"positive strides")
+    if c.buffer_offset % dtype_itemsize(c.buffer_dtype):
+        raise ValueError(f"{c} writes {c.buffer_dtype} at buffer byte {c.buffer_offset}; align "
+                         f"it to {dtype_itemsize(c.buffer_dtype)} bytes")
 
 
 def merge_dims(shape: torch.Tensor, strides: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,14 +368,23 @@ class TorchCopyKernels:
         check_packable(table.buffer_overlap)
         for c in table.copies:
             view, flipped = self._view(table, c)
-            box = torch.empty(c.shape, dtype=self._buffer_dtype(c, view), device=view.device)
-            box.copy_(view.flip(flipped) if flipped else view)  # a converting box casts here
+            if c.block:  # block-quantizing: float8 values or float32 scales (weightbridge.quant)
+                scale = block_scales(view, c.block)
+                box = scale if c.buffer_dtype == SCALE_DTYPE else quantize_with(view, scale,
+                                                                               c.block)
+                box = box.contiguous()
+            else:
+                box = torch.empty(c.shape, dtype=self._buffer_dtype(c, view), device=view.device)
+                box.copy_(view.flip(flipped) if flipped else view)  # a converting box casts here
             buffer[c.buffer_offset:c.buffer_offset + box.numel() * box.element_size()].copy_(
                 box.view(-1).view(torch.uint8))
 
     def assemble(self, table: ReferenceTable, buffer: torch.Tensor) -> None:
         check_buffer(buffer, table.nbytes, None)
         for c in table.copies:
+            if c.block:
+                raise ValueError(f"{c} block-quantizes: such boxes only pack (rollouts receive "
+                                 f"the float8 values and scales and copy them)")
             view, flipped = self._view(table, c)
             # An aligned temporary: the box may start at any byte of the buffer.
             box = torch.empty(c.shape, dtype=self._buffer_dtype(c, view), device=view.device)
@@ -357,7 +397,7 @@ class TorchCopyKernels:
         """The box's tensor elements: as integers (bits) for a plain box, as floats for a
         converting one (torch's cast rounds to nearest even)."""
         t = table.tensors[copy.tensor].detach()
-        if copy.buffer_dtype is None:
+        if copy.buffer_dtype is None and not copy.block:
             t = t.view(INT_DTYPES[t.element_size()])
         return box_view(t, copy)
 

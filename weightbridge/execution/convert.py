@@ -19,6 +19,7 @@ from typing import Sequence
 import torch
 
 from weightbridge.execution.boxcopy import box_view
+from weightbridge.quant import SCALE_DTYPE, block_grid, block_scales, quantize_with
 from weightbridge.types import BoxCopy
 
 
@@ -28,7 +29,8 @@ class _Box:
     flip: list[int]  # dims to flip when copying
     dtype: torch.dtype  # buffer element dtype
     offset: int  # buffer byte offset
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # of the buffer side (the block grid for scales)
+    block: tuple[int, ...] = ()  # a block-quantizing box (pack only)
 
 
 class ConvertTable:
@@ -40,8 +42,10 @@ class ConvertTable:
         self._boxes = []
         for c in copies:
             view, flip = box_view(tensors[c.tensor].detach(), c)
+            shape = (block_grid(c.shape, c.block) if c.block and c.buffer_dtype == SCALE_DTYPE
+                     else tuple(c.shape))
             self._boxes.append(_Box(view, flip, getattr(torch, c.buffer_dtype), c.buffer_offset,
-                                    tuple(c.shape)))
+                                    shape, tuple(c.block)))
         self._cache: list[tuple[weakref.ref, list[torch.Tensor]]] = []
 
     def __len__(self) -> int:
@@ -62,6 +66,13 @@ class ConvertTable:
 
     def _copy(self, buffer: torch.Tensor, *, to_buffer: bool) -> None:
         pairs = [(v, b) for v, b in zip(self._buffer_views(buffer), self._boxes)]
+        quantizing = [(v, b) for v, b in pairs if b.block]
+        if quantizing:
+            if not to_buffer:
+                raise ValueError("a block-quantizing box only packs (rollouts receive the "
+                                 "float8 values and scales and copy them)")
+            _quantize(quantizing)
+            pairs = [(v, b) for v, b in pairs if not b.block]
         plain = [(v, b.view) if to_buffer else (b.view, v) for v, b in pairs if not b.flip]
         if plain:
             torch._foreach_copy_([dst for dst, _ in plain], [src for _, src in plain])
@@ -85,3 +96,15 @@ class ConvertTable:
             views.append(buffer[b.offset:b.offset + n].view(b.dtype).view(b.shape))
         self._cache = [(weakref.ref(buffer), views)] + self._cache[:1]
         return views
+
+
+def _quantize(pairs: list[tuple[torch.Tensor, _Box]]) -> None:
+    """Block-quantize boxes into their buffer views: the values box and the scales box of the
+    same elements share one scale computation (the plan packs both in one round, usually)."""
+    scales: dict[tuple, torch.Tensor] = {}
+    for v, b in pairs:
+        key = (b.view.data_ptr(), b.view.shape, b.view.stride(), b.block)
+        scale = scales.get(key)
+        if scale is None:
+            scale = scales[key] = block_scales(b.view, b.block)
+        v.copy_(scale if b.dtype == torch.float32 else quantize_with(b.view, scale, b.block))

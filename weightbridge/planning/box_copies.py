@@ -1,5 +1,6 @@
 """The BoxCopies of a segment for a source map: per run of an overlap's elements, its row-major
-sub-boxes, once per piece of the map holding it (`Copies.build`, used by `worker_plans`).
+sub-boxes, once per piece of the map holding it (`Copies.build`, used by `worker_plans`); a
+sender's run of a block-quantized overlap, boxes of whole blocks (`quantizing`).
 
 Also `segment_chunks` (every segment's overlap runs, as columns) and `instances` (frozen
 dataclasses made column by column, for the millions of boxes of a paper-scale plan).
@@ -10,11 +11,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from itertools import repeat
+from itertools import chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
-from weightbridge.types import Piece, Region, dtype_itemsize
+from weightbridge.types import (BoxCopy, Overlap, Piece, Region, dtype_itemsize,
+                                scaled_tensor)
+
+BOX_FIELDS = tuple(f.name for f in dataclasses.fields(BoxCopy))
+"""`BoxCopy`'s fields, in order: the columns of each part of `Copies.parts`."""
 
 
 class Copies:
@@ -23,7 +29,9 @@ class Copies:
 
     Vectorized over a map's (segment, chunk, sub-box, piece) products: only the pieces holding
     each overlap (`PieceFinder.targets`) and the sub-boxes of each distinct (overlap shape,
-    element range) are found in Python."""
+    element range) are found in Python. A sender's block-quantized overlaps are the exception:
+    their boxes are whole blocks, not sub-boxes of the run, and `quantizing` builds them chunk
+    by chunk (their tensors are few, and only the trainers' pack quantizes)."""
 
     def __init__(self, plan, needed: np.ndarray | None = None):
         self.overlaps = plan.correspondence.overlaps
@@ -67,7 +75,8 @@ class Copies:
     def build(self, smap, all_pieces: bool, segs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Append the copies of each segment of ``segs`` held at the byte of ``offsets`` in a
         buffer, for ``smap``: per run of an overlap's elements, its row-major sub-boxes, once
-        per piece holding it. Returns each segment's number of boxes."""
+        per piece holding it (for a sender, a block-quantized run's `quantizing` boxes instead).
+        Returns each segment's number of boxes."""
         finder = PieceFinder(smap, all_pieces=all_pieces)
         n = self.cuts[segs + 1] - self.cuts[segs]
         chunk = concat_ranges(self.cuts[segs], n)  # [U] the chunks of each segment, in order
@@ -76,10 +85,15 @@ class Copies:
         # The pieces holding each overlap used, and the itemsize of each.
         pad, dtypes = self.dims, finder.dtypes
         t_n, tp, tb, ts, tdt, size = [], [], [], [], [], []
-        for o in used.tolist():
+        quantized = np.zeros(len(used), dtype=bool)
+        for i, o in enumerate(used.tolist()):
             overlap = self.overlaps[o]
             wire = overlap.dtype
             size.append(dtype_itemsize(wire))
+            if overlap.block and not all_pieces:  # no sub-box per piece: left to quantizing
+                quantized[i] = True
+                t_n.append(0)
+                continue
             targets = finder.targets(overlap.region)
             t_n.append(len(targets))
             for p, base, steps in targets:
@@ -101,13 +115,70 @@ class Copies:
         tg = t_first[which][use] + local % k_t[use]
         steps = ts[tg]
         offset = np.array(tb, dtype=np.int64)[tg] + (starts[sub] * steps).sum(1)
-        at = (np.repeat(offsets, n) + self.rel[chunk])[use] + before[sub] * np.array(
-            size, dtype=np.int64)[which[use]]
+        chunk_at = np.repeat(offsets, n) + self.rel[chunk]  # [U] each chunk's buffer byte
+        at = chunk_at[use] + before[sub] * np.array(size, dtype=np.int64)[which[use]]
         strides = _strides(np.where(counts[sub] > 1, steps, 0), ndims[sub])
-        self.parts.append((np.array(tp, dtype=np.int64)[tg], offset, shapes[sub], strides, at,
-                           np.fromiter(tdt, dtype=object, count=len(tdt))[tg]))
+        columns = [np.array(tp, dtype=np.int64)[tg], offset, shapes[sub], strides, at,
+                   np.fromiter(tdt, dtype=object, count=len(tdt))[tg],
+                   np.fromiter(repeat((), len(tg)), dtype=object, count=len(tg))]  # block
+        if quantized.any():
+            use, columns = self._with_quantizing(finder, chunk, np.flatnonzero(
+                quantized[which]), chunk_at, use, columns)
+        self.parts.append(tuple(columns))
         return np.bincount(seg_of[use], minlength=len(segs)) if len(use) else np.zeros(
             len(segs), dtype=np.int64)
+
+    def _with_quantizing(self, finder, chunk, q, chunk_at, use, columns):
+        """``use`` (each box's chunk, of ``chunk``) and ``columns`` with the `quantizing` boxes
+        of the chunks ``q`` (indices into ``chunk``) put in, in chunk order."""
+        made = [quantizing(self.overlaps[o], first, first + count, at, finder)
+                for o, first, count, at in zip(self.overlap[chunk[q]].tolist(),
+                                               self.first[chunk[q]].tolist(),
+                                               self.count[chunk[q]].tolist(),
+                                               chunk_at[q].tolist())]
+        boxes = list(chain.from_iterable(made))
+        use = np.concatenate([use, np.repeat(q, [len(b) for b in made])])
+        order = np.argsort(use, kind="stable")  # a quantized chunk has no other boxes
+        columns = [np.concatenate([c, np.fromiter(map(attrgetter(f), boxes), dtype=c.dtype,
+                                                  count=len(boxes))])[order]
+                   for f, c in zip(BOX_FIELDS, columns)]
+        return use[order], columns
+
+
+def quantizing(overlap: Overlap, lo: int, hi: int, at: int, finder: "PieceFinder"
+               ) -> list[BoxCopy]:
+    """A sender's copies of elements [lo, hi) (row-major) of a block-quantized overlap, held
+    from byte ``at`` of a buffer: boxes of whole blocks of its parameter, each writing float8
+    values (an overlap of the tensor) or float32 scales (an overlap of its `scale_tensor`: a
+    grid box is the box of its blocks' elements, cut at the end of the trainer's piece, which
+    the correspondence keeps at the tensor's end)."""
+    region, block = overlap.region, overlap.block
+    tensor = scaled_tensor(region.tensor)
+    out = []
+    for start, count in flat_boxes(region.count, lo, hi):
+        first = tuple(s + i for s, i in zip(region.start, start))
+        if tensor is None:
+            elements = Region(region.tensor, first, count, (1,) * len(count))
+            assert all(f % b == 0 and (c % b == 0 or f + c == e) for f, c, b, e in zip(
+                first, count, block, region.stop)), f"{elements} cuts a {block} block"
+        else:
+            low = tuple(f * b for f, b in zip(first, block))
+            # Of the pieces holding the first element, the one reaching furthest: the
+            # correspondence made this sender a holder only if one holds the blocks whole (to
+            # the tensor's end for its last blocks).
+            one = (1,) * len(low)
+            high = max((tuple(min((f + c) * b, e) for f, c, b, e in zip(first, count, block,
+                                                                          p.region.stop))
+                        for p in finder.candidates(Region(tensor, low, one, one))),
+                       key=lambda h: math.prod(e - s for e, s in zip(h, low)))
+            elements = Region(tensor, low, tuple(h - s for h, s in zip(high, low)),
+                              (1,) * len(low))
+        (param_index, base, steps), = finder.targets(elements)
+        strides = tuple(m if c > 1 else 0 for m, c in zip(steps, elements.count))
+        out.append(BoxCopy(param_index, base, elements.count, strides, at, overlap.dtype,
+                           block))
+        at += math.prod(count) * dtype_itemsize(overlap.dtype)
+    return out
 
 
 def _strides(masked: np.ndarray, ndims: np.ndarray) -> np.ndarray:
@@ -189,9 +260,12 @@ class PieceFinder:
             hit = self.cache[region] = self._find(region)
         return hit
 
+    def candidates(self, region: Region) -> list[Piece]:
+        """Every piece of this worker containing ``region`` (a sender's too; not cached)."""
+        return [p for p in self.by_tensor.get(region.tensor, ()) if _contains(p.region, region)]
+
     def _find(self, region: Region) -> list[tuple[int, Piece]]:
-        hit = [(self.index[p.param], p) for p in self.by_tensor.get(region.tensor, ())
-               if _contains(p.region, region)]
+        hit = [(self.index[p.param], p) for p in self.candidates(region)]
         assert hit, f"no piece of this worker contains {region}"
         return hit if self.all_pieces else hit[:1]  # a sender needs one copy of the bytes
 

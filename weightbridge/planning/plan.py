@@ -26,8 +26,8 @@ import numpy as np
 
 from weightbridge.discovery.correspond import correspond
 from weightbridge.planning.route import STAGES, RouteTables, route
-from weightbridge.types import (Chunk, Correspondence, Placement, Round, SourceMap, Stage, Transfer,
-                                WorkerId, WorkerPlan, dtype_itemsize)
+from weightbridge.types import (QUANT_DTYPE, SCALE_DTYPE, Chunk, Correspondence, Placement, Round,
+                                SourceMap, Stage, Transfer, WorkerId, WorkerPlan, dtype_itemsize)
 
 
 def plan_transfer(trainers: Sequence[tuple[SourceMap, Placement]],
@@ -253,6 +253,16 @@ class TransferPlan:
                        if len(active) else "")
             lines.append(f"  {stage.value:>8}: {_gb(int(sent[:, s].sum()))} sent by "
                          f"{len(active)} workers{balance}")
+        quantized = [o for o in self.correspondence.overlaps if o.block]
+        if quantized:
+            values = sum(o.nbytes for o in quantized if o.dtype == QUANT_DTYPE)
+            scales = sum(o.nbytes for o in quantized if o.dtype != QUANT_DTYPE)
+            tensors = {o.region.tensor for o in quantized if o.dtype == QUANT_DTYPE}
+            blocks = sorted({o.block for o in quantized})
+            lines.append(f"  block fp8: {len(tensors)} tensors quantized in the trainers' pack "
+                         f"(blocks {', '.join('x'.join(map(str, b)) for b in blocks)}): "
+                         f"{_gb(values)} {QUANT_DTYPE} + {_gb(scales)} {SCALE_DTYPE} scales, "
+                         f"each block whole on one sender (none sent unquantized)")
         return "\n".join(lines)
 
 

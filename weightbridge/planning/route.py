@@ -13,8 +13,9 @@ to end as one byte stream in checkpoint order. Streams are cut, never per-elemen
    the least-loaded by ingress; the piece's holder on each node copies it to the node's other
    needers (INTERNAL).
 
-Cuts fall on unit boundaries (one innermost row of an overlap; one element for 1-d), so each
-cut piece is a run of whole rows in row-major order.
+Cuts fall on unit boundaries (one innermost row of an overlap; one element for 1-d; one row of
+whole blocks for block-quantized values), so each cut piece is a run of whole rows in row-major
+order.
 
 Typical usage (internal; `plan_transfer` calls it)::
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightbridge.types import Correspondence, Stage, dtype_itemsize
+from weightbridge.types import QUANT_DTYPE, Correspondence, Overlap, Stage, dtype_itemsize
 
 RECEIVE, EXTERNAL, INTERNAL = 0, 1, 2
 ALIGN = 8
@@ -81,7 +82,7 @@ def route(corr: Correspondence, trainer_nodes: list[int], rollout_nodes: list[in
           round_bytes: int) -> RouteTables:
     """Route every overlap; the smallest round count (from the byte lower bound up) that fits."""
     sizes = np.array([o.nbytes for o in corr.overlaps], dtype=np.int64)
-    rows = [_unit_elems(o.region.count) * dtype_itemsize(o.dtype) for o in corr.overlaps]
+    rows = [_unit_elems(o) * dtype_itemsize(o.dtype) for o in corr.overlaps]
     # A unit is the fewest whole innermost rows filling a multiple of ALIGN bytes (capped at the
     # overlap), so every cut keeps every chunk in a buffer ALIGN-aligned for any dtype view.
     units = np.array([min(r * ALIGN // math.gcd(r, ALIGN), _pad(int(n)))
@@ -114,8 +115,13 @@ def _pad(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _unit_elems(count: tuple[int, ...]) -> int:
-    """Elements of the smallest piece the planner cuts an overlap into: one innermost row."""
+def _unit_elems(overlap: Overlap) -> int:
+    """Elements of the smallest piece the planner cuts an overlap into: one innermost row; for
+    block-quantized values one row of whole blocks (the pack quantizes a block whole, so every
+    block stays with one sender in one round)."""
+    count = overlap.region.count
+    if overlap.block and overlap.dtype == QUANT_DTYPE:
+        return min(overlap.block[0], count[0]) * count[-1]
     return count[-1] if len(count) >= 2 else 1
 
 

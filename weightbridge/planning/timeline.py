@@ -7,7 +7,8 @@ what an update does (`weightbridge.coordination.sequencer`, `session.ControlStep
 
     send(r)    issued once round r - depth landed and send(r - 1) was issued; on every trainer,
                in order (one thread serves a trainer's sends): control message, step cost,
-               pack (copy), checksum, issue its writes, wait until they landed, reply
+               pack (copy; a block-quantizing pack costs the source bytes it reads),
+               checksum, issue its writes, wait until they landed, reply
     forward(r) EXTERNAL then INTERNAL, on every rollout once every reply of the step before
                came back: message, step cost, checksum, writes, reply
     land(r)    on every rollout: message, step cost, checksum what arrived, assemble (copy),
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
+from weightbridge.types import QUANT_DTYPE, dtype_itemsize
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -337,7 +339,36 @@ def _steps(plan) -> dict:
     for (src, r, stage, dst), n in merged.items():
         entry = out.setdefault((src, r, stage), [0, []])
         entry[1].append((stage, dst, n))
-        if stage == RECEIVE:
-            entry[0] += n
         out[(dst, r, "land")] = out.get((dst, r, "land"), 0) + n
+    packed = np.flatnonzero(t.stage == RECEIVE)
+    cost = _pack_bytes(plan)[t.seg[packed]]
+    for src, r, n in zip(t.src[packed].tolist(), rnd[packed].tolist(), cost.tolist()):
+        out[(src, r, RECEIVE)][0] += n
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in out.items()}
+
+
+def _pack_bytes(plan) -> np.ndarray:
+    """[S] bytes a pack of each segment costs at `Overheads.copy_bandwidth`: its buffer bytes,
+    except that a block-quantizing pack reads each element of a value overlap twice in the
+    trainers' dtype (amax, then values) and the elements of every block of a scale overlap
+    once."""
+    t = plan.tables
+    cost = t.seg_bytes.astype(np.float64)
+    overlaps = plan.correspondence.overlaps
+    if not any(o.block for o in overlaps):
+        return cost
+    quantized = {i for i, o in enumerate(overlaps) if o.block}
+    for seg in np.flatnonzero(np.isin(t.seg_group, [g for g, members in
+                                                     enumerate(t.group_overlaps)
+                                                     if quantized & set(members.tolist())])):
+        total = 0.0
+        for chunk, _ in plan.placed_chunks(int(seg)):
+            o = overlaps[chunk.overlap]
+            if not o.block:
+                total += chunk.count * dtype_itemsize(o.dtype)
+                continue
+            source = dtype_itemsize(o.source_dtype or o.dtype)
+            per = 2 * source if o.dtype == QUANT_DTYPE else math.prod(o.block) * source
+            total += chunk.count * per
+        cost[seg] = total
+    return cost

@@ -2,9 +2,10 @@
 
 Inside buffers, bytes are in canonical checkpoint order: a run of an overlap's elements,
 row-major, in the overlap's wire dtype; a box between a parameter of another dtype and the
-buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts. A
-sender packs with its own pieces' strides and a receiver assembles with its own, so transposes,
-fusions, padding and reversals on either side are just strides of a `BoxCopy`.
+buffer carries ``buffer_dtype``, so that worker's single pack (or assemble) launch converts;
+a sender's box of a block-quantized overlap is whole blocks and carries its ``block`` (its pack
+quantizes). A sender packs with its own pieces' strides and a receiver assembles with its own,
+so transposes, fusions, padding and reversals on either side are just strides of a `BoxCopy`.
 
 Typical usage (an executor at connect)::
 
@@ -19,7 +20,7 @@ import math
 
 import numpy as np
 
-from weightbridge.planning.box_copies import Copies, concat_ranges, instances
+from weightbridge.planning.box_copies import BOX_FIELDS, Copies, concat_ranges, instances
 from weightbridge.planning.route import RECEIVE, STAGES
 from weightbridge.types import BoxCopy, BufferWrite, WorkerId, WorkerPlan, WorkerRound
 
@@ -155,10 +156,11 @@ def _all_copies(plan, packed: np.ndarray, by_dst: np.ndarray):
     index = concat_ranges(at[group], count)
     shifts = np.repeat(fo - fo[head][group], count)
     columns = [np.concatenate(c) for c in zip(*copies.parts)] if copies.parts else [
-        np.zeros(0, dtype=np.int64)] * 6
+        np.zeros(0, dtype=np.int64)] * len(BOX_FIELDS)
+    # Every field gathered as built but buffer_offset, which a shifted run moves.
     boxes = instances(BoxCopy, len(index), [
-        *(c[index].tolist() for c in columns[:4]),
-        (columns[4][index] + shifts).tolist(), columns[5][index].tolist()])
+        (c[index] + shifts if f == "buffer_offset" else c[index]).tolist()
+        for f, c in zip(BOX_FIELDS, columns)])
     at = np.cumsum(count) - count  # each run's first box
     row_at, row_n = at[run_of], count[run_of]
     return (boxes, (row_at[:len(packed)], row_n[:len(packed)]),

@@ -14,15 +14,17 @@ Three modules, imported in this order (each imports only the ones before it): `s
 correspondence, rounds, per-worker plans). Import the names from here.
 """
 
-from weightbridge.types.maps import BoxCopy, Piece, Region, SourceMap, pieces_by_param
+from weightbridge.types.maps import (SCALE_SUFFIX, BoxCopy, Piece, Region, SourceMap,
+                                     pieces_by_param, scale_tensor, scaled_tensor)
 from weightbridge.types.plans import (BufferWrite, Chunk, Correspondence, Overlap, Placement,
                                       Range, Round, Stage, Transfer, WorkerId, WorkerPlan,
                                       WorkerRound)
-from weightbridge.types.specs import (CONVERTIBLE_DTYPES, CheckpointSpec, ParamSpec, TensorSpec,
-                                      dtype_itemsize)
+from weightbridge.types.specs import (CONVERTIBLE_DTYPES, QUANT_DTYPE, SCALE_DTYPE, CheckpointSpec,
+                                      ParamSpec, TensorSpec, dtype_itemsize)
 
 __all__ = [
     "BoxCopy", "BufferWrite", "CONVERTIBLE_DTYPES", "CheckpointSpec", "Chunk", "Correspondence", "Overlap", "ParamSpec",
     "Piece", "Placement", "Range", "Region", "Round", "SourceMap", "Stage", "TensorSpec",
     "Transfer", "WorkerId", "WorkerPlan", "WorkerRound", "dtype_itemsize", "pieces_by_param",
+    "QUANT_DTYPE", "SCALE_DTYPE", "SCALE_SUFFIX", "scale_tensor", "scaled_tensor",
 ]

@@ -103,6 +103,10 @@ class Piece:
     cast_from: str | None = None
     """The checkpoint tensor's dtype when the loader casts it into a parameter of another dtype
     (round to nearest even, as ``param.copy_(tensor)`` does); None for a plain copy."""
+    block: tuple[int, ...] = ()
+    """Block shape (rows, columns) when the loader block-quantizes to float8 (`weightbridge.quant`):
+    a piece of a real checkpoint tensor (``cast_from`` set) holds its quantized values, a piece of
+    `scale_tensor` of it holds one float32 scale per block. Empty for a copy or a plain cast."""
 
     @property
     def transposed(self) -> bool:
@@ -136,8 +140,10 @@ class SourceMap:
         return sum(p.region.numel for p in self.pieces)
 
     def tensors(self) -> tuple[str, ...]:
-        """Checkpoint tensors this worker reads, in first-use order."""
-        return tuple(dict.fromkeys(p.region.tensor for p in self.pieces))
+        """Checkpoint tensors this worker reads, in first-use order (a block scale's virtual
+        tensor counts as its tensor: it is computed from it)."""
+        return tuple(dict.fromkeys(scaled_tensor(p.region.tensor) or p.region.tensor
+                                   for p in self.pieces))
 
     def summary(self) -> str:
         """A few readable lines: params, pieces, transposed pieces, unsourced, unused."""
@@ -147,6 +153,21 @@ class SourceMap:
                 f"({num_transposed} transposed), {self.num_elements:,} sourced elements, "
                 f"{num_unsourced:,} unsourced, {len(self.tensors())} checkpoint tensors read, "
                 f"{len(self.unused)} unused")
+
+
+SCALE_SUFFIX = "::block_scale_inv"
+"""Suffix of the virtual checkpoint tensor of a block-quantized tensor's scales: it exists in no
+checkpoint, its element (i, j) is the scale of block (i, j), computed from the tensor's values."""
+
+
+def scale_tensor(tensor: str) -> str:
+    """Name of the virtual scale tensor of checkpoint tensor ``tensor``."""
+    return tensor + SCALE_SUFFIX
+
+
+def scaled_tensor(name: str) -> str | None:
+    """The checkpoint tensor whose scales ``name`` names, or None for a real tensor name."""
+    return name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
 
 
 def pieces_by_param(pieces: Iterable[Piece]) -> dict[str, list[Piece]]:
@@ -194,3 +215,8 @@ class BoxCopy:
     """Dtype of the box's elements in the buffer when it differs from the tensor's: packing
     converts tensor -> buffer and assembling buffer -> tensor, rounding to nearest even (see
     `weightbridge.types.CONVERTIBLE_DTYPES`). None: the bits move unchanged."""
+    block: tuple[int, ...] = ()
+    """Block shape of a block-quantizing box (pack only; `weightbridge.quant`): the box is whole
+    quantization blocks tiled from its first element (the last ones cut by the box's end), and
+    packing writes, for ``buffer_dtype`` float8_e4m3fn, the quantized values row-major over
+    ``shape``, for float32 one scale per block row-major over the block grid. Empty otherwise."""

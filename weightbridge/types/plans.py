@@ -71,6 +71,10 @@ class Overlap:
     target_dtype: str | None = None
     """The rollouts' parameter dtype when it differs from `dtype`: their assemble converts (a
     widening cast, e.g. bfloat16 sent, float32 loaded)."""
+    block: tuple[int, ...] = ()
+    """Block shape when the rollouts hold the elements block-quantized (`Piece.block`): the
+    trainers' pack quantizes whole blocks, so the planner cuts the overlap at whole block rows
+    (an overlap of a `scale_tensor` carries the scales, float32). Empty otherwise."""
 
     @property
     def nbytes(self) -> int:

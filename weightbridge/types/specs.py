@@ -126,3 +126,9 @@ def dtype_itemsize(dtype: str) -> int:
 CONVERTIBLE_DTYPES = ("float32", "bfloat16", "float16")
 """Dtypes the copy kernels convert between on pack or assemble (any pair, round to nearest
 even through float32, as torch casts). Other casts (to or from float8) are refused at connect."""
+
+QUANT_DTYPE = "float8_e4m3fn"
+"""Element dtype of block-quantized parameters and of their bytes on the wire
+(`weightbridge.quant`)."""
+SCALE_DTYPE = "float32"
+"""Dtype of their block scales."""
