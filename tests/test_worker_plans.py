@@ -75,6 +75,21 @@ def test_block_fp8_plans_equal_the_reference():
                 ("float8_e4m3fn", (32, 32)), ("float32", (32, 32))}
 
 
+def test_a_plan_that_moves_nothing_has_empty_worker_plans():
+    """A delta update with nothing changed plans maps without pieces: no groups, no rounds."""
+    import dataclasses
+
+    plan = dict(_small_layouts())["tp1 -> 1 engine tp2, one round"]
+    empty = lambda maps, places: [  # noqa: E731
+        (dataclasses.replace(m, pieces=(), params=(), unsourced=(), unused=()), p)
+        for m, p in zip(maps, places)]
+    nothing = plan_transfer(empty(plan.trainer_maps, plan.trainers),
+                            empty(plan.rollout_maps, plan.rollouts), round_bytes=1 << 20)
+    _assert_same(nothing)
+    assert not any(r.pack or r.assemble or r.writes for wp in worker_plans(nothing).values()
+                   for r in wp.rounds)
+
+
 def test_paper_scale_moonlight_equals_the_reference():
     dep = TABLE_2[0]  # Moonlight-16B: 8 trainers, 8 rollouts, real shapes
     trainers, rollouts = workers(dep)
