@@ -116,3 +116,18 @@ def test_folded_sort_order_is_lexsorts_and_falls_back_to_it_when_keys_do_not_fit
     assert (_order([a, b, c], [5, 7]) == want).all()
     huge = c.astype(np.int64) << 60  # does not fold: lexsort
     assert (_order([a, b, huge], [5, 7]) == np.lexsort((huge, b, a))).all()
+
+
+def test_a_plan_that_moves_nothing_has_empty_worker_plans():
+    """A delta update of no tensor (``changed=[]``) plans source maps without pieces: no
+    group, no segment. Every worker's plan is empty rounds (it used to fail concatenating
+    no group's overlaps)."""
+    import dataclasses
+    empty = lambda m: dataclasses.replace(m, params=(), pieces=(), unsourced=(),  # noqa: E731
+                                          unused=())
+    plan = plan_transfer([(empty(tp_trainer(0, 1)), Placement("t0"))],
+                         [(empty(fused_rollout(0, 1)), Placement("r0", engine=0))],
+                         round_bytes=96)
+    plans = worker_plans(plan)
+    assert len(plans) == 2 and all(
+        not r.pack and not r.assemble and not r.writes for p in plans.values() for r in p.rounds)

@@ -214,8 +214,9 @@ def segment_chunks(plan, needed: np.ndarray | None = None) -> tuple[np.ndarray, 
     overlaps = plan.correspondence.overlaps
     size = np.array([dtype_itemsize(o.dtype) for o in overlaps], dtype=np.int64)
     nbytes = size * np.array([o.region.numel for o in overlaps], dtype=np.int64)
-    members = np.concatenate(t.group_overlaps).astype(np.int64)
-    starts = np.concatenate(t.group_starts).astype(np.int64)
+    # (np.concatenate of no group: a plan that moves nothing, a delta update of no tensor)
+    members = np.concatenate([np.zeros(0), *t.group_overlaps]).astype(np.int64)
+    starts = np.concatenate([np.zeros(0), *t.group_starts]).astype(np.int64)
     group = np.repeat(np.arange(len(t.group_starts)), [len(g) for g in t.group_starts])
     seg_group = t.seg_group.astype(np.int64)
     seg_start = t.seg_start.astype(np.int64)
