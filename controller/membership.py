@@ -21,7 +21,7 @@ from controller.report import JoinReport, TransferError, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import TransferPlan, WorkerId
+from weightbridge import LayoutError, TransferPlan, WorkerId
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.session import plan_group, run_update
 
@@ -65,10 +65,16 @@ class Membership:
         self.control.use(group)
         t1 = time.perf_counter()
         before = self.plan.num_rounds
-        self._maps, connected, start = join_group(
-            self.control, self._maps, self.connected, self.config, generation=self._generation,
-            restricted=self._tensors is not None, excluded=self._excluded(),
-            excluded_trainers=frozenset(self.lost_trainers))
+        try:
+            self._maps, connected, start = join_group(
+                self.control, self._maps, self.connected, self.config,
+                generation=self._generation, restricted=self._tensors is not None,
+                excluded=self._excluded(), excluded_trainers=frozenset(self.lost_trainers))
+        except Exception as e:
+            self.lost_engines.add(engine)  # the group goes on without it
+            if not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
+                self._replan()
+            raise
         self._tensors = None  # (a delta plan in force was replaced by a full one)
         self._use(connected)
         t2 = time.perf_counter()

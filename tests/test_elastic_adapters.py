@@ -14,7 +14,8 @@ import tinygroup
 import torch
 from tinygroup import MODES, SHAPES, SPEC, Model, build, checkpoint, connect, in_threads
 
-from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
+from weightbridge import (CheckpointSpec, LayoutError, ReceiverAdapter, TransferConfig,
+                          TransferFailed)
 
 
 class Partial(Model):
@@ -120,6 +121,29 @@ def test_an_engine_joining_between_delta_updates_gets_every_tensor(mode):
         assert all(torch.equal(m.params[n].view(torch.uint8),
                                checkpoint(v)[n].view(torch.uint8)) for n, v in held.items())
     assert held == {"w": 2, "v": 3, "m": 1}
+
+
+def test_an_engine_that_reads_another_checkpoint_is_refused_and_the_group_goes_on():
+    config = TransferConfig(timeout_s=5)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    polls = lambda v, which: [lambda a=a: a.wait_for_version(v) for _, a in which]  # noqa: E731
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *polls(1, rollouts))[2:] == [1, 1]
+    smaller = {n: t[:2].clone() for n, t in checkpoint(0).items()}  # a model of other shapes
+
+    def load(weights):
+        for n, t in weights:
+            smaller[n].copy_(t)
+    stranger = control.add(ReceiverAdapter(
+        smaller, load, CheckpointSpec.from_tensors(smaller), rank=2, engine=2, engine_rank=0,
+        engine_size=1,
+        control=control, transport=control.transport, config=config))
+    out = in_threads(*[a.add_engines for _, a in trainers])
+    assert isinstance(out[0], LayoutError) and "load different checkpoints" in str(out[0]), out
+    assert isinstance(out[1], RuntimeError), out  # told by trainer 0: nothing changed for it
+    with pytest.raises(TransferFailed, match=r"engines \[2\] could not join"):
+        stranger.poll_requests()
+    assert in_threads(*tinygroup.send(trainers, 2, ss=False), *polls(2, rollouts))[2:] == [2, 2]
 
 
 def test_membership_changes_are_refused_clearly():

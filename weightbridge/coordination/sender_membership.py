@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
+from weightbridge.errors import LayoutError
 
 
 class SenderMembership:
@@ -127,12 +128,23 @@ class SenderMembership:
 
     def _join(self, group) -> None:
         size = self.control.engine_size
-        self._maps, self.group, _ = join_group(
-            self.control, self._maps, self.group, self.config, generation=self._generation,
-            restricted=self._tensors is not None,
-            excluded=frozenset(w.index for w in rollouts(self.control)
-                               if w.index // size in self.failed_engines),
-            excluded_trainers=frozenset(self.failed_trainers))
+        joining = range(len(self._maps.rollouts) // size, self.control.num_engines)
+        try:
+            self._maps, self.group, _ = join_group(
+                self.control, self._maps, self.group, self.config,
+                generation=self._generation, restricted=self._tensors is not None,
+                excluded=frozenset(w.index for w in rollouts(self.control)
+                                   if w.index // size in self.failed_engines),
+                excluded_trainers=frozenset(self.failed_trainers))
+        except Exception as e:
+            # The group goes on without them; they count as out (never waited for).
+            self.failed_engines.update(joining)
+            self.control.call([w for j in joining for w in engine_workers(self.control, j)],
+                              PeerCall.FAIL, f"engines {list(joining)} could not join this "
+                              f"transfer group ({type(e).__name__}: {e})", return_errors=True)
+            if not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
+                self._replan()
+            raise
         self._tensors = None  # (a delta plan in force was replaced by a full one)
         self.plan = self.group.plan
         self._delta_joined_at = self._done  # (delta updates: the new engines hold nothing)
