@@ -159,8 +159,10 @@ def _check(run: dict, ss: bool, stalled_at: float | None) -> None:
     _, message, start, end = failures[0]
     elapsed = end - (start if stalled_at is None else stalled_at)  # one clock for all procs
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
-    assert re.search(r"round \d+, (trainers' send|rollouts' (external forward|land))", message), \
-        message[-2000:]
+    # The step that meets the dead worker first names it: a trainer's send, a forward of
+    # either stage (a peer writing into it, or it writing on), or its land.
+    stage = r"(trainers' send|rollouts' (external|internal) forward|rollouts' land)"
+    assert re.search(r"round \d+, " + stage, message), message[-2000:]
     assert "Engine [0] is excluded" in message and "add_engines()" in message, message[-2000:]
     # Within timeout_s of the fault: peers count as lost after peer_timeout_s, the rest of the
     # budget finds which and re-plans (and, in sync mode, re-sends the version to the

@@ -64,17 +64,6 @@ def _update_and_check(plan, trainers, rollouts, kernels, seeds, spec=SPEC) -> No
                 assert torch.equal(_bits(got[name]), _bits(want)), (seed, name)
 
 
-def test_block_quantize_is_vllms_per_block_cast_to_fp8():
-    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
-    gen = torch.Generator().manual_seed(1)
-    for shape, block in (((300, 200), (128, 128)), ((96, 64), (32, 32)), ((130, 7), (128, 128))):
-        x = (torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen) ** 6).bfloat16()
-        x[:3] = 0  # an all-zero strip: the amax floor
-        want_q, want_s = deep_gemm.per_block_cast_to_fp8(x, list(block))
-        q, s = block_quantize(x, block)
-        assert torch.equal(_bits(q), _bits(want_q)) and torch.equal(_bits(s), _bits(want_s))
-
-
 @pytest.mark.parametrize("kernels", [TorchCopyKernels(), CpuCopyKernels()],
                          ids=["reference", "cpu"])
 def test_pack_quantizes_whole_blocks_of_a_strided_box(kernels):
