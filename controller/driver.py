@@ -126,7 +126,6 @@ class MeshTransfer(ClosingContext, Membership):
         self._rollout_meshes: list[tuple[int, object]] = []
         """(first flat rank, actor mesh) of the rollouts: the first mesh, then each joined
         engine's (`add_engine`)."""
-        self._joined_procs: list = []
         self.group: TransferGroup | None = None
         self.plan: TransferPlan | None = None
         self.spawn_s = 0.0
@@ -203,8 +202,8 @@ class MeshTransfer(ClosingContext, Membership):
                                f"bootstrap_main processes with ps") from errors[0]
 
     def _spawn_engine(self, procs, spec: RolloutSpec, first: int):
-        """Actors of one joining engine (flat ranks from ``first``) on ``procs``, or on procs
-        spawned on this host."""
+        """(procs, actors) of one joining engine (flat ranks from ``first``): on ``procs``, or
+        on procs spawned on this host."""
         owned = procs is None
         if owned:
             procs = this_host().spawn_procs(per_host={"worker": spec.workers_per_engine},
@@ -214,9 +213,8 @@ class MeshTransfer(ClosingContext, Membership):
         if not owned:
             self._foreign.append(actors)
         self._actors.append(actors)
-        self._joined_procs.append(procs)
         self._rollout_meshes.append((first, actors))
-        return actors
+        return procs, actors
 
     # -- connect --------------------------------------------------------------------------------
 

@@ -58,8 +58,8 @@ class Membership:
                              f"group has {size} workers (nodes x gpus of the rollout spec)")
         t0 = time.perf_counter()
         grown = dataclasses.replace(spec, engines=engine + 1)
-        actors = self._spawn_engine(procs, grown, first)
-        group = self.group.add_engines(self._joined_procs[-1])
+        procs, actors = self._spawn_engine(procs, grown, first)
+        group = self.group.add_engines(procs)
         actors.attach.call(group).get()
         self.group, self.rollout_spec = group, grown
         self.control.use(group)

@@ -26,10 +26,14 @@ def _trainer_egress(plan) -> int:
     return int(sent[:len(plan.trainers), 0].sum())
 
 
+def _transfer(rollout: str) -> MeshTransfer:
+    """Trainer TP2 to the ``rollout`` spec's engines, tiny model, meshes spawned on enter."""
+    return MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"), RolloutSpec.parse(rollout),
+                        "tiny", config=CONFIG)
+
+
 def test_engines_join_and_leave_between_updates_and_every_install_is_bit_exact():
-    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
-                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
-                      config=CONFIG) as mt:
+    with _transfer("engines=2,nodes=1,gpus=1") as mt:
         mt.connect()
         first = mt.update(1)
         handles, rounds = mt.num_handles, mt.plan.num_rounds
@@ -67,9 +71,7 @@ def test_a_join_on_given_procs_before_the_first_update_gets_the_first_update():
     procs = this_host().spawn_procs(per_host={"worker": 2}, name="joining")
     odd = this_host().spawn_procs(per_host={"worker": 1}, name="odd")
     try:
-        with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
-                          RolloutSpec.parse("engines=1,nodes=1,gpus=2,tp=2"), "tiny",
-                          config=CONFIG) as mt:
+        with _transfer("engines=1,nodes=1,gpus=2,tp=2") as mt:
             mt.connect()
             with pytest.raises(ValueError, match="an engine of this group has 2 workers"):
                 mt.add_engine(odd)
@@ -84,9 +86,7 @@ def test_a_join_on_given_procs_before_the_first_update_gets_the_first_update():
 
 
 def test_a_join_while_a_delta_plan_is_in_force_gets_every_tensor_and_deltas_go_on():
-    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
-                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
-                      config=CONFIG) as mt:
+    with _transfer("engines=1,nodes=1,gpus=1") as mt:
         mt.connect()
         full = mt.update(1)
         norm = ["model.norm.weight"]
