@@ -31,9 +31,11 @@ def default_kernels(device: torch.device | str) -> CopyKernels:
     """The fastest implementation for tensors on ``device``.
 
     Triton kernels on CUDA (the ``kernels`` package, imported only here, so that the core imports
-    without Triton), the vectorized torch path anywhere else.
+    without Triton), the vectorized torch path anywhere else. A CUDA device that this torch cannot
+    drive (``torch.cuda.is_available()`` False: the test suite's emulated device,
+    `weightbridge.testing.emulated_cuda`) gets the torch path, run under the device's rules.
     """
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
         from kernels import TritonKernels  # lazy: Triton is needed only on GPUs
 
         return TritonKernels()
