@@ -71,7 +71,8 @@ def test_the_executor_keeps_depth_arenas_and_writes_round_r_into_arena_r_mod_dep
 def test_the_copy_kernels_follow_the_parameters_device(monkeypatch):
     """Triton on CUDA, the CPU path elsewhere: the executor asks for the kernels of the device
     its parameters are on (no GPU here: the choice is checked, and `default_kernels` gives the
-    Triton implementation for a CUDA device)."""
+    Triton implementation for a CUDA device that torch can drive; the emulated device, where
+    it cannot, keeps the torch path: tests/test_emulated_cuda.py)."""
     from kernels import TritonKernels
     from weightbridge import default_kernels
 
@@ -82,5 +83,6 @@ def test_the_copy_kernels_follow_the_parameters_device(monkeypatch):
     plan, trainer, _ = _plan_for_one_rollout()
     ex = WorkerExecutor(plan.for_worker(plan.workers[0]), trainer.params)
     assert seen == [torch.device("cpu")] and isinstance(ex.kernels, CpuCopyKernels)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert isinstance(default_kernels(torch.device("cuda", 0)), TritonKernels)
     assert isinstance(default_kernels("cpu"), CpuCopyKernels)
