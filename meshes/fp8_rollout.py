@@ -37,14 +37,14 @@ class Fp8RolloutShard(RolloutShard):
 
     def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
                  block: tuple[int, int] = (128, 128), quantize: Quantizer = block_quantize,
-                 quantized: tuple[str, ...] = _QUANTIZED):
-        super().__init__(c, tp, tp_rank, ep, ep_rank)
+                 quantized: tuple[str, ...] = _QUANTIZED, device: torch.device | str = "cpu"):
+        super().__init__(c, tp, tp_rank, ep, ep_rank, device=device)
         self.block, self.quantize = block, quantize
         for name in [n for n in self.params if n.endswith(quantized)]:
             shape = self.params[name].shape
-            self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+            self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
             grid = tuple(shape[:-2]) + block_grid(tuple(shape[-2:]), block)
-            self.params[name + "_scale_inv"] = torch.zeros(grid, dtype=torch.float32)
+            self.params[name + "_scale_inv"] = torch.zeros(grid, dtype=torch.float32, device=device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         plain = []

@@ -42,7 +42,10 @@ SIZES = {
     "small": MoEConfig(),
 }
 """Named sizes: "tiny" (~1.3M elements, for tests), "medium" (~9M, for the emulated cluster),
-"small" (~200M, for benchmarks)."""
+"small" (~200M, for benchmarks).
+
+Every shard takes ``device`` (default "cpu"): where its parameters live (a proc's bound GPU,
+`meshes.spec.local_device`); its ``load_weights`` reads checkpoint tensors on any device."""
 
 
 def checkpoint_spec(c: MoEConfig, dtype: str = "bfloat16") -> CheckpointSpec:
@@ -73,7 +76,7 @@ class RolloutShard:
     its loader's ``copy_`` casts a checkpoint of another dtype, as vLLM's loaders do)."""
 
     def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
         self.c, self.tp, self.tp_rank, self.ep_rank = c, tp, tp_rank, ep_rank
         self.local_experts = c.experts // ep
         vocab_padded = -(-c.vocab // (64 * tp)) * 64 * tp
@@ -93,7 +96,7 @@ class RolloutShard:
                        p + "mlp.gate.weight": (c.experts, c.hidden),
                        p + "mlp.experts.w13_weight": (self.local_experts, 2 * inter, c.hidden),
                        p + "mlp.experts.w2_weight": (self.local_experts, c.hidden, inter)}
-        self.params = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+        self.params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in shapes.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c, tp, r = self.c, self.tp, self.tp_rank
@@ -142,7 +145,8 @@ class TrainerShard:
     """
 
     def __init__(self, c: MoEConfig, tp: int, tp_rank: int, ep: int, ep_rank: int, *,
-                 pp: int = 1, pp_rank: int = 0, dtype: torch.dtype = torch.bfloat16):
+                 pp: int = 1, pp_rank: int = 0, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
         if c.layers % pp or not 0 <= pp_rank < pp:
             raise ValueError(f"pp={pp}, pp_rank={pp_rank}: pp must divide the model's "
                              f"{c.layers} layers and 0 <= pp_rank < pp")
@@ -174,7 +178,7 @@ class TrainerShard:
                            (2 * c.moe_intermediate, c.hidden),
                            f"{p}mlp.experts.local_experts.{e}.linear_fc2.weight":
                            (c.hidden, c.moe_intermediate)}
-        self.params = {n: torch.zeros(s, dtype=dtype) for n, s in shapes.items()}
+        self.params = {n: torch.zeros(s, dtype=dtype, device=device) for n, s in shapes.items()}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         c, r = self.c, self.tp_rank
@@ -225,7 +229,8 @@ class FsdpTrainerShard:
     wherever the cut falls, usually inside a tensor, and the last one ends in padding.
     """
 
-    def __init__(self, c: MoEConfig, world: int, rank: int, *, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, c: MoEConfig, world: int, rank: int, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu"):
         if not 0 <= rank < world:
             raise ValueError(f"FSDP rank {rank} is not in [0, world={world})")
         self.c, self.world, self.rank = c, world, rank
@@ -237,7 +242,7 @@ class FsdpTrainerShard:
             pos += t.numel
         self.shard_numel = -(-pos // world)
         self.shard_start = rank * self.shard_numel
-        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=dtype)}
+        self.params = {"flat_param": torch.zeros(self.shard_numel, dtype=dtype, device=device)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         flat, lo = self.params["flat_param"], self.shard_start

@@ -2,7 +2,8 @@
 
 The loader is a black box. Each probe pass offers it the full checkpoint with every element set
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
-indices begin (`runs`, `boxes`). A last pass loads a pseudo-random checkpoint of both signs
+indices begin (`runs`, `boxes`); parameters on a GPU are read back with one device-to-host copy
+per pass and decoded on the host, so the probe adds no device memory. A last pass loads a pseudo-random checkpoint of both signs
 and checks that the map reproduces every parameter bit-exactly, so a loader that changes values
 is refused here, before any transfer, instead of corrupting weights later.
 
@@ -38,7 +39,7 @@ from weightbridge.discovery.quantized import ALPHABET as QUANT_ALPHABET
 from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantizing, scale_params,
                                               sign_bits, sign_checkpoint)
 from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
-from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view
+from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -175,7 +176,8 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
         for name, p in live.items():
             alpha = alpha_of(p.dtype)
             if k < num_passes[p.dtype] and p.numel():
-                scans[name].append(scan_pass(flat_view(p).to(alpha.dtype), alpha,
+                # One device-to-host copy per parameter and pass; decoded on the host.
+                scans[name].append(scan_pass(flat_view(on_host(p)).to(alpha.dtype), alpha,
                                              alpha.moduli[k]))
     return live, scans
 
@@ -195,7 +197,8 @@ def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip)
             shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
             for name, p in live.items():
                 if name not in skip and p.numel():
-                    decoders.setdefault(name, SignDecoder(p.numel())).add(flat_view(p), bit)
+                    decoders.setdefault(name, SignDecoder(p.numel())).add(
+                        flat_view(on_host(p)), bit)
         for name, d in decoders.items():
             values = d.values(modulus)
             if d.bad is not None:

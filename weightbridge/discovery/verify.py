@@ -110,7 +110,7 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
         checkpoint[name] = salted(spec[name].shape, dtypes[name], block, gen)
     fill_zero(get())
     load_weights(iter(checkpoint.items()))
-    live = get()
+    live = {n: on_host(p) for n, p in get().items()}  # compared on the host
     images: dict = {}
     for piece in smap.pieces:
         plain, source = expected_source(piece, checkpoint, images)
@@ -149,6 +149,14 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def on_host(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s values on the host: ``p`` itself if it is there, else one device-to-host copy.
+    The probe reads every pass back this way and decodes on the host, so it allocates no
+    device memory of its own (what the loader allocates is the loader's)."""
+    p = p.detach()
+    return p if p.device.type == "cpu" else p.to("cpu")
 
 
 def flat_view(p: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,7 @@ def _rewrap(out, args, kwargs):
 
     def wrap(x):
         if isinstance(x, torch.Tensor) and type(x) is torch.Tensor:
-            return inputs.get(id(x)) or EmulatedCudaTensor(x)
+            return inputs[id(x)] if id(x) in inputs else EmulatedCudaTensor(x)
         return x
     return tree_map(wrap, out)
 
