@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
@@ -57,6 +59,32 @@ class ChecksumMismatch(RuntimeError):
 class ReplicaMismatch(RuntimeError):
     """Data-parallel trainer replicas (the same layout of the checkpoint) hold different bytes
     for a parameter; raised before any byte of the update moves."""
+
+
+class UnsourcedParameter(UserWarning):
+    """A rollout parameter that no checkpoint element lands in: the probe zeroed it and no
+    update writes it."""
+
+
+def _host_copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Host copies of the parameters (pinned for CUDA ones where CUDA is real): one
+    device-to-host copy each, no device memory."""
+    out = {}
+    for n, p in params.items():
+        pin = p.device.type == "cuda" and torch.cuda.is_available()
+        host = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+        out[n] = host.copy_(p.detach())
+    return out
+
+
+def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
+    sourced = {p.param for p in smap.pieces}
+    lost = [s.name for s in smap.params if s.name not in sourced and math.prod(s.shape)]
+    if lost:
+        warnings.warn(f"{worker}: no checkpoint element lands in parameter(s) "
+                      f"{', '.join(lost[:4])}{' and more' if len(lost) > 4 else ''}; the probe "
+                      f"left them zero and no update writes them. Restore their values after "
+                      f"connect if the engine needs them", UnsourcedParameter, stacklevel=3)
 
 
 def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
@@ -159,15 +187,27 @@ class TransferWorker:
     # -- connect ------------------------------------------------------------------------------
 
     def on_source_map(self) -> tuple[SourceMap, Placement, CheckpointSpec]:
-        """Probe this worker's own load_weights; the parameters are restored afterwards."""
-        saved = {n: p.detach().clone() for n, p in self.params.items()}
+        """Probe this worker's own load_weights.
+
+        No second copy of the parameters is made on their device (a GPU is usually full). A
+        trainer gets its weights back from a host copy (pinned where CUDA is real), since it
+        sends them. A rollout keeps no copy: its first update writes every element that a
+        checkpoint element lands in; the others (padding) hold zero after the probe, which
+        zeroes every parameter before each of its loads and refuses a loader that writes a
+        non-zero value there. A rollout parameter no checkpoint element lands in at all is
+        warned about by name (`UnsourcedParameter`): its value is lost to the probe.
+        """
+        saved = _host_copy(self.params) if self.side == "trainer" else None
         try:
             smap = extract_source_map(self.params, self.load_weights, self.spec)
             self.source_map = smap
         finally:
-            with torch.no_grad():
-                for n, p in self.params.items():
-                    p.copy_(saved[n])
+            if saved is not None:
+                with torch.no_grad():
+                    for n, p in self.params.items():
+                        p.copy_(saved[n])
+        if self.side == "rollout":
+            _warn_unsourced(self.worker, smap)
         return smap, self.placement, self.spec
 
     def on_ping(self) -> bool:
