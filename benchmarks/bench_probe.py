@@ -10,9 +10,9 @@ the number of copy operations (pieces). ``--device emulated-cuda`` puts the para
 emulated CUDA device (`weightbridge.testing.emulated_cuda`) and probes them as a trainer of a
 transfer group does (`TransferWorker.on_source_map`: probe, then restore its weights), printing
 the peak extra *device* memory / parameter bytes (target <= 0.25; its times include the
-emulation's overhead and say nothing about a GPU). The loader is written in the vLLM style: fused qkv and
-gate_up shards, experts stacked into 3-D params on their expert-parallel rank, vocabulary padded
-to a multiple of 64.
+emulation's overhead and say nothing about a GPU). The loader is written in the vLLM style:
+fused qkv and gate_up shards, experts stacked into 3-D params on their expert-parallel rank,
+vocabulary padded to a multiple of 64.
 """
 
 from __future__ import annotations

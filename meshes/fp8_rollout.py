@@ -44,7 +44,8 @@ class Fp8RolloutShard(RolloutShard):
             shape = self.params[name].shape
             self.params[name] = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
             grid = tuple(shape[:-2]) + block_grid(tuple(shape[-2:]), block)
-            self.params[name + "_scale_inv"] = torch.zeros(grid, dtype=torch.float32, device=device)
+            self.params[name + "_scale_inv"] = torch.zeros(grid, dtype=torch.float32,
+                                                           device=device)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         plain = []

@@ -6,14 +6,20 @@ source map as on the host and adds at most a quarter of the parameter bytes on t
 bit-exact, always compared on the host.
 """
 
+import functools
 import gc
 
 import pytest
+import test_adapters
+import tinygroup
 import torch
 
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import TransferConfig, extract_source_map
+from weightbridge import (ReceiverAdapter, TransferConfig, extract_source_map, plan_transfer,
+                          run_plan_locally)
+from weightbridge.discovery.replay import replay
+from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.worker import TransferWorker, UnsourcedParameter
 from weightbridge.types import Placement
@@ -97,3 +103,134 @@ def test_a_rollout_parameter_no_checkpoint_element_lands_in_is_named():
     with pytest.warns(UnsourcedParameter, match="rotary.inv_freq"):
         _worker("rollout", shard).on_source_map()
     assert not shard.params["rotary.inv_freq"].cpu().any()
+
+
+# --------------------------------------------------------------------------------------------
+# Adapters (every mode, checksums on), delta updates and a join, on CUDA parameters: the
+# in-process adapter tests' groups with their shards and models built on the device.
+# --------------------------------------------------------------------------------------------
+
+
+class CudaModel(tinygroup.Model):
+    """tinygroup's whole-model rank with its parameters on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = {n: p.to("cuda") for n, p in self.params.items()}
+
+    def holds(self, version: int) -> bool:
+        return all(torch.equal(p.cpu().view(torch.uint8),
+                               tinygroup.checkpoint(version)[n].view(torch.uint8))
+                   for n, p in self.params.items())
+
+
+@pytest.fixture
+def on_device(monkeypatch):
+    """The adapter tests' groups, built on the device (compared on the host)."""
+    same = test_adapters._same
+    monkeypatch.setattr(test_adapters, "TrainerShard",
+                        functools.partial(TrainerShard, device="cuda"))
+    monkeypatch.setattr(test_adapters, "RolloutShard",
+                        functools.partial(RolloutShard, device="cuda"))
+    monkeypatch.setattr(test_adapters, "_same", lambda params, want: same(_host(params), want))
+    monkeypatch.setattr(tinygroup, "Model", CudaModel)
+
+
+@pytest.mark.parametrize("mode", list(test_adapters.MODES))
+def test_every_mode_installs_bit_exact_versions_on_cuda_parameters(on_device, mode):
+    ss, rs = test_adapters.MODES[mode]
+    config = TransferConfig(timeout_s=30, sender_staging=ss, receiver_staging=rs,
+                            checksums=True)
+    control, trainers, rollouts, _ = test_adapters._run(config)
+    assert all(p.is_cuda for shard, _ in trainers + rollouts for p in shard.params.values())
+    assert all(a.version == test_adapters.NUM_VERSIONS for _, a in rollouts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_delta_updates_and_a_join_on_cuda_parameters(on_device, mode):
+    """Full, then delta updates; an engine joins between two deltas and gets every tensor;
+    another leaves: every rollout bit-exact, all on the device."""
+    ss, rs = tinygroup.MODES[mode]
+    config = TransferConfig(timeout_s=30, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = tinygroup.build(config)
+    assert all(p.is_cuda for m, _ in trainers + rollouts for p in m.params.values())
+    tinygroup.connect(trainers)
+    held = {}  # tensor -> the version whose value every live rollout must hold
+
+    def delta(v, changed, which):
+        def one(model, adapter):
+            model.load_weights((n, tinygroup.checkpoint(v)[n])
+                               for n in changed or tinygroup.SHAPES)
+            adapter.send_weights(v, changed=changed)
+        held.update(dict.fromkeys(changed or tinygroup.SHAPES, v))
+        polls = [lambda a=a: a.wait_for_version(v) for _, a in which]
+        assert tinygroup.in_threads(*[lambda m=m, a=a: one(m, a) for m, a in trainers],
+                                    *polls)[2:] == [v] * len(which)
+        for m, _ in which:
+            host = _host(m.params)
+            assert all(torch.equal(host[n].view(torch.uint8),
+                                   tinygroup.checkpoint(u)[n].view(torch.uint8))
+                       for n, u in held.items())
+
+    delta(1, None, rollouts)
+    delta(2, ["w"], rollouts)
+    joined = CudaModel()
+    rollouts.append((joined, control.add(ReceiverAdapter(
+        joined.params, joined.load_weights, tinygroup.SPEC, rank=2, engine=2, engine_rank=0,
+        engine_size=1, control=control, transport=control.transport, config=config))))
+    assert tinygroup.in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    delta(3, ["v"], rollouts)  # the new engine needs every tensor: they all move
+    assert tinygroup.in_threads(*[lambda a=a: a.remove_engine(0) for _, a in trainers]) \
+        == [None, None]
+    delta(4, ["m"], rollouts[1:])
+    assert held == {"w": 2, "v": 3, "m": 4}
+
+
+# --------------------------------------------------------------------------------------------
+# Replay, plan and run_plan_locally
+# --------------------------------------------------------------------------------------------
+
+
+def _maps(make_trainer, make_rollout, spec):
+    def probed(shard):
+        return extract_source_map(shard.params, shard.load_weights, spec)
+    return ([(probed(make_trainer(i, "cpu")), Placement("t0")) for i in range(2)],
+            [(probed(make_rollout(k, "cpu")), Placement("r0", engine=0)) for k in range(2)])
+
+
+TRAINER = lambda i, device: TrainerShard(CONFIG, 2, i, 1, 0, device=device)  # noqa: E731
+ROLLOUT = lambda k, device: RolloutShard(CONFIG, 2, k, 1, 0, device=device)  # noqa: E731
+
+
+def test_replay_fills_cuda_parameters_as_their_loader_does():
+    spec = checkpoint_spec(CONFIG)
+    ckpt = _checkpoint(3)
+    want = ROLLOUT(1, "cpu")
+    want.load_weights(ckpt.items())
+    host_shard = ROLLOUT(1, "cpu")
+    smap = extract_source_map(host_shard.params, host_shard.load_weights, spec)
+    got = ROLLOUT(1, "cuda")
+    replay(smap, got.params, ckpt)
+    host = _host(got.params)
+    assert all(torch.equal(host[n].view(torch.uint8), want.params[n].view(torch.uint8))
+               for n in want.params)
+
+
+@pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["torch", "cpu-path"])
+def test_run_plan_locally_moves_cuda_parameters_bit_exact(kernels):
+    spec = checkpoint_spec(CONFIG)
+    trainers, rollouts = _maps(TRAINER, ROLLOUT, spec)
+    plan = plan_transfer(trainers, rollouts, round_bytes=64 << 10)
+    ckpt = _checkpoint(4)
+    tshards = [TRAINER(i, "cuda") for i in range(2)]
+    for s in tshards:
+        s.load_weights(ckpt.items())
+    rshards = [ROLLOUT(k, "cuda") for k in range(2)]
+    run_plan_locally(plan, [s.params for s in tshards], [s.params for s in rshards],
+                     kernels=kernels)
+    for k, shard in enumerate(rshards):
+        want = ROLLOUT(k, "cpu")
+        want.load_weights(ckpt.items())
+        host = _host(shard.params)
+        assert all(torch.equal(host[n].view(torch.uint8), want.params[n].view(torch.uint8))
+                   for n in want.params)

@@ -14,6 +14,7 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
 from weightbridge.coordination.worker import TransferWorker
+from weightbridge.execution.executor import on_real_cuda
 
 POLL_BACKOFF = 10
 """`AdapterWorker._poll_until`'s longest interval, in units of the first."""
@@ -91,5 +92,6 @@ class AdapterWorker(TransferWorker):
 
 
 def host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
-    """Host staging memory for a worker whose arenas are ``like``'s; pinned next to a GPU."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=like.device.type == "cuda")
+    """Host staging memory for a worker whose arenas are ``like``'s; pinned next to a GPU
+    (a real one: the emulated device has no pinned memory)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_real_cuda(like.device))

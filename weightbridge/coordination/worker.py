@@ -31,7 +31,7 @@ from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
-from weightbridge.execution.executor import WorkerExecutor
+from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
                                 WorkerPlan)
 
@@ -71,8 +71,7 @@ def _host_copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     device-to-host copy each, no device memory."""
     out = {}
     for n, p in params.items():
-        pin = p.device.type == "cuda" and torch.cuda.is_available()
-        host = torch.empty(p.shape, dtype=p.dtype, pin_memory=pin)
+        host = torch.empty(p.shape, dtype=p.dtype, pin_memory=on_real_cuda(p.device))
         out[n] = host.copy_(p.detach())
     return out
 

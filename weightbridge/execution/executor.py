@@ -27,6 +27,13 @@ from weightbridge.types import Range, Stage, WorkerId, WorkerPlan
 from weightbridge.views import memory_order
 
 
+def on_real_cuda(device: torch.device | str) -> bool:
+    """Whether ``device`` is a CUDA device this torch drives: False on the emulated device of
+    the test suite (`weightbridge.testing.emulated_cuda`), where ``torch.cuda.is_available()``
+    is False. Triton kernels and pinned host memory need a real one."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_available()
+
+
 def default_kernels(device: torch.device | str) -> CopyKernels:
     """The fastest implementation for tensors on ``device``.
 
@@ -35,7 +42,7 @@ def default_kernels(device: torch.device | str) -> CopyKernels:
     drive (``torch.cuda.is_available()`` False: the test suite's emulated device,
     `weightbridge.testing.emulated_cuda`) gets the torch path, run under the device's rules.
     """
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+    if on_real_cuda(device):
         from kernels import TritonKernels  # lazy: Triton is needed only on GPUs
 
         return TritonKernels()

@@ -86,7 +86,8 @@ class _Memory:
 
 
 memory = _Memory()
-"""The emulated device's allocations: ``memory.current``, ``memory.peak``, ``memory.reset_peak()``."""
+"""The emulated device's allocations: ``memory.current``, ``memory.peak`` (bytes),
+``memory.reset_peak()``."""
 
 
 def _mismatch(op) -> RuntimeError:
