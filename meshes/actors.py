@@ -24,6 +24,7 @@ from typing import Mapping
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshes.device import bind_local_device
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import Placement, TransferWorker, WorkerParts
 from weightbridge.mesh.transport import register_ranges, write
@@ -54,9 +55,11 @@ def load_factory(path: str):
 
 
 def checksums(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Per-parameter 64-bit blake2b digest of the raw bytes."""
-    return {n: hashlib.blake2b(p.detach().contiguous().view(torch.uint8).numpy().tobytes(),
-                               digest_size=8).hexdigest() for n, p in params.items()}
+    """Per-parameter 64-bit blake2b digest of the raw bytes (read on the host: parameters
+    on a GPU are copied there first)."""
+    return {n: hashlib.blake2b(p.detach().contiguous().view(torch.uint8).cpu().numpy()
+                               .tobytes(), digest_size=8).hexdigest()
+            for n, p in params.items()}
 
 
 class _WorkerActor(Actor):
@@ -70,6 +73,7 @@ class _WorkerActor(Actor):
         # ``first_rank``: the flat rank of this mesh's first actor in its side (an engine
         # that joined later runs on procs of its own).
         self.index = first_rank + current_rank().rank
+        self.device = bind_local_device()  # this proc's GPU, by its place on the host
         if not torch.cuda.is_available():
             # CPU workers: every proc of both meshes shares this host's cores, and torch's
             # default of one thread per core per process oversubscribes them many times over.

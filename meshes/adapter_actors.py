@@ -33,6 +33,7 @@ from typing import Collection, Mapping
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from meshes.device import bind_local_device
 from meshes.forward import rank_forward
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 
@@ -57,10 +58,11 @@ def held_checkpoint(model: str, history: Mapping[int, Collection[str] | None], v
 
 
 def digest(params) -> str:
-    """A hash of the parameters' bytes (names sorted): equal digests, bit-identical weights."""
+    """A hash of the parameters' bytes (names sorted): equal digests, bit-identical weights.
+    Read on the host (a GPU's parameters are copied there first)."""
     h = hashlib.blake2b(digest_size=8)
     for n in sorted(params):
-        h.update(params[n].detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(params[n].detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -85,9 +87,15 @@ class RLTrainer(Actor):
                              f"actor holds a TP{self.tp} shard; spawn it on a mesh of {self.tp} "
                              f"procs and the group over the same procs")
         rank = current_rank().rank
-        self.shard = TrainerShard(SIZES[self.model], self.tp, rank, 1, 0)
+        self.shard = TrainerShard(SIZES[self.model], self.tp, rank, 1, 0,
+                                  device=self._device())
         self.adapter = group.sender(self.shard.params, self.shard.load_weights,
                                     checkpoint_spec(SIZES[self.model]))
+
+    def _device(self) -> torch.device:
+        """Where this rank's shard lives: its proc's GPU (by its place on the host) where
+        CUDA is available, else the CPU (tests override it)."""
+        return bind_local_device()
 
     @endpoint
     def connect(self) -> None:
@@ -158,10 +166,14 @@ class RLRollout(Actor):
                              f"this actor holds a TP{self.tp} shard; pass "
                              f"engine_size={self.tp} to TransferGroup.spawn")
         self.rank_in_engine = current_rank().rank % self.tp
-        self.shard = RolloutShard(SIZES[self.model], self.tp, self.rank_in_engine, 1, 0)
+        self.device = self._device()  # the references below stay on the host
+        self.shard = RolloutShard(SIZES[self.model], self.tp, self.rank_in_engine, 1, 0,
+                                  device=self.device)
         self.adapter = group.receiver(self.shard.params, self.shard.load_weights,
                                       checkpoint_spec(SIZES[self.model]),
                                       cls=self.receiver_cls)
+
+    _device = RLTrainer._device
 
     @endpoint
     def wait_version(self, version: int, history: Mapping[int, Collection[str] | None]
@@ -187,7 +199,7 @@ class RLRollout(Actor):
             ref.load_weights(checkpoint(self.model, installed).items())
             exact = digest(ref.params) == digest(self.shard.params)
         tokens = torch.randint(0, SIZES[self.model].vocab, (1, 4),
-                               generator=torch.Generator().manual_seed(seed))
+                               generator=torch.Generator().manual_seed(seed)).to(self.device)
         rank_forward(self.shard, tokens)  # the inference step, with the version installed
         return {"rank": self.adapter.worker.index, "step": self.adapter.step - 1,
                 "version": self.adapter.version, "installed": installed, "stall_s": stall,

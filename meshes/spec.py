@@ -82,15 +82,15 @@ class TrainerSpec:
         pp, dp = rest % self.pp, rest // self.pp
         return {"dp": dp, "pp": pp, "ep": ep, "tp": tp}
 
-    def shard(self, model: MoEConfig, worker: int, *, dtype: torch.dtype = torch.bfloat16
-              ) -> TrainerShard | FsdpTrainerShard:
+    def shard(self, model: MoEConfig, worker: int, *, dtype: torch.dtype = torch.bfloat16,
+              device: torch.device | str = "cpu") -> TrainerShard | FsdpTrainerShard:
         """Worker ``worker``'s shard: FSDP rank ``worker``, or its TP/EP/PP ranks' Megatron-like
-        shard (DP replicas build the same shard), with parameters of ``dtype``."""
+        shard (DP replicas build the same shard), with parameters of ``dtype`` on ``device``."""
         if self.fsdp:
-            return FsdpTrainerShard(model, self.num_workers, worker, dtype=dtype)
+            return FsdpTrainerShard(model, self.num_workers, worker, dtype=dtype, device=device)
         c = self.coords(worker)
         return TrainerShard(model, self.tp, c["tp"], self.ep, c["ep"], pp=self.pp,
-                            pp_rank=c["pp"], dtype=dtype)
+                            pp_rank=c["pp"], dtype=dtype, device=device)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

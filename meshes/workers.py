@@ -19,6 +19,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from meshes.device import bind_local_device
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
@@ -38,21 +39,26 @@ def checkpoint(config: MoEConfig, version: int, names: Iterable[str] | None = No
 
 def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int, *,
               trainer_dtype: torch.dtype = torch.bfloat16,
-              fp8_block: tuple[int, int] | None = None) -> WorkerParts:
+              fp8_block: tuple[int, int] | None = None,
+              device: torch.device | str | None = None) -> WorkerParts:
     """Rank ``rank`` of the demo model of size ``size`` (a key of `SIZES`). The trainers hold
     ``trainer_dtype`` parameters and the checkpoint is written in it; the rollouts are bf16
     and cast it on load, or with ``fp8_block`` quantize their attention projections and
-    experts to block-scaled FP8 (`meshes.fp8_rollout`)."""
+    experts to block-scaled FP8 (`meshes.fp8_rollout`). Parameters live on ``device``
+    (default: this proc's own GPU where CUDA is available, `meshes.device.bind_local_device`,
+    else the CPU); checkpoints are made on the host."""
     config = SIZES[size]
     spec.validate(config)
+    device = bind_local_device() if device is None else device
     if side == "trainer":
-        shard = spec.shard(config, rank, dtype=trainer_dtype)
+        shard = spec.shard(config, rank, dtype=trainer_dtype, device=device)
     elif fp8_block is not None:
         c = spec.coords(rank)
-        shard = Fp8RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"], block=fp8_block)
+        shard = Fp8RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"], block=fp8_block,
+                                device=device)
     else:
         c = spec.coords(rank)
-        shard = RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"])
+        shard = RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"], device=device)
     return WorkerParts(params=shard.params, load_weights=shard.load_weights,
                        spec=checkpoint_spec(config, str(trainer_dtype).removeprefix("torch.")),
                        checkpoint=functools.partial(checkpoint, config, dtype=trainer_dtype))
@@ -72,3 +78,15 @@ tiny_fp8_rollout = functools.partial(qwen3_moe, "tiny", fp8_block=(32, 32))
 bf16 trainers, rollouts quantizing attention and experts in 32 x 32 blocks (the tiny model's
 TP shards are 32-row multiples); the plan sends float8 values and float32 scales, quantized in
 the trainers' pack."""
+
+
+def tiny_emulated_cuda(side: str, spec: TrainerSpec | RolloutSpec, rank: int) -> WorkerParts:
+    """The tiny model with its parameters on the emulated CUDA device (``--workers
+    meshes.workers:tiny_emulated_cuda``): activates `weightbridge.testing.emulated_cuda` in
+    this proc, so the CUDA path (device parameters, device round buffers and checksums, CUDA's
+    device rules) runs on meshes without a GPU. A test tool: the torch copy path runs, not
+    Triton."""
+    from weightbridge.testing import emulated_cuda
+
+    emulated_cuda.activate()
+    return qwen3_moe("tiny", side, spec, rank, device="cuda")

@@ -234,3 +234,41 @@ def test_run_plan_locally_moves_cuda_parameters_bit_exact(kernels):
         host = _host(shard.params)
         assert all(torch.equal(host[n].view(torch.uint8), want.params[n].view(torch.uint8))
                    for n in want.params)
+
+
+def test_the_demo_actors_hash_cuda_parameters_on_the_host():
+    """meshes/ never calls .numpy() on a device parameter (CUDA refuses it)."""
+    from meshes.actors import checksums
+    from meshes.adapter_actors import digest
+
+    shard = RolloutShard(CONFIG, 2, 0, 1, 0, device="cuda")
+    shard.load_weights(_checkpoint(5).items())
+    host = _host(shard.params)
+    assert checksums(shard.params) == checksums(host)
+    assert digest(shard.params) == digest(host)
+
+
+# --------------------------------------------------------------------------------------------
+# Device binding (meshes.device): a proc's GPU from its place on its host
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_proc_binds_the_gpu_of_its_place_on_its_host(monkeypatch):
+    from monarch.actor import Extent, Point
+
+    from meshes.device import bind_local_device
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    hosts = Extent(["hosts", "gpus"], [2, 4])
+    assert bind_local_device(Point(6, hosts)) == torch.device("cuda", 2)  # host 1, gpu 2
+    assert bind_local_device(Point(1, Extent(["worker"], [2]))) == torch.device("cuda", 1)
+    assert bound == [torch.device("cuda", 2), torch.device("cuda", 1)]
+
+
+def test_without_cuda_a_proc_uses_the_cpu():
+    from meshes.device import bind_local_device
+
+    assert bind_local_device() == torch.device("cpu")
