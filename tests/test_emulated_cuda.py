@@ -115,3 +115,28 @@ def test_deactivate_restores_torch():
             torch.zeros(2, device="cuda")
     finally:
         emulated_cuda.activate()
+
+
+def test_a_composite_op_making_tensors_of_its_own_runs_whole_on_the_values():
+    # scaled_dot_product_attention allocates on the CUDA backend inside; it runs whole.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=gen) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = torch.nn.functional.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(),
+                                                           is_causal=True)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.nn.functional.scaled_dot_product_attention(q.cuda(), k, v.cuda())
+
+
+def test_the_demo_forward_runs_on_device_parameters():
+    from meshes.forward import rank_forward
+    from meshes.qwen3_moe import SIZES, RolloutShard
+
+    host, dev = (RolloutShard(SIZES["tiny"], 1, 0, 1, 0, device=d) for d in ("cpu", "cuda"))
+    gen = torch.Generator().manual_seed(0)
+    for n, p in host.params.items():
+        p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype) * 0.02)
+        dev.params[n].copy_(p)
+    tokens = torch.randint(0, SIZES["tiny"].vocab, (1, 4), generator=gen)
+    assert torch.equal(rank_forward(dev, tokens.cuda()).cpu(), rank_forward(host, tokens))

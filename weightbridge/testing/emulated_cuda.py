@@ -114,8 +114,19 @@ class EmulatedCudaTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _GUARDED:  # torch functions that take a CUDA device guard before dispatch
             return getattr(args[0], _GUARDED[func])(*args[1:], **kwargs)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            # A composite op (scaled_dot_product_attention) that makes tensors of its own on
+            # the CUDA backend, which this build lacks: run it whole on the host values, as
+            # the device would run it whole.
+            if not any(sign in str(e) for sign in _NO_CUDA_BACKEND):
+                raise
+            _check_devices(func, args, kwargs)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+            return _rewrap(out, args, kwargs)
 
     @staticmethod
     def __new__(cls, inner: torch.Tensor):
@@ -210,6 +221,9 @@ class EmulatedCudaTensor(torch.Tensor):
 
 
 _GUARDED = {torch.nonzero: "nonzero"}
+_NO_CUDA_BACKEND = ("from the 'CUDA' backend", "not linked with support for cuda",
+                    "Torch not compiled with CUDA")
+"""How this CPU-only build says it has no CUDA kernel or device guard for a call."""
 _COPIES = {_aten.copy_, _aten._to_copy, _aten._copy_from, _aten._copy_from_and_resize}
 
 
@@ -236,7 +250,7 @@ def _check_devices(func, args, kwargs) -> None:
     """Refuse what CUDA refuses: host operands of more than 0 dims next to device ones (host
     index tensors of ``index`` / ``index_put_`` excepted, as on CUDA), and ``out=`` on host."""
     operands = args
-    if func.overloadpacket in (_aten.index, _aten.index_put, _aten.index_put_,
+    if getattr(func, "overloadpacket", None) in (_aten.index, _aten.index_put, _aten.index_put_,
                                _aten._index_put_impl_):
         operands = (args[0],) + tuple(args[2:])  # args[1]: the indices, allowed on the host
     flat, _ = tree_flatten((operands, kwargs))
