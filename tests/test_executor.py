@@ -86,3 +86,29 @@ def test_the_copy_kernels_follow_the_parameters_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert isinstance(default_kernels(torch.device("cuda", 0)), TritonKernels)
     assert isinstance(default_kernels("cpu"), CpuCopyKernels)
+
+
+def test_pack_and_assemble_launch_on_the_parameters_gpu(monkeypatch):
+    """The library serves its calls on threads of its own, whose current CUDA device is GPU 0
+    whatever the proc bound: on a real GPU, pack and assemble run under a guard of the
+    parameters' device (Triton launches on the current device). Checked by recording the
+    guard (no GPU here)."""
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(executor_module, "on_real_cuda", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    plan, trainer, _ = _plan_for_one_rollout()
+    wplan = plan.for_worker(plan.workers[0])
+    ex = WorkerExecutor(wplan, trainer.params, CpuCopyKernels())
+    ex.pack(next(r.index for r in wplan.rounds if r.pack))
+    assert entered == [ex.device]

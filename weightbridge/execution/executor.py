@@ -17,6 +17,8 @@ Typical usage::
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -96,6 +98,10 @@ class WorkerExecutor:
         self.device = tensors[0].device if tensors else torch.device("cpu")
         # Triton on CUDA, the vectorized torch path elsewhere: chosen by where the weights are.
         self.kernels = kernels or default_kernels(self.device)
+        # Pack and assemble run on the library's threads, whose current CUDA device is GPU 0
+        # whatever the proc bound, and Triton launches on the current device.
+        self._guard = (functools.partial(torch.cuda.device, self.device)
+                       if on_real_cuda(self.device) else contextlib.nullcontext)
         self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=self.device)
                        for _ in range(depth)]
         self._pack = [self.kernels.build_table(r.pack, tensors) if r.pack else None
@@ -126,13 +132,16 @@ class WorkerExecutor:
         """Parameters -> arena r % depth (trainers), or -> ``buffer`` (on the parameters'
         device)."""
         if self._pack[r] is not None:
-            self.kernels.pack(self._pack[r], self.arena(r) if buffer is None else buffer)
+            with self._guard():
+                self.kernels.pack(self._pack[r], self.arena(r) if buffer is None else buffer)
 
     def assemble(self, r: int, buffer: torch.Tensor | None = None) -> None:
         """Arena r % depth (or ``buffer``, on the parameters' device) -> parameters (rollouts,
         after the round's last stage has landed)."""
         if self._assemble[r] is not None:
-            self.kernels.assemble(self._assemble[r], self.arena(r) if buffer is None else buffer)
+            with self._guard():
+                self.kernels.assemble(self._assemble[r],
+                                      self.arena(r) if buffer is None else buffer)
 
     def round_nbytes(self, r: int) -> tuple[int, int]:
         """(sent, assembled) bytes of round r: what a staging buffer keeps of the round.
