@@ -2,11 +2,13 @@
 (`weightbridge.testing.emulated_cuda`, activated in each proc by the worker factory or actor):
 device parameters, device round buffers and checksums, CUDA's device rules, RDMA (TCP
 fallback) into device arenas. Through the controller (`MeshTransfer`) and through
-`TransferGroup` (the adapters), bit-exact against each rank's own loader. Few and small: two
-trainer procs, one TP2 engine.
+`TransferGroup` (the adapters, round buffers in host memory), bit-exact against each rank's
+own loader. Few and small: two trainer procs, one TP2 engine.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -78,7 +80,10 @@ class EmulatedRollout(RLRollout):
 
 def test_a_transfer_group_moves_cuda_parameters_bit_exact(procs):
     tp, rp = procs
-    group = TransferGroup.spawn(tp, rp, engine_size=2, config=CONFIG)
+    # Round buffers in host memory this time (`TransferConfig.arenas`; the controller test
+    # keeps them on the device).
+    config = dataclasses.replace(CONFIG, arenas="host")
+    group = TransferGroup.spawn(tp, rp, engine_size=2, config=config)
     trainers = rollouts = None
     try:
         trainers = tp.spawn("trainer_cuda", EmulatedTrainer, "tiny", 2)

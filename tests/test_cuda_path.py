@@ -8,6 +8,8 @@ bit-exact, always compared on the host.
 
 import functools
 import gc
+import threading
+import time
 
 import pytest
 import test_adapters
@@ -20,6 +22,7 @@ from weightbridge import (ReceiverAdapter, TransferConfig, extract_source_map, p
                           run_plan_locally)
 from weightbridge.discovery.replay import replay
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
+from weightbridge.execution.executor import WorkerExecutor
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.worker import TransferWorker, UnsourcedParameter
 from weightbridge.types import Placement
@@ -136,14 +139,17 @@ def on_device(monkeypatch):
     monkeypatch.setattr(tinygroup, "Model", CudaModel)
 
 
+@pytest.mark.parametrize("arenas", ["device", "host"])
 @pytest.mark.parametrize("mode", list(test_adapters.MODES))
-def test_every_mode_installs_bit_exact_versions_on_cuda_parameters(on_device, mode):
+def test_every_mode_installs_bit_exact_versions_on_cuda_parameters(on_device, mode, arenas):
     ss, rs = test_adapters.MODES[mode]
     config = TransferConfig(timeout_s=30, sender_staging=ss, receiver_staging=rs,
-                            checksums=True)
+                            checksums=True, arenas=arenas)
     control, trainers, rollouts, _ = test_adapters._run(config)
     assert all(p.is_cuda for shard, _ in trainers + rollouts for p in shard.params.values())
     assert all(a.version == test_adapters.NUM_VERSIONS for _, a in rollouts)
+    for _, a in trainers + rollouts:  # round buffers where the config puts them
+        assert all(arena.is_cuda == (arenas == "device") for arena in a.executor.arenas)
 
 
 @pytest.mark.parametrize("mode", ["sync", "rs"])
@@ -272,3 +278,59 @@ def test_without_cuda_a_proc_uses_the_cpu():
     from meshes.device import bind_local_device
 
     assert bind_local_device() == torch.device("cpu")
+
+
+def test_arenas_take_device_or_host_only():
+    assert TransferConfig().arenas == "device"
+    with pytest.raises(ValueError, match="arenas must be one of"):
+        TransferConfig(arenas="gpu")
+
+
+def test_host_arenas_keep_one_round_of_device_scratch():
+    """``arenas="host"``: depth round buffers in host memory, one round on the device."""
+    spec = checkpoint_spec(CONFIG)
+    trainers, rollouts = _maps(TRAINER, ROLLOUT, spec)
+    plan = plan_transfer(trainers, rollouts, round_bytes=64 << 10)
+    shard = TRAINER(0, "cuda")
+
+    def device_bytes(host_arenas: bool) -> tuple[WorkerExecutor, int]:
+        gc.collect()
+        before = emulated_cuda.memory.current
+        ex = WorkerExecutor(plan.for_worker(plan.workers[0]), shard.params, CpuCopyKernels(),
+                            depth=3, host_arenas=host_arenas)
+        return ex, emulated_cuda.memory.current - before
+
+    on_device, device_arenas = device_bytes(False)
+    on_host, host_arenas = device_bytes(True)
+    assert all(a.is_cuda for a in on_device.arenas) and not any(a.is_cuda for a in on_host.arenas)
+    assert device_arenas - host_arenas == 2 * on_host.plan.buffer_bytes  # 3 arenas -> 1 round
+
+
+def test_host_arenas_assemble_one_round_at_a_time_through_the_scratch():
+    """Rounds land on several threads at once: a round's bytes must stay in the device
+    scratch while its assemble reads them (a second round copied in meanwhile corrupted the
+    first on meshes)."""
+    spec = checkpoint_spec(CONFIG)
+    trainers, rollouts = _maps(TRAINER, ROLLOUT, spec)
+    plan = plan_transfer(trainers, rollouts, round_bytes=64 << 10)
+    rollout = next(w for w in plan.workers if w.side == "rollout")
+    torn = []
+
+    class Slow(CpuCopyKernels):
+        def assemble(self, table, buffer):
+            first = buffer[:64].cpu()
+            time.sleep(0.3)  # the other round's thread runs meanwhile
+            torn.append(not torch.equal(first, buffer[:64].cpu()))
+            super().assemble(table, buffer)
+
+    ex = WorkerExecutor(plan.for_worker(rollout), ROLLOUT(0, "cuda").params, Slow(),
+                        host_arenas=True)
+    rounds = [r.index for r in ex.plan.rounds if r.assemble][:2]
+    for r in rounds:
+        ex.arena(r).fill_(r + 1)
+    threads = [threading.Thread(target=ex.assemble, args=(r,)) for r in rounds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torn == [False, False]

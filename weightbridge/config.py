@@ -19,6 +19,8 @@ DEFAULT_ROUND_BYTES = 8 << 20
 """Chosen from `benchmarks/round_size.py` (docs/performance.md, "Round size"): per-round fixed
 costs (a control message per step, one pack and one assemble launch) dominate rounds under a
 few MB; much bigger rounds only lengthen the pipeline fill and the round buffers."""
+ARENAS = ("device", "host")
+"""`TransferConfig.arenas` choices."""
 PEER_SHARE = 0.8
 """`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
 
@@ -86,6 +88,13 @@ class TransferConfig:
     """SS: `send_weights` returns once the trainer's bytes are in host memory."""
     receiver_staging: bool = False
     """RS: bytes land in host staging while rollouts generate; installed at a later poll."""
+    arenas: str = "device"
+    """Where each worker's round buffers (the memory RDMA reads and writes) live:
+    ``"device"`` (default): on the parameters' device, GPU memory that RDMA reaches directly
+    where GPUDirect RDMA is set up (Monarch's ibverbs backend), so a round costs no PCIe hop;
+    ``"host"``: in host memory (pinned next to a real GPU), which every RDMA backend registers,
+    with one round of device scratch for pack and assemble and a copy across PCIe per round.
+    For GPU parameters only: CPU parameters' arenas are host memory either way."""
     checksums: bool = True
     """Every write's bytes are checksummed by its writer and again by its receiver once the
     round landed, before anything is assembled; a mismatch fails the update closed, naming
@@ -102,6 +111,9 @@ class TransferConfig:
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got "
                              f"{self.timeout_s!r}")
+        if self.arenas not in ARENAS:
+            raise ValueError(f"arenas must be one of {ARENAS} (where round buffers live), got "
+                             f"{self.arenas!r}")
         for name in ("sender_staging", "receiver_staging", "checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

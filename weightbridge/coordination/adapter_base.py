@@ -91,7 +91,7 @@ class AdapterWorker(TransferWorker):
             interval = min(interval * 1.5, first * POLL_BACKOFF)
 
 
-def host_buffer(nbytes: int, like: torch.Tensor) -> torch.Tensor:
-    """Host staging memory for a worker whose arenas are ``like``'s; pinned next to a GPU
-    (a real one: the emulated device has no pinned memory)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_real_cuda(like.device))
+def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """Host staging memory for a worker whose parameters are on ``device``; pinned next to a
+    GPU (a real one: the emulated device has no pinned memory)."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_real_cuda(device))

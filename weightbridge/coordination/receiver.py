@@ -207,14 +207,14 @@ class ReceiverAdapter(AdapterWorker):
         handles = super().on_setup(plan, ranges, generation)
         with self.cond:
             if self.config.receiver_staging and ranges is not None:  # (rewired: slots stay)
-                arena = self.executor.arenas[0]
-                # Install copies a staged round here first (H2D on GPUs): the arenas may be
-                # receiving the next version meanwhile.
+                device = self.executor.device
+                # Install copies a staged round to the parameters' device first (H2D on
+                # GPUs): the arenas may be receiving the next version meanwhile.
                 largest = max((self._offsets[r + 1] - self._offsets[r]
                                for r in range(self.executor.num_rounds)), default=0)
-                install_buf = torch.empty(largest, dtype=torch.uint8, device=arena.device)
+                install_buf = torch.empty(largest, dtype=torch.uint8, device=device)
                 for s in (2 * generation, 2 * generation + 1):
-                    self._slots[s] = (host_buffer(self._offsets[-1], arena), self.executor,
+                    self._slots[s] = (host_buffer(self._offsets[-1], device), self.executor,
                                       self._offsets, install_buf)
         return handles
 

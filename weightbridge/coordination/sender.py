@@ -191,7 +191,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
             self._wait(lambda: not self.stage.busy,
                        "the previous transfer did not release the staging buffer")
             if self._staging is None:
-                self._staging = host_buffer(self._offsets[-1], self.executor.arenas[0])
+                self._staging = host_buffer(self._offsets[-1], self.executor.device)
             for r in range(self.executor.num_rounds):
                 # Pack on the device into a round arena (free: with SS the transfer reads the
                 # staging copy), then copy to host memory (D2H on GPUs).

@@ -236,7 +236,8 @@ class TransferWorker:
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
     def _setup(self, plan: WorkerPlan) -> None:
-        self.executor = WorkerExecutor(plan, self.params, self.kernels, depth=self.config.depth)
+        self.executor = WorkerExecutor(plan, self.params, self.kernels, depth=self.config.depth,
+                                       host_arenas=self.config.arenas == "host")
 
     def on_set_peers(self, handles: Mapping) -> None:
         self.transport.set_peers(handles)

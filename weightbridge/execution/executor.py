@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -76,7 +77,8 @@ class WorkerExecutor:
     """
 
     def __init__(self, plan: WorkerPlan, params: Mapping[str, torch.Tensor],
-                 kernels: CopyKernels | None = None, *, depth: int = 2):
+                 kernels: CopyKernels | None = None, *, depth: int = 2,
+                 host_arenas: bool = False):
         assert depth >= 2, depth  # TransferConfig validates it
         self.plan, self.depth = plan, depth
         tensors = []
@@ -102,7 +104,16 @@ class WorkerExecutor:
         # whatever the proc bound, and Triton launches on the current device.
         self._guard = (functools.partial(torch.cuda.device, self.device)
                        if on_real_cuda(self.device) else contextlib.nullcontext)
-        self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=self.device)
+        # Host arenas next to device parameters (`TransferConfig.arenas`): pack and assemble
+        # go through one round of device scratch, copied across at each round, one round at a
+        # time (rounds land on several threads at once).
+        self._scratch = (torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=self.device)
+                         if host_arenas and self.device.type != "cpu" else None)
+        self._scratch_lock = threading.Lock()
+        where = self.device if self._scratch is None else torch.device("cpu")
+        self.arenas = [torch.zeros(plan.buffer_bytes, dtype=torch.uint8, device=where,
+                                   pin_memory=self._scratch is not None
+                                   and on_real_cuda(self.device))
                        for _ in range(depth)]
         self._pack = [self.kernels.build_table(r.pack, tensors) if r.pack else None
                       for r in plan.rounds]
@@ -131,17 +142,28 @@ class WorkerExecutor:
     def pack(self, r: int, buffer: torch.Tensor | None = None) -> None:
         """Parameters -> arena r % depth (trainers), or -> ``buffer`` (on the parameters'
         device)."""
-        if self._pack[r] is not None:
-            with self._guard():
-                self.kernels.pack(self._pack[r], self.arena(r) if buffer is None else buffer)
+        if self._pack[r] is None:
+            return
+        staged = buffer is None and self._scratch is not None
+        with self._guard(), (self._scratch_lock if staged else contextlib.nullcontext()):
+            self.kernels.pack(self._pack[r], self._scratch if staged else
+                              self.arena(r) if buffer is None else buffer)
+            if staged:  # device -> host arena
+                n = self.round_nbytes(r)[0]
+                self.arena(r)[:n].copy_(self._scratch[:n])
 
     def assemble(self, r: int, buffer: torch.Tensor | None = None) -> None:
         """Arena r % depth (or ``buffer``, on the parameters' device) -> parameters (rollouts,
         after the round's last stage has landed)."""
-        if self._assemble[r] is not None:
-            with self._guard():
-                self.kernels.assemble(self._assemble[r],
-                                      self.arena(r) if buffer is None else buffer)
+        if self._assemble[r] is None:
+            return
+        staged = buffer is None and self._scratch is not None
+        with self._guard(), (self._scratch_lock if staged else contextlib.nullcontext()):
+            if staged:  # host arena -> device
+                n = self.round_nbytes(r)[1]
+                self._scratch[:n].copy_(self.arena(r)[:n])
+            self.kernels.assemble(self._assemble[r], self._scratch if staged else
+                                  self.arena(r) if buffer is None else buffer)
 
     def round_nbytes(self, r: int) -> tuple[int, int]:
         """(sent, assembled) bytes of round r: what a staging buffer keeps of the round.
