@@ -16,7 +16,9 @@ Device allocations are counted (each storage once, freed when its last tensor go
 reports current and peak bytes, so tests and benchmarks measure peak device memory.
 
 What it does not emulate: streams and their ordering, pinned host memory, Triton launches,
-device memory limits. ``torch.cuda.is_available()`` stays False, so library code that asks it
+device memory limits, autograd (``requires_grad`` stays False: torch's autograd takes a CUDA
+device guard this build cannot serve). A composite op that allocates on the CUDA backend inside
+(``scaled_dot_product_attention``) runs whole on the host values, after the device check. ``torch.cuda.is_available()`` stays False, so library code that asks it
 (`weightbridge.execution.executor.default_kernels`) runs its torch path on these tensors and
 never launches Triton.
 
@@ -55,7 +57,9 @@ class _Memory:
     """Device bytes held by live `EmulatedCudaTensor` storages (each storage counted once)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        # Reentrant: a storage freed by the garbage collector while `_track` holds the lock
+        # runs `_free` on the same thread.
+        self._lock = threading.RLock()
         self._live: dict[int, int] = {}
         self.current = 0
         """Bytes allocated now."""
