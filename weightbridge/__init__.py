@@ -14,7 +14,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapters import ReceiverAdapter, SenderAdapter, TransferFailed
 from weightbridge.coordination.local import run_plan_locally
 from weightbridge.coordination.worker import (ChecksumMismatch, ReplicaMismatch, TransferWorker,
-                                              WorkerParts)
+                                              UnsourcedParameter, WorkerParts)
 from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec
 from weightbridge.discovery.correspond import correspond
 from weightbridge.discovery.probe import extract_source_map
@@ -70,6 +70,7 @@ __all__ = [
     "TransferFailed",
     "ChecksumMismatch",
     "ReplicaMismatch",
+    "UnsourcedParameter",
     "Transfer",
     "TransferPlan",
     "TransferWorker",
