@@ -284,9 +284,12 @@ def cluster_security(args, hosts: int) -> Security:
     security = resolve(tls_dir=args.tls_dir, ca=None, cert=None, key=None,
                        insecure=args.insecure, name="controller", env={})
     if args.tls_dir:
-        for name in names:
+        for name in names + [CONTROLLER_ADDRESS]:
+            creds = (Credentials.from_dir(args.tls_dir, name) if name != CONTROLLER_ADDRESS
+                     else security.credentials)
             try:
-                check_files(Credentials.from_dir(args.tls_dir, name))
+                check_files(creds)
+                Security(creds).check_named(name, "an emulated host")
             except ValueError as e:
                 raise ValueError(f"--tls-dir {args.tls_dir} for emulated host {name}: {e} "
                                  f"(made with `{make}`?)") from None

@@ -25,6 +25,7 @@ Typical usage::
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import subprocess
@@ -90,12 +91,31 @@ class Security:
                          f"tls://, or pass --insecure on a network only you can reach")
 
     def check_transport(self, env: Mapping[str, str] = os.environ) -> None:
-        """``HYPERACTOR_MESH_DEFAULT_TRANSPORT`` must be ``<scheme>://<this host>:0``."""
+        """``HYPERACTOR_MESH_DEFAULT_TRANSPORT`` must be ``<scheme>://<this host>:0``, and this
+        side's certificate must name that host (peers dial back to it and check the name)."""
         transport = env.get(TRANSPORT_ENV, "")
         if not transport.startswith(f"{self.scheme}://"):
             raise ValueError(f"this {'--insecure' if self.insecure else 'authenticated'} run "
                              f"needs export {TRANSPORT_ENV}={self.scheme}://<this host's "
                              f"address>:0 before it starts (got {transport!r})")
+        self.check_named(transport.split("://", 1)[1].rsplit(":", 1)[0], TRANSPORT_ENV)
+
+    def check_named(self, host: str, what: str) -> None:
+        """This side's certificate names ``host`` (with ``openssl`` on PATH): a peer that dials
+        ``host`` refuses a certificate that does not (ValueError saying so)."""
+        if self.credentials is None or shutil.which("openssl") is None:
+            return
+        try:
+            ipaddress.ip_address(host)
+            kind = "-checkip"
+        except ValueError:
+            kind = "-checkhost"
+        done = subprocess.run(["openssl", "x509", "-in", self.credentials.cert, "-noout", kind,
+                               host], capture_output=True, text=True)
+        if "does match" not in done.stdout:
+            raise ValueError(f"TLS certificate {self.credentials.cert} does not name {host} "
+                             f"(the host of {what}); peers dialling {host} would refuse it: "
+                             f"make it for {host} (controller.certs --hosts/--controller)")
 
 
 def insecure_warning(role: str) -> str:

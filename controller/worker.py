@@ -34,6 +34,7 @@ def prepare(argv: list[str] | None = None, env=os.environ) -> str:
         security = resolve(tls_dir=args.tls_dir, ca=args.tls_ca, cert=args.tls_cert,
                            key=args.tls_key, insecure=args.insecure, name=host, env=env)
         security.check_address(args.address, "worker address")
+        security.check_named(host, "the worker address")
         env.setdefault(TRANSPORT_ENV, f"{security.scheme}://{host}:0")
         security.check_transport(env)
     except ValueError as e:

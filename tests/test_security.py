@@ -109,7 +109,7 @@ def test_addresses_and_transport_must_match_the_mode(certs):
         secure.check_address("tcp://node1:4444", "worker address")
     with pytest.raises(ValueError, match="an --insecure run uses plaintext tcp://"):
         Security(None).check_address("tls://node1:4444", "worker address")
-    secure.check_transport({TRANSPORT_ENV: "tls://10.1.0.1:0"})
+    secure.check_transport({TRANSPORT_ENV: "tls://node1:0"})
     with pytest.raises(ValueError, match=f"needs export {TRANSPORT_ENV}=tls://"):
         secure.check_transport({TRANSPORT_ENV: "tcp://10.1.0.1:0"})
 
@@ -146,3 +146,31 @@ def test_the_helper_makes_a_cluster_from_the_command_line(tmp_path):
     for name in ("ca", "a", "b", "controller"):
         assert (tmp_path / "c" / f"{name}.crt").is_file()
     resolve(**{**NONE, "tls_dir": str(tmp_path / "c")}, name="b", env={})  # files check out
+
+
+def test_a_certificate_must_name_the_host_peers_dial(certs):
+    node1 = resolve(**{**NONE, "tls_dir": str(certs)}, name="node1", env={})
+    node1.check_named("node1", "the worker address")
+    with pytest.raises(ValueError, match="does not name node2 .*peers dialling node2 would"):
+        node1.check_named("node2", "the worker address")
+    controller = resolve(**{**NONE, "tls_dir": str(certs)}, name="controller", env={})
+    controller.check_transport({TRANSPORT_ENV: "tls://10.1.0.1:0"})
+    with pytest.raises(ValueError, match=f"does not name 10.1.0.9 \\(the host of {TRANSPORT_ENV}"):
+        controller.check_transport({TRANSPORT_ENV: "tls://10.1.0.9:0"})
+    # A worker refuses to serve under a certificate made for another host.
+    done = _run("controller.worker", "tls://10.1.0.2:4444", "--tls-ca", str(certs / "ca.crt"),
+                "--tls-cert", str(certs / "node1.crt"), "--tls-key", str(certs / "node1.key"))
+    assert done.returncode != 0 and "does not name 10.1.0.2" in done.stderr
+
+
+def test_a_cluster_run_checks_its_folder_names_every_emulated_host(certs):
+    from controller.cli import build_parser, validate
+
+    specs = ["--trainer", "nodes=1,gpus=2,tp=2", "--rollout", "engines=2,nodes=1,gpus=1"]
+    with pytest.raises(ValueError, match=r"for emulated host 10\.77\.0\.2: TLS certificate "
+                                         r".* cannot read it"):
+        validate(build_parser().parse_args(["--cluster", "--tls-dir", str(certs), *specs]))
+    with pytest.raises(ValueError, match="--cluster takes its files from --tls-dir DIR"):
+        validate(build_parser().parse_args(["--cluster", "--tls-ca", "x", *specs]))
+    run = validate(build_parser().parse_args(["--cluster", "--insecure", *specs]))
+    assert run.security == Security(None)
