@@ -376,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "status":
         print("\n".join(existing()) or "no emulated cluster")
         return 0
+    if (args.tls_dir is None) == (not args.insecure):
+        parser.error(f"give --tls-dir DIR (made by `{certs_command(args.hosts)}`) for "
+                     f"authenticated workers, or --insecure, exactly one")
     try:
         cluster = EmulatedCluster(args.hosts, link_mbit=args.link_mbit, tls_dir=args.tls_dir,
                                   insecure=args.insecure)

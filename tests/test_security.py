@@ -174,3 +174,11 @@ def test_a_cluster_run_checks_its_folder_names_every_emulated_host(certs):
         validate(build_parser().parse_args(["--cluster", "--tls-ca", "x", *specs]))
     run = validate(build_parser().parse_args(["--cluster", "--insecure", *specs]))
     assert run.security == Security(None)
+
+
+def test_the_cluster_command_refuses_workers_without_files_or_insecure():
+    done = _run("controller.cluster", "up", "--hosts", "2")
+    assert done.returncode == 2
+    assert ("give --tls-dir DIR (made by `python -m controller.certs make DIR --hosts "
+            "10.77.0.2,10.77.0.3 --controller 10.77.0.1`) for authenticated workers, or "
+            "--insecure") in done.stderr
