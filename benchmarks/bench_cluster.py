@@ -76,18 +76,22 @@ def attached(addrs, tspec, rspec, *, head: bool = False):
     the rollout nodes engine by engine; with ``head``, a third item: one proc on the first
     trainer host (the broadcast head's). Stopped on exit."""
     from controller.launch import attach_procs
+    from controller.security import Security
+
+    insecure = Security(None)  # the local emulation: EmulatedCluster(..., insecure=True)
 
     owners = []
     try:
-        t_owner, tp = attach_procs(addrs[:tspec.nodes], gpus=tspec.gpus, name="trainer")
+        t_owner, tp = attach_procs(addrs[:tspec.nodes], gpus=tspec.gpus, name="trainer",
+                                   security=insecure)
         owners.append(t_owner)
         r_addrs = addrs[tspec.nodes:tspec.nodes + rspec.engines * rspec.nodes]
-        r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout")
+        r_owner, rp = attach_procs(r_addrs, gpus=rspec.gpus, name="rollout", security=insecure)
         owners.append(r_owner)
         if not head:
             yield tp, rp
             return
-        h_owner, hp = attach_procs(addrs[:1], gpus=1, name="bcast_head")
+        h_owner, hp = attach_procs(addrs[:1], gpus=1, name="bcast_head", security=insecure)
         owners.append(h_owner)
         yield tp, rp, hp
     finally:
@@ -159,7 +163,7 @@ def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = []
     t0 = time.perf_counter()
-    with EmulatedCluster(8, link_mbit=args.link_mbit,
+    with EmulatedCluster(8, link_mbit=args.link_mbit, insecure=True,
                          control_priority=not args.fifo_links) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -98,7 +98,7 @@ def main() -> int:
         return 0
     t0 = time.perf_counter()
     summary = []
-    with EmulatedCluster(8, link_mbit=args.link_mbit) as cluster:
+    with EmulatedCluster(8, link_mbit=args.link_mbit, insecure=True) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links; model {args.model}, "

@@ -6,14 +6,16 @@
     python -m controller --updates 2 --trace /tmp/update.json  # + timeline of the last update
     python -m controller --workers my_pkg.models:factory ...   # any model: a worker factory
     python -m controller --local                               # in-process demo, no meshes
-    python -m controller --attach-trainers tcp://t0:4444 \
-        --attach-rollouts tcp://r0:4444,tcp://r1:4444 ...       # workers on other hosts
+    python -m controller --attach-trainers tls://t0:4444 \
+        --attach-rollouts tls://r0:4444,tls://r1:4444 --tls-dir certs ...  # workers on other hosts
+    python -m controller --cluster --tls-dir certs              # an emulated cluster (root)
 
 The mesh run spawns both meshes on this host, probes every rank's own load_weights, plans the
 three-stage transfer on the controller, registers the rollouts' round buffers for RDMA once, then
 per update runs a stand-in train step, moves every round (pack, RDMA writes, forwards, assemble)
 and checks every rollout parameter by checksum against its own load_weights of that version.
-See docs/controller.md.
+Multi-host runs (``--attach-*``, ``--cluster``) are mutual TLS unless told ``--insecure``
+(controller/security.py). See docs/controller.md.
 
 ``--local`` runs the same discover/plan/transfer/verify pipeline in one process: the four ranks
 of a Megatron-like trainer (TP2 x EP2) and the four ranks of two TP2 rollout engines, moved by
@@ -33,6 +35,7 @@ import time
 import torch
 
 from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
+from controller.security import insecure_warning
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond, extract_source_map,
                           plan_transfer, run_plan_locally)
@@ -56,14 +59,20 @@ def main(argv: list[str] | None = None) -> None:
 
 def mesh_run(args, run: Run) -> int:
     """Spawn (or attach), connect, update ``--updates`` times; 1 when any weight mismatched."""
+    from controller.launch import WorkerRefused
+
+    if run.security is not None:  # before Monarch is imported: it reads its TLS files once
+        os.environ.update(run.security.env)
+        if run.security.insecure:
+            print(insecure_warning("controller"), file=sys.stderr, flush=True)
     from controller.driver import MeshTransfer  # imports monarch: only for the mesh run
 
     trainer, rollout, config, workers = run.trainer, run.rollout, run.config, run.workers
     procs, owners = None, ()
     if run.addresses is not None:
         try:
-            owners, procs = attach(run.addresses, trainer, rollout)
-        except ValueError as e:
+            owners, procs = attach(run.addresses, trainer, rollout, run.security)
+        except (ValueError, WorkerRefused) as e:
             print(f"error: {e}", file=sys.stderr)
             return BAD_INPUT
     print(f"workers {workers}: trainer [{args.trainer}] {trainer.num_workers} procs, rollout "
@@ -112,7 +121,8 @@ def cluster_run(args, run: Run) -> int:
     args.link_mbit = args.link_mbit or 400.0
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
-        with EmulatedCluster(hosts, link_mbit=args.link_mbit) as cluster:
+        with EmulatedCluster(hosts, link_mbit=args.link_mbit, tls_dir=args.tls_dir,
+                             insecure=args.insecure) as cluster:
             os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
             addrs = cluster.addresses
             addresses = (addrs[:trainer.nodes], addrs[trainer.nodes:])
@@ -125,15 +135,20 @@ def cluster_run(args, run: Run) -> int:
         return BAD_INPUT
 
 
-def attach(addresses: tuple[list[str], list[str]], trainer, rollout) -> tuple[tuple, tuple]:
+def attach(addresses: tuple[list[str], list[str]], trainer, rollout, security
+           ) -> tuple[tuple, tuple]:
     """Proc meshes on remote Monarch workers, one address per node of each spec (checked by
     `attach_addresses`): ((trainer owner, rollout owner), (trainer workers, rollout workers))."""
-    from controller.launch import attach_procs
+    from controller.launch import attach_procs, probe_workers
 
     t_addrs, r_addrs = addresses
-    t_owner, tp = attach_procs(t_addrs, gpus=trainer.gpus, name="trainer")
+    if security.credentials is not None:  # every worker's handshake before any proc spawns
+        probe_workers(t_addrs + r_addrs, security.credentials)
+    t_owner, tp = attach_procs(t_addrs, gpus=trainer.gpus, name="trainer", security=security,
+                               probe=False)
     try:
-        r_owner, rp = attach_procs(r_addrs, gpus=rollout.gpus, name="rollout")
+        r_owner, rp = attach_procs(r_addrs, gpus=rollout.gpus, name="rollout",
+                                   security=security, probe=False)
     except BaseException:
         t_owner.stop().get(timeout=60)
         raise

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import NamedTuple
 
+from controller.security import Credentials, Security, add_flags, check_files, resolve
 from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
@@ -42,6 +43,8 @@ class Run(NamedTuple):
     """A demo model name or ``module:factory``."""
     addresses: tuple[list[str], list[str]] | None
     """(trainer, rollout) worker addresses to attach to; None: spawn on this host."""
+    security: Security | None = None
+    """Multi-host runs (attach, cluster): mutual TLS files, or insecure; None: one host."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-mbit", type=float,
                         help="host link rate, Mbit/s each direction: shapes --cluster links "
                              "(default 400) and replaces the link probe in Eq. (1)")
+    add_flags(parser)  # --tls-dir, --tls-ca, --tls-cert, --tls-key, --insecure
     return parser
 
 
@@ -118,7 +122,9 @@ def validate(args) -> Run:
         check_ignored(args, "--cluster", "attaches to the emulated hosts it brings up",
                       only={"attach_trainers", "attach_rollouts", "local"})
         check_cluster(args, trainer, rollout)
-    return Run(trainer, rollout, config, workers, attach_addresses(args, trainer, rollout))
+    addresses = attach_addresses(args, trainer, rollout)
+    return Run(trainer, rollout, config, workers, addresses,
+               check_security(args, addresses, trainer.nodes + rollout.engines * rollout.nodes))
 
 
 def transfer_config(args) -> TransferConfig:
@@ -236,3 +242,55 @@ def attach_addresses(args, trainer: TrainerSpec, rollout: RolloutSpec
         raise ValueError(f"--attach-rollouts names {len(r_addrs)} workers, but the rollout spec "
                          f"has engines*nodes={rollout.engines * rollout.nodes}")
     return t_addrs, r_addrs
+
+
+TLS_FLAGS = ("tls_dir", "tls_ca", "tls_cert", "tls_key", "insecure")
+
+
+def check_security(args, addresses, hosts: int) -> Security | None:
+    """Multi-host runs are mutual TLS unless --insecure (controller/security.py): the files are
+    found and checked here; a run on this host refuses the flags (it would ignore them)."""
+    given = [f"--{n.replace('_', '-')}" for n in TLS_FLAGS if getattr(args, n)]
+    if addresses is None and args.cluster is None:
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to multi-host runs (--attach-*, "
+                             f"--cluster); this run spawns on this host: drop them")
+        return None
+    if args.cluster is not None:
+        return cluster_security(args, hosts)
+    security = resolve(tls_dir=args.tls_dir, ca=args.tls_ca, cert=args.tls_cert,
+                       key=args.tls_key, insecure=args.insecure, name="controller")
+    for a in addresses[0] + addresses[1]:
+        security.check_address(a, "worker address")
+    security.check_transport(os.environ)
+    return security
+
+
+def cluster_security(args, hosts: int) -> Security:
+    """--cluster: --tls-dir DIR (files for the controller and every emulated host, made by
+    controller.certs for their addresses) or --insecure."""
+    from controller.cluster import CONTROLLER_ADDRESS, host_address  # constants, no namespaces
+
+    names = [host_address(i) for i in range(hosts)]
+    make = (f"python -m controller.certs make DIR --hosts {','.join(names)} --controller "
+            f"{CONTROLLER_ADDRESS}")
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        raise ValueError(f"--cluster takes its files from --tls-dir DIR (every emulated host "
+                         f"needs its own): make them with `{make}`")
+    if not (args.tls_dir or args.insecure):
+        raise ValueError(f"--cluster runs authenticated (mutual TLS) unless told --insecure: "
+                         f"make the files with `{make}` and pass --tls-dir DIR, or pass "
+                         f"--insecure")
+    security = resolve(tls_dir=args.tls_dir, ca=None, cert=None, key=None,
+                       insecure=args.insecure, name="controller", env={})
+    if args.tls_dir:
+        for name in names + [CONTROLLER_ADDRESS]:
+            creds = (Credentials.from_dir(args.tls_dir, name) if name != CONTROLLER_ADDRESS
+                     else security.credentials)
+            try:
+                check_files(creds)
+                Security(creds).check_named(name, "an emulated host")
+            except ValueError as e:
+                raise ValueError(f"--tls-dir {args.tls_dir} for emulated host {name}: {e} "
+                                 f"(made with `{make}`?)") from None
+    return security

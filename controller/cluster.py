@@ -1,9 +1,11 @@
 """An emulated cluster on this machine: hosts are network namespaces behind shaped links.
 
-    python -m controller.cluster up --hosts 3 --link-mbit 400    # prints the worker addresses
+    python -m controller.certs make certs --hosts 10.77.0.2,10.77.0.3,10.77.0.4 \
+        --controller 10.77.0.1                                    # once: a CA, a key per host
+    python -m controller.cluster up --hosts 3 --link-mbit 400 --tls-dir certs  # prints addresses
     python -m controller.cluster down                            # removes everything it made
     python -m controller.cluster status
-    python -m controller.cluster run --hosts 3 --link-mbit 100 -- CMD ...  # up, CMD, down
+    python -m controller.cluster run --hosts 3 --insecure -- CMD ...  # up, CMD, down
 
 Layout (root only; names and addresses are ours alone, so teardown finds them by name):
 
@@ -14,7 +16,8 @@ Layout (root only; names and addresses are ours alone, so teardown finds them by
                     under each tbf a two-band priority queue (htb + u32 on the IP length):
                     packets under 1408 bytes (control messages, TCP ACKs) go before full
                     1500-byte data segments
-                    a Monarch worker: python -m controller.worker tcp://10.77.0.{i+2}:4444
+                    a Monarch worker: python -m controller.worker tls://10.77.0.{i+2}:4444
+                    (its own TLS files; tcp:// and --insecure when the cluster is insecure)
 
 Each host's link is a full-duplex link of the given rate, so transfers between hosts are bound
 by the links, as on a real cluster, while every process still shares this machine's CPUs and
@@ -33,9 +36,17 @@ process in its namespaces and deletes the links, the namespaces and the bridge.
 
 Typical usage::
 
-    with EmulatedCluster(3, link_mbit=400) as cluster:
+    with EmulatedCluster(3, link_mbit=400, tls_dir="certs") as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport
-        hosts = attach_to_workers(workers=cluster.addresses, ca="trust_all_connections")
+        os.environ.update(cluster.controller_security.env)    # before importing monarch
+        procs = attach_procs(cluster.addresses, gpus=1, name="trainer",
+                             security=cluster.controller_security)
+
+Authenticated like a real cluster (controller/security.py): each worker serves ``tls://`` with
+its own files, from ``tls_dir`` (made by ``python -m controller.certs make DIR --hosts
+10.77.0.2,... --controller 10.77.0.1``: `certs_command` prints it) or ``credentials`` (one per
+host); ``insecure=True`` runs plaintext trust-all ``tcp://`` workers instead. One of them is
+required.
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
+
+from controller.security import CONTROLLER, Credentials, Security, check_files
 
 TRANSPORT_ENV = "HYPERACTOR_MESH_DEFAULT_TRANSPORT"
 NS_PREFIX = "wb-h"
@@ -57,6 +71,7 @@ VETH_PREFIX = "wb-v"
 BRIDGE = "wb-br0"
 SUBNET = "10.77.0"
 """A private /24 of our own; .1 is the bridge (the controller), .2.. the hosts."""
+CONTROLLER_ADDRESS = f"{SUBNET}.1"
 WORKER_PORT = 4444
 QUEUE_S = 0.2
 """Each link's queue holds this much traffic (TCP sees few drops)."""
@@ -98,6 +113,12 @@ def host_address(i: int) -> str:
     return f"{SUBNET}.{i + 2}"
 
 
+def certs_command(hosts: int, folder: str = "DIR") -> str:
+    """The `controller.certs` command that makes the files of a ``hosts``-host cluster."""
+    return (f"python -m controller.certs make {folder} --hosts "
+            f"{','.join(host_address(i) for i in range(hosts))} --controller {CONTROLLER_ADDRESS}")
+
+
 class EmulatedCluster:
     """``hosts`` namespaces on a bridge, links shaped to ``link_mbit``, a worker in each.
 
@@ -107,17 +128,42 @@ class EmulatedCluster:
     Keyword Args:
         link_mbit: Rate of every host link, each direction, Mbit/s.
         start_workers: Start a Monarch worker per host (False: only the network).
+        tls_dir: A folder made by `certs_command`: each host's worker serves mutual TLS with
+            its own files, and `controller_security` holds the controller's.
+        credentials: Instead of ``tls_dir``: each host's worker's files, host 0 first
+            (`controller_security` is then None: give the controller its own files).
+        insecure: Plaintext trust-all ``tcp://`` workers (the workers warn what it exposes).
         log_dir: Where the workers' output goes (a temporary folder by default).
         control_priority: Serve packets shorter than a full segment before bulk data on every
             link (see the module doc); False: one FIFO queue per link.
     """
 
-    def __init__(self, hosts: int, *, link_mbit: float, start_workers: bool = True,
-                 log_dir: str | None = None, control_priority: bool = True):
+    def __init__(self, hosts: int, *, link_mbit: float, tls_dir: str | None = None,
+                 credentials: Sequence[Credentials] | None = None, insecure: bool = False,
+                 start_workers: bool = True, log_dir: str | None = None,
+                 control_priority: bool = True):
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be in [1, {MAX_HOSTS}], got {hosts}")
         if link_mbit <= 0:
             raise ValueError(f"link_mbit must be positive, got {link_mbit}")
+        chosen = (tls_dir is not None) + (credentials is not None) + bool(insecure)
+        if chosen > 1 or (start_workers and chosen == 0):
+            raise ValueError(f"give the workers' TLS files (tls_dir=DIR made by "
+                             f"`{certs_command(hosts)}`, or credentials=[...] per host) or "
+                             f"insecure=True, exactly one")
+        if tls_dir is not None:
+            credentials = [Credentials.from_dir(tls_dir, host_address(i)) for i in range(hosts)]
+        if credentials is not None:
+            if len(credentials) != hosts:
+                raise ValueError(f"credentials: {len(credentials)} given for {hosts} hosts")
+            for c in credentials:
+                check_files(c)
+        self.worker_credentials = list(credentials) if credentials is not None else None
+        # The controller's side: from tls_dir, or insecure; None with credentials= (the caller
+        # brings the controller's own files then).
+        self.controller_security: Security | None = (
+            Security(None) if insecure else
+            Security(Credentials.from_dir(tls_dir, CONTROLLER)) if tls_dir is not None else None)
         self.hosts, self.link_mbit = hosts, float(link_mbit)
         self.start_workers = start_workers
         self.control_priority = control_priority
@@ -129,14 +175,19 @@ class EmulatedCluster:
         return self.link_mbit * 1e6 / 8
 
     @property
+    def scheme(self) -> str:
+        """``tls`` (mutual TLS) or ``tcp`` (insecure)."""
+        return "tcp" if self.worker_credentials is None else "tls"
+
+    @property
     def addresses(self) -> list[str]:
         """Monarch worker addresses, host 0 first."""
-        return [f"tcp://{host_address(i)}:{WORKER_PORT}" for i in range(self.hosts)]
+        return [f"{self.scheme}://{host_address(i)}:{WORKER_PORT}" for i in range(self.hosts)]
 
     @property
     def controller_transport(self) -> str:
         """The transport the controller (root namespace) must use to reach the workers."""
-        return f"tcp://{SUBNET}.1:0"
+        return f"{self.scheme}://{CONTROLLER_ADDRESS}:0"
 
     def __enter__(self) -> "EmulatedCluster":
         try:
@@ -205,12 +256,17 @@ class EmulatedCluster:
 
     def _start_worker(self, i: int) -> None:
         addr = host_address(i)
-        env = dict(os.environ, **{TRANSPORT_ENV: f"tcp://{addr}:0"})
+        env = dict(os.environ, **{TRANSPORT_ENV: f"{self.scheme}://{addr}:0"})
         env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in sys.path if p])
+        if self.worker_credentials is None:
+            tls = ["--insecure"]
+        else:
+            c = self.worker_credentials[i]
+            tls = ["--tls-ca", c.ca, "--tls-cert", c.cert, "--tls-key", c.key]
         log = open(self.log_dir / f"worker-h{i}.log", "w")
         self.workers.append(subprocess.Popen(
             ["ip", "netns", "exec", f"{NS_PREFIX}{i}", sys.executable, "-m", "controller.worker",
-             self.addresses[i]], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+             self.addresses[i], *tls], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True))
         log.close()
 
@@ -303,6 +359,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name)
         p.add_argument("--hosts", type=int, default=3)
         p.add_argument("--link-mbit", type=float, default=400)
+        p.add_argument("--tls-dir", metavar="DIR",
+                       help="the files `python -m controller.certs make` made for these hosts")
+        p.add_argument("--insecure", action="store_true",
+                       help="plaintext trust-all tcp:// workers instead")
         if name == "run":
             p.add_argument("command", nargs=argparse.REMAINDER)
     sub.add_parser("down")
@@ -316,11 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "status":
         print("\n".join(existing()) or "no emulated cluster")
         return 0
-    cluster = EmulatedCluster(args.hosts, link_mbit=args.link_mbit)
+    if (args.tls_dir is None) == (not args.insecure):
+        parser.error(f"give --tls-dir DIR (made by `{certs_command(args.hosts)}`) for "
+                     f"authenticated workers, or --insecure, exactly one")
+    try:
+        cluster = EmulatedCluster(args.hosts, link_mbit=args.link_mbit, tls_dir=args.tls_dir,
+                                  insecure=args.insecure)
+    except ValueError as e:
+        parser.error(str(e))
     if args.cmd == "up":
         with_cleanup = cluster.__enter__  # tears down itself if bringing up fails
         with_cleanup()
         print(f"export {TRANSPORT_ENV}={cluster.controller_transport}")
+        for k, v in (cluster.controller_security or Security(None)).env.items():
+            print(f"export {k}={v}")
         print(f"workers ({args.link_mbit:g} Mbit/s links): {','.join(cluster.addresses)}")
         print(f"worker logs: {cluster.log_dir}; tear down: python -m controller.cluster down")
         return 0
@@ -331,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     with cluster:
         env = dict(os.environ, WB_CLUSTER_WORKERS=",".join(cluster.addresses),
                    WB_CLUSTER_LINK_MBIT=f"{args.link_mbit:g}",
-                   **{TRANSPORT_ENV: cluster.controller_transport})
+                   **{TRANSPORT_ENV: cluster.controller_transport},
+                   **cluster.controller_security.env)
         try:
             return subprocess.run(command, env=env).returncode
         except KeyboardInterrupt:

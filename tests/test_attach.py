@@ -21,18 +21,25 @@ def _free_port() -> int:
 
 
 @pytest.mark.mesh
-def test_controller_attaches_to_remote_workers_and_verifies_updates():
-    env = dict(os.environ, HYPERACTOR_MESH_DEFAULT_TRANSPORT="tcp://127.0.0.1:0")
-    addrs = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(3)]
-    workers = [subprocess.Popen([sys.executable, "-m", "controller.worker", a], cwd=REPO,
-                                env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for a in addrs]
+def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
+    # Mutual TLS, as by default: one CA, the loopback "host" and the controller keys.
+    make = subprocess.run([sys.executable, "-m", "controller.certs", "make", str(tmp_path),
+                           "--hosts", "127.0.0.1", "--controller", "127.0.0.1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert make.returncode == 0, make.stdout + make.stderr
+    env = dict(os.environ, HYPERACTOR_MESH_DEFAULT_TRANSPORT="tls://127.0.0.1:0")
+    addrs = [f"tls://127.0.0.1:{_free_port()}" for _ in range(3)]
+    workers = [subprocess.Popen([sys.executable, "-m", "controller.worker", a, "--tls-dir",
+                                 str(tmp_path)], cwd=REPO, env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for a in addrs]
     try:
         time.sleep(2)  # let the workers bind their ports
         done = subprocess.run(
             [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
              "--rollout", "engines=2,nodes=1,gpus=1", "--updates", "2",
-             "--attach-trainers", addrs[0], "--attach-rollouts", ",".join(addrs[1:])],
+             "--attach-trainers", addrs[0], "--attach-rollouts", ",".join(addrs[1:]),
+             "--tls-dir", str(tmp_path)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert done.stdout.count("bit-identical to their own load_weights") == 2

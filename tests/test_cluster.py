@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.cluster import SUBNET, EmulatedCluster, existing, leftovers, unavailable_reason
+from controller.cluster import (SUBNET, EmulatedCluster, certs_command, existing, leftovers,
+                                unavailable_reason)
 
 REPO = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
@@ -31,11 +32,17 @@ def _assert_clean() -> None:
 
 
 @pytest.mark.mesh
-def test_controller_runs_verified_updates_on_the_emulated_cluster():
+def test_controller_runs_verified_updates_on_the_emulated_cluster(tmp_path):
+    # Authenticated, as by default: the files for the emulated hosts, made as the refusal of a
+    # run without them says (mutual TLS itself: tests/test_cluster_tls.py).
+    make = subprocess.run([sys.executable, "-m", *certs_command(3, str(tmp_path)).split()[2:]],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert make.returncode == 0, make.stdout + make.stderr
     done = subprocess.run(
         [sys.executable, "-m", "controller", "--cluster", "3", "--link-mbit", "100",
          "--trainer", "nodes=1,gpus=2,tp=2", "--rollout", "engines=2,nodes=1,gpus=1",
-         "--updates", "2"], cwd=REPO, capture_output=True, text=True, timeout=180)
+         "--updates", "2", "--tls-dir", str(tmp_path)], cwd=REPO, capture_output=True,
+        text=True, timeout=180)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     assert "emulated cluster: 3 hosts, 100 Mbit/s links" in out
@@ -48,7 +55,7 @@ def test_controller_runs_verified_updates_on_the_emulated_cluster():
 
 @pytest.mark.mesh
 def test_cluster_is_torn_down_after_an_error():
-    cluster = EmulatedCluster(2, link_mbit=200)
+    cluster = EmulatedCluster(2, link_mbit=200, insecure=True)
     with pytest.raises(RuntimeError, match="boom"):
         with cluster:
             assert len(existing()) == 3  # two namespaces and the bridge
@@ -62,7 +69,7 @@ def test_cluster_run_is_torn_down_on_ctrl_c():
     # As from a terminal: a run started from a background job inherits SIGINT ignored (and
     # Python then installs no KeyboardInterrupt handler), so give the child the default.
     proc = subprocess.Popen([sys.executable, "-m", "controller.cluster", "run", "--hosts", "2",
-                             "--link-mbit", "200", "--", "sleep", "120"], cwd=REPO,
+                             "--link-mbit", "200", "--insecure", "--", "sleep", "120"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))

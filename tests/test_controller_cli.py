@@ -80,6 +80,16 @@ BAD_INPUT = {
     "model and workers": (("--model", "small", "--workers", "examples.custom_model:mlp"),
                           "replaces it: drop one of them"),
     "attach one side": (("--attach-trainers", "tcp://127.0.0.1:1"), "go together"),
+    # multi-host runs are mutual TLS unless --insecure (controller/security.py)
+    "attach without tls": (("--trainer", "nodes=1,gpus=2,tp=2", "--rollout",
+                            "engines=2,nodes=1,gpus=1", "--attach-trainers", "tls://10.1.0.2:1",
+                            "--attach-rollouts", "tls://10.1.0.3:1,tls://10.1.0.4:1"),
+                           "no TLS files: multi-host runs are authenticated"),
+    "cluster without tls": (("--cluster", "--trainer", "nodes=1,gpus=2,tp=2", "--rollout",
+                             "engines=2,nodes=1,gpus=1"),
+                            "make the files with `python -m controller.certs make DIR --hosts "
+                            "10.77.0.2,10.77.0.3,10.77.0.4 --controller 10.77.0.1`"),
+    "insecure on this host": (("--insecure",), "only apply to multi-host runs"),
     # --local: its own flags checked, the flags it would ignore refused
     "local round-kib 0": (("--local", "--round-kib", "0"), "--round-kib must be a positive"),
     "local updates": (("--local", "--updates", "5"), "it would ignore --updates: drop it"),

@@ -15,8 +15,8 @@ def _check(trainers, rollouts, round_bytes, *, kernels=None, strided=False):
     tparams = [loaded(m, ckpt) for m, _ in trainers]
     # Rollout params start as NaN-ish garbage so untouched (unsourced) bytes are checkable.
     rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
-    if strided:  # non-contiguous rollout params: transposed storage
-        rparams = [{k: (v.t().contiguous().t() if v.dim() == 2 else v) for k, v in p.items()}
+    if strided:  # rollout params no dim order makes dense: rows padded by one element
+        rparams = [{k: (_padded_rows(v) if v.dim() == 2 else v) for k, v in p.items()}
                    for p in rparams]
     run_plan_locally(plan, tparams, rparams, kernels=kernels)
     for (m, _), got in zip(rollouts, rparams):
@@ -24,6 +24,11 @@ def _check(trainers, rollouts, round_bytes, *, kernels=None, strided=False):
         for name in want:
             assert same_bytes(got[name], want[name]), name
     return plan
+
+
+def _padded_rows(v: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(v.shape[0], v.shape[1] + 1, dtype=v.dtype)[:, :v.shape[1]]
+    return out.copy_(v)
 
 
 def _engines(num_engines, tp, *, ep=1, gpus_per_node=2):
@@ -93,3 +98,39 @@ def test_param_of_wrong_shape_is_rejected():
     bad["mlp_t"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="mlp_t"):
         run_plan_locally(plan, [params_of(trainers[0][0])], [bad])
+
+
+def test_probed_rollout_with_a_transposed_view_parameter_is_bit_exact():
+    """A rollout parameter held as a transposed view (an engine keeping o_proj column-major) is
+    probed in memory order; run_plan_locally must hand the executor that same view, not a
+    logical-order contiguous copy of it (which its map does not describe)."""
+    from weightbridge import CheckpointSpec, extract_source_map
+
+    ckpt = {"o_proj.weight": torch.randn(32, 64).bfloat16(), "norm": torch.randn(64).bfloat16()}
+    spec = CheckpointSpec.from_tensors(ckpt)
+
+    def worker(transposed: bool):
+        o = torch.zeros(64, 32, dtype=torch.bfloat16).t() if transposed else \
+            torch.zeros(32, 64, dtype=torch.bfloat16)
+        params = {"o_proj.weight": o, "norm": torch.zeros(64, dtype=torch.bfloat16)}
+
+        @torch.no_grad()
+        def load_weights(weights):
+            for name, w in weights:
+                params[name].copy_(w)
+
+        return params, load_weights
+
+    tparams, tload = worker(transposed=False)
+    rparams, rload = worker(transposed=True)
+    tmap = extract_source_map(tparams, tload, spec)
+    rmap = extract_source_map(rparams, rload, spec)
+    plan = plan_transfer([(tmap, Placement("t0"))], [(rmap, Placement("r0", engine=0))],
+                         round_bytes=1 << 10)
+    tload(ckpt.items())
+    for p in rparams.values():
+        p.zero_()
+    run_plan_locally(plan, [tparams], [rparams])
+    for name, want in ckpt.items():
+        assert same_bytes(rparams[name], want), name
+    assert rparams["o_proj.weight"].stride() == (1, 32)  # still the engine's own view

@@ -11,6 +11,7 @@ from planning_layouts import Builder, checkpoint, fsdp_trainer, fused_rollout, l
 from planning_layouts import same_bytes, tp_trainer
 from weightbridge import (LayoutError, ParamSpec, Piece, Placement, Region, SourceMap, Stage,
                           WorkerId, plan_transfer, run_plan_locally)
+from weightbridge.planning.route import STAGES
 
 
 def _tiles(intervals, numel) -> bool:
@@ -253,3 +254,18 @@ def test_worker_summary_lists_every_worker_with_its_bytes_per_stage():
     assert len(lines) == 1 + 4
     sent, _ = plan.stage_bytes()
     assert f"{sent[0][0] / 1e6:7.3f}" in lines[1] and " t " in lines[1]
+
+
+def test_stage_bytes_are_labelled_by_worker_and_stage_and_still_unpack():
+    plan = plan_transfer([(tp_trainer(r, 2), Placement("t0")) for r in range(2)],
+                         [(fused_rollout(r, 2), Placement(f"r{e}", engine=e))
+                          for e in range(2) for r in range(2)], round_bytes=256)
+    table = plan.stage_bytes()
+    sent, received = table
+    assert table.workers == plan.workers and table.stages == STAGES
+    rollout = WorkerId("rollout", 2)
+    i = plan.workers.index(rollout)
+    assert table.of(rollout) == {s: (int(sent[i, k]), int(received[i, k]))
+                                 for k, s in enumerate(STAGES)}
+    assert table.of(rollout)[Stage.RECEIVE][1] == plan.received_bytes(rollout, Stage.RECEIVE) > 0
+    assert sum(r for _, r in table.of(rollout).values()) == plan.received_bytes(rollout)

@@ -28,6 +28,7 @@ from weightbridge.execution.boxcopy import CopyKernels, TorchCopyKernels
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan
 from weightbridge.types import Placement
+from weightbridge.views import memory_order
 
 
 def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, torch.Tensor]],
@@ -55,17 +56,14 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
         if len(given) != len(want):
             raise ValueError(f"the plan has {len(want)} {side} workers but {len(given)} "
                              f"{side} parameter mappings were given")
-    # Copy descriptors count logical elements, so strided parameters get a dense shadow that
-    # is written back at the end.
-    shadows = [{name: (t if t.is_contiguous() else t.contiguous()) for name, t in p.items()}
-               for p in list(trainer_params) + list(rollout_params)]
+    # The plan is given: hand it out as connect would after planning (no probe).
+    plans = plan.worker_plans()
+    shadows = [_shadows(p) for p in list(trainer_params) + list(rollout_params)]
     control = LocalControl()
     for w, params in zip(plan.workers, shadows):
         control.add(TransferWorker(w.side, params, _no_loader, None, rank=w.index,
                                    placement=Placement(w.side), transport=control.transport,
                                    config=config, kernels=kernels))
-    # The plan is given: hand it out as connect would after planning (no probe).
-    plans = plan.worker_plans()
     ranges = incoming_ranges(plans.values(), depth)
     for w in plan.workers:
         control.call([w], PeerCall.SETUP, plans[w], sorted(ranges.get(w, ())))
@@ -77,6 +75,18 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
         for name, target in params.items():
             if shadow[name] is not target:
                 target.copy_(shadow[name])
+
+
+def _shadows(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` as the executor takes them. Source maps describe a parameter in memory order
+    (the probe sees a transposed view through `memory_order`), and the executor writes such a
+    view in place, so it is passed as is. Only memory that no dim order makes dense (row
+    padding, every other element) gets a dense copy in logical order, written back at the end.
+    """
+    out = {}
+    for name, t in params.items():
+        out[name] = t if memory_order(t).is_contiguous() else t.contiguous()
+    return out
 
 
 def _no_loader(weights) -> None:

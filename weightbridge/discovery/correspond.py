@@ -205,7 +205,8 @@ def wire_dtypes(trainer: dict[str, tuple[str, str]], rollout: dict[str, tuple[st
         raise LayoutError(f"the copy kernels convert only between {', '.join(CONVERTIBLE_DTYPES)}"
                           f", but {len(unsupported)} checkpoint tensors need another conversion: "
                           f"{_listed(unsupported)}. Load those tensors in the same dtype on both "
-                          f"sides (block-scaled float8 rollouts are not supported yet)")
+                          f"sides (a float8 rollout tensor needs a block-scaled loader with a "
+                          f"float32 `<name>_scale_inv` parameter beside it; docs/layout.md)")
     return out
 
 

@@ -30,6 +30,37 @@ from weightbridge.types import (QUANT_DTYPE, SCALE_DTYPE, Chunk, Correspondence,
                                 SourceMap, Stage, Transfer, WorkerId, WorkerPlan, dtype_itemsize)
 
 
+@dataclass(frozen=True, eq=False)
+class StageBytes:
+    """Bytes per worker per stage of a plan: ``sent[i, s]`` and ``received[i, s]`` for worker
+    ``workers[i]`` (trainers, then rollouts) and stage ``stages[s]``.
+
+    Example: ``plan.stage_bytes().of(WorkerId("rollout", 0))`` ->
+    ``{Stage.RECEIVE: (0, 917504), Stage.EXTERNAL: (458752, 0), Stage.INTERNAL: (0, 0)}``
+    """
+
+    workers: tuple[WorkerId, ...]
+    sent: np.ndarray
+    """[num workers, 3] int64."""
+    received: np.ndarray
+    """[num workers, 3] int64."""
+    stages: tuple[Stage, ...] = STAGES
+    """The columns: RECEIVE, EXTERNAL, INTERNAL."""
+
+    def of(self, worker: WorkerId) -> dict[Stage, tuple[int, int]]:
+        """(sent, received) bytes of one worker per stage."""
+        i = self.workers.index(worker)
+        return {s: (int(self.sent[i, k]), int(self.received[i, k]))
+                for k, s in enumerate(self.stages)}
+
+    def __iter__(self):
+        """``sent, received = plan.stage_bytes()``, as before the arrays were labelled."""
+        return iter((self.sent, self.received))
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return (self.sent, self.received)[i]
+
+
 def plan_transfer(trainers: Sequence[tuple[SourceMap, Placement]],
                   rollouts: Sequence[tuple[SourceMap, Placement]], *,
                   round_bytes: int) -> "TransferPlan":
@@ -139,15 +170,16 @@ class TransferPlan:
 
     # -- bytes ----------------------------------------------------------------------------------
 
-    def stage_bytes(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sent, received): [num workers, 3] bytes per worker per stage (RECEIVE, EXTERNAL,
-        INTERNAL), workers numbered as in `workers`."""
+    def stage_bytes(self) -> "StageBytes":
+        """Bytes each worker sends and receives in each stage, labelled (`StageBytes`); it
+        still unpacks as ``sent, received = plan.stage_bytes()``."""
         t = self.tables
         n = len(self.trainers) + len(self.rollouts)
         nbytes = t.real_bytes.astype(np.float64)
         sent = np.bincount(t.src * 3 + t.stage, weights=nbytes, minlength=n * 3)
         recv = np.bincount(t.dst * 3 + t.stage, weights=nbytes, minlength=n * 3)
-        return sent.reshape(n, 3).astype(np.int64), recv.reshape(n, 3).astype(np.int64)
+        return StageBytes(self.workers, sent.reshape(n, 3).astype(np.int64),
+                          recv.reshape(n, 3).astype(np.int64))
 
     def sent_bytes(self, worker: WorkerId, stage: Stage | None = None) -> int:
         """Bytes a worker sends, in one stage or all."""

@@ -1,0 +1,42 @@
+"""`bash scripts/dev.sh gpu-check` here, where no GPU is: it says so and succeeds; its parsing of
+the kernel benchmark's rows gives each row its target's verdict."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import gpu_check  # noqa: E402
+
+ROWS = """summary (bytes of the round per second; copy = torch copy of the same bytes):
+4 KB regions     65536 boxes   256.0 MiB | copy   2900 GB/s | pack    900 GB/s (0.31x copy) | assemble    800 GB/s (0.28x) | 1 launch, 65536 programs | pack share of round 1.0% | build     5 ms, first pack   1204 ms
+64 KB regions     4096 boxes   256.0 MiB | copy   2900 GB/s | pack   2500 GB/s (0.86x copy) | assemble   2400 GB/s (0.83x) | 1 launch, 8192 programs | pack share of round 1.0% | build     6 ms, first pack   472 ms
+1 MB regions       256 boxes   256.0 MiB | copy   2900 GB/s | pack   2000 GB/s (0.69x copy) | assemble   2600 GB/s (0.90x) | 1 launch, 8192 programs | pack share of round 1.0% | build     2 ms, first pack   356 ms
+mixed round         75 boxes     0.7 MiB | copy   2900 GB/s | pack   1600 GB/s (0.55x copy) | assemble   1500 GB/s (0.52x) | 1 launch, 214 programs | pack share of round 1.0% | build     3 ms, first pack   609 ms
+"""
+
+
+def test_kernel_rows_get_their_targets_verdict():
+    lines = gpu_check.kernel_verdicts("per-row progress lines first\n" + ROWS)
+    assert [ln.rsplit("| ", 1)[1] for ln in lines] == [
+        "no target", "target 0.8x: ok", "target 0.8x: BELOW", "target 0.5x: ok"]
+    assert all(ln.startswith("gpu-check: kernels: ") for ln in lines)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
+def test_without_cuda_it_says_so_and_exits_0():
+    out = subprocess.run(["bash", "scripts/dev.sh", "gpu-check"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA device is visible" in out.stdout and "nothing run" in out.stdout
+
+
+def test_an_unknown_step_is_refused_before_anything_runs():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "triton,prob"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "unknown step(s) prob" in out.stderr and "choose from" in out.stderr
