@@ -18,8 +18,8 @@ import torch
 
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (ReceiverAdapter, TransferConfig, extract_source_map, plan_transfer,
-                          run_plan_locally)
+from weightbridge import (CheckpointSpec, LayoutError, ReceiverAdapter, TransferConfig,
+                          extract_source_map, plan_transfer, run_plan_locally)
 from weightbridge.discovery.replay import replay
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.execution.executor import WorkerExecutor
@@ -334,3 +334,27 @@ def test_host_arenas_assemble_one_round_at_a_time_through_the_scratch():
     for t in threads:
         t.join()
     assert torn == [False, False]
+
+
+@pytest.mark.parametrize("loader", ["scales", "abs"])
+def test_a_loader_that_changes_values_is_refused_on_cuda_parameters_as_on_the_host(loader):
+    """The refusal path (its diagnosis reloads markers) runs on device parameters too."""
+    ckpt = {"a": torch.randn(8, 16).bfloat16(), "b": torch.randn(4, 16).bfloat16()}
+    spec = CheckpointSpec.from_tensors(ckpt)
+
+    def build(device):
+        w = torch.zeros(12, 16, dtype=torch.bfloat16, device=device)
+
+        def load_weights(weights):
+            for name, t in weights:
+                rows = slice(0, 8) if name == "a" else slice(8, 12)
+                w[rows].copy_(t * 2 if loader == "scales" else t.abs())
+        return {"w": w}, load_weights
+
+    messages = []
+    for device in ("cpu", "cuda"):
+        params, load_weights = build(device)
+        with pytest.raises(LayoutError) as e:
+            extract_source_map(params, load_weights, spec)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
