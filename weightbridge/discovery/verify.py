@@ -110,7 +110,7 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
         checkpoint[name] = salted(spec[name].shape, dtypes[name], block, gen)
     fill_zero(get())
     load_weights(iter(checkpoint.items()))
-    live = {n: on_host(p) for n, p in get().items()}  # compared on the host
+    live = _HostCopies(get())  # compared on the host
     images: dict = {}
     for piece in smap.pieces:
         plain, source = expected_source(piece, checkpoint, images)
@@ -149,6 +149,20 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class _HostCopies:
+    """Parameters by name, read on the host one at a time: a GPU parameter is copied once
+    while the pieces of it (consecutive in a map) are checked, so the host holds one copy."""
+
+    def __init__(self, params: Params):
+        self.params, self._last = dict(params), (None, None)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self._last[0] != name:
+            self._last = (None, None)  # drop the previous copy first
+            self._last = (name, on_host(self.params[name]))
+        return self._last[1]
 
 
 def on_host(p: torch.Tensor) -> torch.Tensor:
