@@ -17,6 +17,8 @@ is told it is out. What is checked (the kinds of `Violation`):
                  group ended) did not raise `TransferFailed` by the end; or polled normally
                  again after it did
     not_at_last  a live rank that was never told did not end on the last version sent
+    wedged       no final full update went through (three tries, every fault over) though
+                 trainer 0 lives and the group was not closed
     error        a poll or a trainer call raised something the documentation does not list
     hang         a trainer call did not return within its bound (the seed stops there)
 
@@ -46,7 +48,8 @@ from weightbridge.coordination.sender import SenderAdapter
 from weightbridge.testing.fuzz_plan import SHAPES, Op, Scenario, scenario_of, value
 from weightbridge.types import CheckpointSpec, WorkerId
 
-KINDS = ("torn", "outside", "decrease", "mixed", "untold", "not_at_last", "error", "hang")
+KINDS = ("torn", "outside", "decrease", "mixed", "untold", "not_at_last", "wedged", "error",
+         "hang")
 SPEC = CheckpointSpec.from_tensors({n: value(n, 0) for n in SHAPES})
 _TOLERATED = (TransferFailed, TimeoutError)
 _TOLD_POLLS = 3
@@ -176,6 +179,12 @@ class _Fuzz:
             self._update(op.changed)
             return not self._hung()
         if op.kind == "join":
+            if self.config.sender_staging:
+                # A `LocalControl` grows as receivers are added, under a transfer that may be
+                # waiting for its rollouts (meshes grow only at add_engines): add them
+                # between transfers.
+                self._collective("wait_idle", lambda a: a.wait_idle() if a.worker.index == 0
+                                 else None)
             first = len(self.ranks)
             engine = first // self.s.engine_size
             self._add_engine(engine)
@@ -377,6 +386,9 @@ class _Fuzz:
         excluded = set()
         if not self.ended and self.trainers[0][1].plan is not None:
             excluded = set(self.trainers[0][1].failed_engines)
+        if last is None and not self.ended and not self._hung():
+            self._violate("wedged", f"no final update went through: "
+                                    f"{'; '.join(e[:160] for e in self.trainer_errors[-2:])}")
         for rank in self.ranks:
             r = rank.receiver
             if rank.dead or rank.told:
