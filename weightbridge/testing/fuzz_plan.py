@@ -93,11 +93,17 @@ class Scenario:
                 f"{self.timeout_s:g}: " + ", ".join(op.describe() for op in self.ops))
 
 
+FAULTS = ("kill", "stall", "pause")
+
+
 def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
-                faults: bool = True) -> Scenario:
+                faults: bool | tuple[str, ...] = True) -> Scenario:
     """The scenario of ``seed``: ``num_ops`` operations after a first full update, at most
-    one trainer kill, joins up to four engines. ``faults`` False: updates and membership
-    changes only."""
+    one trainer kill, joins up to four engines. ``faults``: True (every kind of `FAULTS`),
+    False (updates and membership changes only) or the kinds to draw."""
+    kinds_of_fault = FAULTS if faults is True else tuple(faults or ())
+    if not set(kinds_of_fault) <= set(FAULTS):
+        raise ValueError(f"faults must be True, False or kinds among {FAULTS}, got {faults!r}")
     rng = random.Random(seed)
     mode = MODES[seed % len(MODES)]
     delta_ok = mode in ("sync", "rs")
@@ -106,8 +112,8 @@ def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
     ops: list[Op] = [Op("update")]
     live_engines = list(range(engines))
     total_engines, live_trainers, killed = engines, trainers, set()
-    kinds = ["update"] * 5 + ["join", "leave"] + (["kill", "stall", "stall", "pause",
-                                                   "pause"] if faults else [])
+    kinds = ["update"] * 5 + ["join", "leave"] + [k for k in ("kill", "stall", "stall", "pause",
+                                                              "pause") if k in kinds_of_fault]
     for _ in range(num_ops):
         kind = rng.choice(kinds)
         rollout_workers = [j for e in live_engines for j in range(e * size, (e + 1) * size)
@@ -141,7 +147,7 @@ def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
         elif kind == "pause" and live_engines:
             ops.append(Op("pause", engine=rng.choice(live_engines),
                           seconds=timeout_s * rng.uniform(0.1, 1.5), delay_s=_delay(rng)))
-    if faults and rng.random() < 0.05:  # the sequencing trainer dies: the group ends
+    if "kill" in kinds_of_fault and rng.random() < 0.05:  # trainer 0 dies: the group ends
         ops.append(Op("kill", worker=0, side="trainer", delay_s=_delay(rng)))
     think = tuple(rng.choice((0.0, 0.001, 0.003, 0.01)) for _ in range(4))
     return Scenario(seed, mode, trainers, engines, size, timeout_s, tuple(ops), think)
