@@ -191,3 +191,51 @@ def test_a_join_with_a_dead_rollout_in_the_group_fails_as_documented_or_goes_on(
                       lambda: rollouts[0][1].wait_for_version(2),
                       lambda: joined.wait_for_version(2))
     assert sent[2:] == [2, 2], sent
+
+
+def _sends_until_installed(trainers, rollouts, first: int, config) -> tuple[list, int]:
+    """SS: every trainer sends first, first + 1, ... while the rollouts poll, until they hold
+    one of them (or 8 x timeout_s passed); (what the trainers raised, the version held)."""
+    raised, v = [], first
+    end = time.monotonic() + 8 * config.timeout_s
+    while time.monotonic() < end and min(a.version for _, a in rollouts) < first:
+        def poll(a):
+            try:
+                a.poll_requests()
+            except TimeoutError:
+                pass
+        for out in in_threads(*tinygroup.send(trainers, v, ss=True),
+                              *[lambda a=a: poll(a) for _, a in rollouts]):
+            if isinstance(out, BaseException):
+                raised.append(out)
+        v += 1
+    return raised, min(a.version for _, a in rollouts)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 23 fuzz: sender staging wedged by a loss")
+def test_sender_staging_goes_on_after_a_rollout_dies_between_transfers():
+    """SS: engine 1's only worker dies between transfers. The background transfer's offer to
+    it failed outside the recovery (or, once offered, it waited for it to poll for ever: no
+    deadline with sender staging), so nothing more reached engine 0 either: every
+    send_weights raised "a background transfer failed: R1 is gone" or a TimeoutError."""
+    config = TransferConfig(timeout_s=1, sender_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1)
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=True), *_polls(rollouts, 1))[1:] == [1, 1]
+    control.kill(WorkerId("rollout", 1))
+    raised, held = _sends_until_installed(trainers, rollouts[:1], 2, config)
+    assert held >= 2 and all(isinstance(e, TransferFailed) for e in raised), (held, raised)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 23 fuzz: sender staging wedged by a loss")
+def test_sender_staging_goes_on_after_a_trainer_replica_dies_between_transfers():
+    """SS, two data-parallel trainers: trainer 1 dies between transfers. Its replica holds
+    everything, so the group must go on from trainer 0; the background transfer's first call
+    on trainer 1 failed outside the recovery, and every send_weights raised it for ever."""
+    config = TransferConfig(timeout_s=1, sender_staging=True)
+    control, trainers, rollouts = build(config, num_engines=1)
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=True), *_polls(rollouts, 1))[2:] == [1]
+    control.kill(WorkerId("trainer", 1))
+    raised, held = _sends_until_installed(trainers[:1], rollouts, 2, config)
+    assert held >= 2 and all(isinstance(e, TransferFailed) for e in raised), (held, raised)
