@@ -45,7 +45,8 @@ from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.receiver import ReceiverAdapter
 from weightbridge.coordination.sender import SenderAdapter
-from weightbridge.testing.fuzz_plan import SHAPES, Op, Scenario, scenario_of, value
+from weightbridge.testing.fuzz_plan import (SHAPES, Model, Op, Scenario, same_bytes,
+                                             scenario_of, value)
 from weightbridge.types import CheckpointSpec, WorkerId
 
 KINDS = ("torn", "outside", "decrease", "mixed", "untold", "not_at_last", "wedged", "error",
@@ -90,22 +91,10 @@ def run(scenario: Scenario) -> Result:
                   time.monotonic() - t0)
 
 
-class _Model:
-    """One rank's copy of the whole model, starting at version 0's bytes."""
-
-    def __init__(self):
-        self.params = {n: value(n, 0).clone() for n in SHAPES}
-
-    def load_weights(self, weights) -> None:
-        with torch.no_grad():
-            for name, t in weights:
-                self.params[name].copy_(t)
-
-
 class _Rank:
     """A rollout rank: its model, receiver, and what the fuzz saw of it."""
 
-    def __init__(self, model: _Model, receiver: ReceiverAdapter):
+    def __init__(self, model: Model, receiver: ReceiverAdapter):
         self.model, self.receiver = model, receiver
         self.snapshot = {n: p.clone() for n, p in model.params.items()}
         self.dead = False
@@ -127,9 +116,9 @@ class _Fuzz:
                                      receiver_staging=rs)
         self.bound = 12 * s.timeout_s + 10  # a trainer call that takes longer: a hang
         self.control = LocalControl()
-        self.trainers: list[tuple[_Model, SenderAdapter]] = []
+        self.trainers: list[tuple[Model, SenderAdapter]] = []
         for i in range(s.num_trainers):
-            m = _Model()
+            m = Model()
             self.trainers.append((m, self.control.add(SenderAdapter(
                 m.params, m.load_weights, SPEC, rank=i, control=self.control,
                 transport=self.control.transport, config=self.config))))
@@ -289,7 +278,7 @@ class _Fuzz:
         size = self.s.engine_size
         self.barriers[engine] = threading.Barrier(size)
         for k in range(size):
-            m = _Model()
+            m = Model()
             self.ranks.append(_Rank(m, self.control.add(ReceiverAdapter(
                 m.params, m.load_weights, SPEC, rank=engine * size + k, engine=engine,
                 engine_rank=k, engine_size=size, control=self.control,
@@ -327,7 +316,7 @@ class _Fuzz:
         # (A joining engine holds no version until its first install: the join probes its
         # parameters, docs/integration.md "Engines joining and leaving".)
         fresh = rank.joined and r.version == 0
-        changed = [n for n, p in rank.model.params.items() if not _same(p, rank.snapshot[n])]
+        changed = [n for n, p in rank.model.params.items() if not same_bytes(p, rank.snapshot[n])]
         if changed and not rank.dead and not fresh:
             self._violate("outside", f"{r.worker}: {changed} changed between two polls "
                                      f"(version {r.version})")
@@ -365,7 +354,7 @@ class _Fuzz:
         want = self.truth.get(held)
         bad = (sorted(SHAPES) if want is None else
                [n for n, p in rank.model.params.items()
-                if not _same(p, self._value(n, want[n]))])
+                if not same_bytes(p, self._value(n, want[n]))])
         if bad:
             self._violate("torn", f"{r.worker} (engine {r.engine}): poll returned {got}, "
                                   f"holds version {held}, but {bad} are not its bytes")
@@ -441,10 +430,6 @@ class _Fuzz:
             if key not in self.seen_keys:
                 self.seen_keys.add(key)
                 self.violations.append(Violation(kind, detail))
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _documented(e: BaseException) -> bool:

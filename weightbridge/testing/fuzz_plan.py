@@ -1,4 +1,5 @@
-"""The protocol fuzz's scenarios, pure: a seed -> the group, and the operations run on it.
+"""The protocol fuzz's scenarios: a seed -> the group, and the operations run on it (pure),
+and the model every rank holds.
 
 A scenario is a small adapter group (one or two data-parallel trainers, one to three engines
 of one or two ranks, every rank holding the whole three-tensor model of `SHAPES`) in one of
@@ -38,6 +39,22 @@ def value(tensor: str, version: int) -> torch.Tensor:
     shape, dtype = SHAPES[tensor]
     gen = torch.Generator().manual_seed(1000 * version + sorted(SHAPES).index(tensor))
     return torch.randn(shape, generator=gen).to(dtype)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+class Model:
+    """One rank's copy of the whole model (trainer or rollout), starting at version 0."""
+
+    def __init__(self):
+        self.params = {n: value(n, 0).clone() for n in SHAPES}
+
+    def load_weights(self, weights) -> None:
+        with torch.no_grad():
+            for name, t in weights:
+                self.params[name].copy_(t)
 
 
 @dataclass(frozen=True, slots=True)
