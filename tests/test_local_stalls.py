@@ -4,14 +4,15 @@
 are answered once it is resumed, writes into it wait and are lost. A worker that stops
 answering in the middle of a transfer must surface as it does on a mesh (docs/integration.md,
 "A rollout worker lost mid-transfer"): the trainers' `send_weights` raises `TransferFailed`
-naming it, and the other engine holds the version whole; nothing waits forever.
+naming it, and the other engine holds the version whole (a stopped trainer replica: its
+replica sends what it held); nothing waits forever.
 """
 
 import pytest
 import tinygroup
 from tinygroup import MODES, build, checkpoint, connect, in_threads
 
-from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.control import PeerCall
 from weightbridge.types import WorkerId
 
@@ -80,3 +81,30 @@ def test_a_call_to_a_worker_that_never_answers_fails_after_the_peer_timeout():
     # ones are too.
     assert control.call([WorkerId("rollout", 0)], PeerCall.PING) == [True]
     assert checkpoint(0)  # (the group is untouched)
+
+
+class TrainerStopsAtItsFirstSend(SenderAdapter):
+    """Trainer 1's process stops as it is asked to send its first round (never continued)."""
+
+    def on_send_round(self, r):
+        if self.worker.index == 1:
+            self.control.stall(self.worker)
+            self.control._gate(self.worker)
+        return super().on_send_round(r)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_trainer_replica_that_stops_mid_transfer_is_found_and_its_replica_sends(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=1, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config, sender_cls=lambda i: (
+        TrainerStopsAtItsFirstSend if i == 1 else SenderAdapter))
+    try:
+        connect(trainers)
+        out = in_threads(*tinygroup.send(trainers, 1, ss=ss),
+                         *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])
+        assert isinstance(out[0], TransferFailed) and "T1" in str(out[0]), out
+        assert trainers[0][1].failed_trainers == {1}
+        assert out[2:] == [1, 1] and all(m.holds(1) for m, _ in rollouts), out
+    finally:
+        control.resume(WorkerId("trainer", 1))
