@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_soak.py                  # 1,000 updates per group
     .venv/bin/python benchmarks/bench_soak.py --updates 100    # a quick run
+    .venv/bin/python benchmarks/bench_soak.py --modes all --updates 500   # memory per mode
 
 One pair of proc meshes (2 trainer procs, 4 rollout procs: trainer TP2 -> two TP2 engines of
 the tiny Qwen3-MoE) holds two transfer groups side by side, one with `TransferConfig.checksums`
@@ -16,6 +17,14 @@ optimizer step) and call ``send_weights(v)``; the rollouts ``wait_for_version(v)
   checksums-on / checksums-off: the cost of the built-in verification;
 - per process, the resident memory and open file descriptors after the warm-up and at the
   end, and the growth per update from a least-squares fit over the samples.
+
+With ``--modes`` (a comma list of sync, ss, rs, async, sync-delta, rs-delta, or "all") it
+measures memory per mode instead: one group per mode on the same procs, one after another
+(RSS is per process, so the modes must not overlap), each for ``--updates`` updates after
+``--warmup``, then closed. The delta modes send ``changed=`` a different third of the
+checkpoint tensors each update (rotating: every update re-plans). Printed per mode: each
+process's RSS growth per update (least squares over the samples), the largest of the
+rollouts' and the trainers', and the fds at the start and end of the mode.
 """
 
 from __future__ import annotations
@@ -66,13 +75,26 @@ class SoakTrainer(Actor):
         self.senders[name].connect()
 
     @endpoint
-    def send(self, name: str, version: int, weights_version: int) -> float:
-        """Load ``weights_version`` and send it as ``version``; seconds in send_weights."""
+    def send(self, name: str, version: int, weights_version: int,
+             changed: list[str] | None = None) -> float:
+        """Load ``weights_version`` (of the ``changed`` tensors only, if given) and send it as
+        ``version``; seconds in send_weights."""
+        weights = checkpoint(self.model, weights_version)
         with torch.no_grad():
-            self.shard.load_weights(checkpoint(self.model, weights_version).items())
+            self.shard.load_weights((n, t) for n, t in weights.items()
+                                    if changed is None or n in changed)
         start = time.perf_counter()
-        self.senders[name].send_weights(version)
+        self.senders[name].send_weights(version, changed=changed)
         return time.perf_counter() - start
+
+    @endpoint
+    def wait_idle(self, name: str) -> None:
+        if current_rank().rank == 0 and self.senders[name].config.sender_staging:
+            self.senders[name].wait_idle()
+
+    @endpoint
+    def drop(self, name: str) -> None:
+        self.senders.pop(name, None)
 
     @endpoint
     def usage(self) -> tuple[float, int]:
@@ -93,14 +115,19 @@ class SoakRollout(Actor):
                                               checkpoint_spec(SIZES[self.model]))
 
     @endpoint
-    def receive(self, name: str, version: int, weights_version: int, check: bool) -> bool:
+    def receive(self, name: str, version: int, weights_version, check: bool) -> bool:
         """Wait until ``version`` is installed; with ``check``, True iff every parameter is
-        bit-identical to this rank's own load_weights of ``weights_version``."""
+        bit-identical to this rank's own load_weights of ``weights_version`` (an int, or
+        tensor -> the version it holds after delta updates)."""
         self.receivers[name].wait_for_version(version)
         if not check:
             return True
         ref = RolloutShard(SIZES[self.model], ENGINE_TP, self.rank, 1, 0)
-        ref.load_weights(checkpoint(self.model, weights_version).items())
+        if isinstance(weights_version, int):
+            ref.load_weights(checkpoint(self.model, weights_version).items())
+        else:
+            ref.load_weights((n, checkpoint(self.model, v)[n])
+                             for n, v in weights_version.items())
         params = self.shards[name].params
         return all(torch.equal(params[n].view(torch.uint8), p.view(torch.uint8))
                    for n, p in ref.params.items())
@@ -108,6 +135,11 @@ class SoakRollout(Actor):
     @endpoint
     def usage(self) -> tuple[float, int]:
         return usage()
+
+    @endpoint
+    def drop(self, name: str) -> None:
+        self.receivers.pop(name, None)
+        self.shards.pop(name, None)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -124,10 +156,16 @@ def main() -> int:
     parser.add_argument("--sample-every", type=int, default=50)
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--round-kib", type=int, default=256)
+    parser.add_argument("--modes", help=f"memory per mode: a comma list of {MODES} or 'all'")
     args = parser.parse_args()
     if min(args.updates, args.sample_every, args.check_every) < 1 or args.warmup < 0 \
             or args.updates <= args.warmup:
         parser.error("--updates > --warmup >= 0, and --sample-every, --check-every >= 1")
+    if args.modes:
+        modes = MODES if args.modes == "all" else tuple(args.modes.split(","))
+        if not set(modes) <= set(MODES):
+            parser.error(f"--modes: choose from {MODES}")
+        return soak_modes(args, modes)
     configure_transport()
     host = this_host()
     tp = host.spawn_procs(per_host={"gpus": TRAINER_TP}, name="trainer")
@@ -189,6 +227,82 @@ def main() -> int:
               f"({1024 * slope(xs, rss):+.2f} KB/update over updates {xs[0]}-{xs[-1]}), "
               f"fds {fds[0]} -> {fds[-1]}")
     return 1 if bad else 0
+
+
+MODES = ("sync", "ss", "rs", "async", "sync-delta", "rs-delta")
+STAGING = {"sync": (False, False), "ss": (True, False), "rs": (False, True),
+           "async": (True, True)}
+
+
+def soak_modes(args, modes: tuple[str, ...]) -> int:
+    """One group per mode on the same procs, one mode after another: RSS growth per update."""
+    configure_transport()
+    host = this_host()
+    tp = host.spawn_procs(per_host={"gpus": TRAINER_TP}, name="trainer")
+    rp = host.spawn_procs(per_host={"replica": ENGINES, "gpus": ENGINE_TP}, name="rollout")
+    names = [t.name for t in checkpoint_spec(SIZES[args.model]).tensors]
+    thirds = [names[k::3] for k in range(3)]
+    lines, bad, worst = [], 0, {}
+    try:
+        trainers = tp.spawn("soak_trainer", SoakTrainer, args.model)
+        rollouts = rp.spawn("soak_rollout", SoakRollout, args.model)
+        for mode in modes:
+            ss, rs = STAGING[mode.split("-")[0]]
+            config = TransferConfig(round_bytes=args.round_kib << 10, timeout_s=60,
+                                    sender_staging=ss, receiver_staging=rs)
+            group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
+            try:
+                trainers.setup.call(mode, group).get()
+                rollouts.setup.call(mode, group).get()
+                trainers.connect.call(mode).get()
+                held: dict[str, int] = {}
+                samples: list[tuple[int, dict]] = []
+                t0 = time.perf_counter()
+                for v in range(1, args.warmup + args.updates + 1):
+                    weights = v % 7 + 1
+                    changed = (thirds[v % 3] if mode.endswith("delta") and v > 1 else None)
+                    held.update(dict.fromkeys(changed or names, weights))
+                    check = v % args.check_every == 0
+                    received = rollouts.receive.call(mode, v, dict(held), check)
+                    trainers.send.call(mode, v, weights, changed).get()
+                    bad += sum(not ok for _, ok in received.get().items())
+                    if v > args.warmup and ((v - args.warmup) % args.sample_every == 0
+                                           or v == args.warmup + 1):
+                        samples.append((v, _usage(trainers, rollouts)))
+                trainers.wait_idle.call(mode).get()
+                wall = time.perf_counter() - t0
+            finally:
+                group.close()
+                trainers.drop.call(mode).get()
+                rollouts.drop.call(mode).get()
+            xs = [v for v, _ in samples]
+            growth = {k: 1024 * slope(xs, [s[k][0] for _, s in samples]) for k in samples[0][1]}
+            for side in ("rollout", "trainer"):
+                worst[(mode, side)] = max(g for k, g in growth.items() if k[0] == side)
+            per = "  ".join(f"{k[0][0]}{k[1]} {g:+.1f}" for k, g in sorted(growth.items()))
+            fds = [s[k][1] for _, s in (samples[0], samples[-1]) for k in sorted(s)]
+            half = len(fds) // 2
+            lines.append(f"{mode:>10}: RSS KB/update over updates {xs[0]}-{xs[-1]}: max rollout "
+                         f"{worst[(mode, 'rollout')]:+.1f}, max trainer "
+                         f"{worst[(mode, 'trainer')]:+.1f}  ({per}); fds {sum(fds[:half])} -> "
+                         f"{sum(fds[half:])} over all procs; {wall:.0f}s")
+            print(lines[-1], flush=True)
+    finally:
+        rp.stop().get(timeout=60)
+        tp.stop().get(timeout=60)
+    print(f"{args.updates} updates per mode after {args.warmup} warm-up, tiny Qwen3-MoE "
+          f"TP{TRAINER_TP} -> {ENGINES} x TP{ENGINE_TP}, {args.round_kib} KiB rounds; "
+          f"bit-exact checks every {args.check_every} versions: "
+          + ("all bit-exact" if not bad else f"{bad} MISMATCHED"))
+    print(f"largest growth: rollout {max(g for (m, s), g in worst.items() if s == 'rollout'):+.1f}"
+          f" KB/update, trainer {max(g for (m, s), g in worst.items() if s == 'trainer'):+.1f}"
+          f" KB/update (issue 23's target: <= 20)")
+    return 1 if bad else 0
+
+
+def _usage(trainers, rollouts) -> dict:
+    return ({("trainer", p.rank): u for p, u in trainers.usage.call().get().items()}
+            | {("rollout", p.rank): u for p, u in rollouts.usage.call().get().items()})
 
 
 if __name__ == "__main__":

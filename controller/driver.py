@@ -296,13 +296,17 @@ class MeshTransfer(ClosingContext, Membership):
         if tensors != self._tensors and tensors != frozenset():
             self._tensors = tensors
             self._replan()
+        held = versions if isinstance(versions, dict) else dict.fromkeys(
+            self._read_tensors(), version)
         if tensors != frozenset():  # nothing changed: nothing moves
             try:
                 self._transfer(version)
             except Lost as lost:
+                # The trainers hold `versions` now and recovery re-sends it to the survivors:
+                # the next delta and join build on it, not on the version before.
+                self._held = held
                 self._recover(version, lost.workers, lost.cause, t1 - t0, versions)
-        self._held = versions if isinstance(versions, dict) else dict.fromkeys(
-            self._read_tensors(), version)
+        self._held = held
         return self._report(versions, t1 - t0, t1, moved=tensors != frozenset())
 
     def _read_tensors(self) -> list[str]:

@@ -14,7 +14,6 @@ Typical usage (see controller/driver.py)::
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib
 import itertools
@@ -95,7 +94,7 @@ class _WorkerActor(Actor):
         raise NotImplementedError
 
     @endpoint
-    async def attach(self, group) -> None:
+    def attach(self, group) -> None:
         """Build this rank's worker in ``group`` (a `weightbridge.TransferGroup`)."""
         p = self.parts
         self.worker = group.worker(self.side, p.params, p.load_weights, p.spec,
@@ -115,15 +114,15 @@ class _WorkerActor(Actor):
                                              for v, ns in by_version.items())
 
     @endpoint
-    async def timings(self) -> list[tuple[str, int, int, int]]:
+    def timings(self) -> list[tuple[str, int, int, int]]:
         """This update's (stage, round, start_ns, end_ns) spans; clears them."""
         return self.worker.take_spans()
 
     @endpoint
-    async def probe_link(self, handle, nbytes: int, repeats: int) -> float:
+    def probe_link(self, handle, nbytes: int, repeats: int) -> float:
         """Best seconds of ``repeats`` RDMA writes of ``nbytes`` into ``handle``, after a warm-up
         write (the first write starts this proc's RDMA manager)."""
-        return await asyncio.to_thread(self._probe_link, handle, nbytes, repeats)
+        return self._probe_link(handle, nbytes, repeats)
 
     def _probe_link(self, handle, nbytes: int, repeats: int) -> float:
         src = torch.full((nbytes,), 7, dtype=torch.uint8)
@@ -144,9 +143,9 @@ class TrainerActor(_WorkerActor):
         return Placement(f"trainer-h{self.index // self.spec.gpus}")
 
     @endpoint
-    async def train_step(self, version: int) -> None:
+    def train_step(self, version: int) -> None:
         """A stand-in optimizer step: the parameters become those of ``version``."""
-        await asyncio.to_thread(self._train_step, version)
+        self._train_step(version)
 
     def _train_step(self, version: int) -> None:
         with torch.no_grad():
@@ -166,16 +165,16 @@ class RolloutActor(_WorkerActor):
                          engine=self.index // self.spec.workers_per_engine)
 
     @endpoint
-    async def probe_buffer(self, nbytes: int):
+    def probe_buffer(self, nbytes: int):
         """Register an ``nbytes`` scratch RDMA buffer for the link probe; returns its handle."""
         self._probe_arena = torch.zeros(nbytes, dtype=torch.uint8)
         return register_ranges([self._probe_arena], [(0, 0, nbytes)])[(0, 0, nbytes)]
 
     @endpoint
-    async def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
+    def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
         """(checksums of the live parameters, of this rank's own load_weights of ``version``
         on a second build of its parts)."""
-        return await asyncio.to_thread(self._checksums, version)
+        return self._checksums(version)
 
     def _checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
         scratch = self._make_parts(self.index)

@@ -9,12 +9,15 @@ manager; procs given to it are stopped by the test).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from monarch.actor import this_host
 
-from controller.driver import MeshTransfer
+from controller.driver import MeshTransfer, WorkersLost
+from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig
+from weightbridge import TransferConfig, TransferWorker
 
 pytestmark = pytest.mark.mesh
 
@@ -96,3 +99,43 @@ def test_a_join_while_a_delta_plan_is_in_force_gets_every_tensor_and_deltas_go_o
         after = mt.update(3, changed=norm)  # a delta again, to both engines
         assert not after.mismatched and after.num_params == 2 * full.num_params, after.line()
         assert 0 < after.rdma_bytes < full.rdma_bytes
+
+
+class DiesInItsSecondUpdate(TransferWorker):
+    """Rollout 1's process exits in round 1 of the second update (an OOM kill, say)."""
+
+    landed = 0
+
+    def on_land(self, r, slots=None, expected=None):
+        if self.worker.index == 1 and r == 1:
+            self.landed += 1
+            if self.landed == 2:
+                os._exit(3)
+        super().on_land(r, slots, expected)
+
+
+class DiesInItsSecondUpdateRollout(RolloutActor):
+    worker_class = DiesInItsSecondUpdate
+
+
+def test_after_a_lost_engine_deltas_and_joins_verify_against_what_the_rollouts_hold():
+    """Issue 23, finding 3: update 2 loses engine 1 (`WorkersLost`, version 2 re-sent to
+    engine 0). The next delta must leave every other tensor at version 2 (the trainers used
+    to reload version 1's, a mismatch in every parameter but the delta's), and a join must be
+    verified against version 2's tensors too."""
+    norm = ["model.norm.weight"]
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      rollout_actor=DiesInItsSecondUpdateRollout,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=5)) as mt:
+        mt.connect()
+        assert not mt.update(1).mismatched
+        with pytest.raises(WorkersLost) as lost:
+            mt.update(2)
+        assert lost.value.lost_engines == {1} and not lost.value.report.mismatched
+        delta = mt.update(3, changed=norm)
+        assert not delta.mismatched and delta.num_params > 0, delta.line()
+        joined = mt.add_engine()
+        assert not joined.mismatched and joined.num_params > 0, joined.line()
+        after = mt.update(4, changed=norm)
+        assert not after.mismatched and after.num_params == 2 * joined.num_params, after.line()

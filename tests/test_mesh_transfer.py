@@ -496,3 +496,34 @@ def test_a_delta_update_moves_only_the_changed_tensors_bit_exact(procs):
         assert not r.mismatched and r.num_params == full.num_params, r.line()
     assert 0 < delta.rdma_bytes == again.rdma_bytes < full.rdma_bytes / 4
     assert nothing.rdma_bytes == 0 and last.rdma_bytes == full.rdma_bytes
+
+
+def test_sessions_on_the_same_procs_leave_no_file_descriptors_behind():
+    """Issue 23, item 8: each `MeshTransfer` on procs it is given spawns its actors there and
+    stops them at close; an async actor stopped leaves its event loop open (5 descriptors
+    per proc per session), so a long-lived job that reconnects ran out of them."""
+    before = bootstrap_children()
+    with proc_pair(1, 2, names=("fd-trainer", "fd-rollout")) as (tp, rp):
+        ours, counts = set(), []
+        for _ in range(3):
+            with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                              RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                              procs=(tp, rp), config=CONFIG) as mt:
+                mt.connect()
+                report = mt.update(1)
+                assert not report.mismatched, report.line()
+            ours = ours or bootstrap_children() - before  # (spawned by the first use)
+            counts.append(_open_fds(ours))
+    assert len(ours) == 3 and counts[0] == counts[-1], counts
+
+
+def _open_fds(pids) -> dict[int, int]:
+    """Per process, its open descriptors: the fewest of a few looks (a connection being set
+    up or torn down holds one for a moment)."""
+    import time
+
+    looks = []
+    for _ in range(5):
+        looks.append({pid: len(os.listdir(f"/proc/{pid}/fd")) for pid in pids})
+        time.sleep(0.2)
+    return {pid: min(look[pid] for look in looks) for pid in pids}

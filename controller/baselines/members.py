@@ -18,7 +18,6 @@ rank ``num_trainers + j``. What each sends is planned on the controller
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import socket
@@ -62,7 +61,7 @@ class Standalone:
         self.spans.append((stage, rnd, start, time.monotonic_ns()))
 
     @endpoint
-    async def timings(self) -> list[tuple[str, int, int, int]]:
+    def timings(self) -> list[tuple[str, int, int, int]]:
         """This update's spans; clears them."""
         out, self.spans = self.spans, []
         return out
@@ -92,12 +91,12 @@ class GlooMember(Standalone):
     """Mixin: membership of the baseline's gloo group and the probe at connect."""
 
     @endpoint
-    async def source_map(self) -> tuple[SourceMap, CheckpointSpec]:
+    def source_map(self) -> tuple[SourceMap, CheckpointSpec]:
         """(this rank's source map, the checkpoint its factory describes)."""
-        return await asyncio.to_thread(self._probe), self.parts.spec
+        return self._probe(), self.parts.spec
 
     @endpoint
-    async def rendezvous(self, toward: str) -> tuple[str, int]:
+    def rendezvous(self, toward: str) -> tuple[str, int]:
         """(address, free port) for the group's TCP store, on this proc's route to ``toward``."""
         ip = local_ip(toward)
         with socket.socket() as s:
@@ -105,11 +104,11 @@ class GlooMember(Standalone):
             return ip, s.getsockname()[1]
 
     @endpoint
-    async def join_group(self, addr: str, port: int, num_trainers: int, world: int,
+    def join_group(self, addr: str, port: int, num_trainers: int, world: int,
                          timeout_s: float) -> None:
         """Join the group of every rank and the broadcast group of trainer 0 and the rollouts
         (blocks until every rank joined)."""
-        await asyncio.to_thread(self._join, addr, port, num_trainers, world, timeout_s)
+        self._join(addr, port, num_trainers, world, timeout_s)
 
     def _join(self, addr, port, num_trainers, world, timeout_s) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface_of(local_ip(addr))
@@ -121,12 +120,12 @@ class GlooMember(Standalone):
         self.num_trainers = num_trainers
 
     @endpoint
-    async def setup_plan(self, plan: DistPlan) -> None:
+    def setup_plan(self, plan: DistPlan) -> None:
         self.plan = plan
-        await asyncio.to_thread(self._setup)
+        self._setup()
 
     @endpoint
-    async def leave_group(self) -> None:
+    def leave_group(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -144,9 +143,9 @@ class DistTrainer(GlooMember, TrainerActor):
                      for n in self.plan.owned(self.index)}
 
     @endpoint
-    async def send_update(self) -> None:
+    def send_update(self) -> None:
         """One update: collect, then broadcast or send every bucket; returns once all left."""
-        await asyncio.to_thread(self._send)
+        self._send()
 
     def _send(self) -> None:
         plan, me, start = self.plan, self.index, time.monotonic_ns()
@@ -248,9 +247,9 @@ class DistRollout(GlooMember, RolloutActor):
                         for b in self.plan.buckets_to(self.index)}
 
     @endpoint
-    async def receive_update(self) -> None:
+    def receive_update(self) -> None:
         """One update: receive every bucket aimed at this rank and load it."""
-        await asyncio.to_thread(self._receive)
+        self._receive()
 
     def _receive(self) -> None:
         buckets = self.plan.buckets_to(self.index)

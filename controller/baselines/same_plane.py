@@ -31,7 +31,6 @@ Typical usage::
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
@@ -88,9 +87,9 @@ class HeadActor(RolloutActor):
         return parts
 
     @endpoint
-    async def broadcast(self, handles: list) -> None:
+    def broadcast(self, handles: list) -> None:
         """Write the whole checkpoint into every handle at once; returns once all landed."""
-        await asyncio.to_thread(self._broadcast, handles)
+        self._broadcast(handles)
 
     def _broadcast(self, handles: list) -> None:
         src = self.parts.params["flat_param"].view(torch.uint8)
@@ -106,9 +105,9 @@ class BroadcastRollout(Standalone, RolloutActor):
     and probes its own load_weights once for the tensors its checksums read."""
 
     @endpoint
-    async def full_buffer(self):
+    def full_buffer(self):
         """Register a buffer for the whole checkpoint; returns its RDMA handle."""
-        return await asyncio.to_thread(self._full_buffer)
+        return self._full_buffer()
 
     def _full_buffer(self):
         self._probe()
@@ -117,9 +116,9 @@ class BroadcastRollout(Standalone, RolloutActor):
         return register_ranges([self._full], [(0, 0, n)])[(0, 0, n)]
 
     @endpoint
-    async def load_full(self) -> None:
+    def load_full(self) -> None:
         """Load the received checkpoint with this rank's own load_weights."""
-        await asyncio.to_thread(self._load_full)
+        self._load_full()
 
     def _load_full(self) -> None:
         start = time.monotonic_ns()

@@ -14,13 +14,17 @@ Typical usage::
     t.connect(); t.send_weights(1)    # with rollout threads calling r.poll_requests()
 
 `LocalControl.kill(worker)` makes a worker's calls and writes fail as a dead process's would
-(the fail-closed tests).
+(the fail-closed tests); `LocalControl.stall(worker)` makes them wait as a stopped process's
+would (SIGSTOP: a call is answered once `resume` is called, its caller long gone). Every call
+but probing and set-up is bounded as on a mesh (`TransferConfig.peer_timeout_s`, the notices
+`notice_timeout_s`): a worker that never answers surfaces as a `TimeoutError` in its caller.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from typing import Sequence
 
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
@@ -39,10 +43,41 @@ class LocalControl:
         self.transport = LocalTransport(self)
         self.dead: set[WorkerId] = set()
         """Workers `kill` stopped: their calls and the writes into them raise `WorkerGone`."""
+        self._stalled: dict[WorkerId, threading.Event] = {}
 
     def kill(self, worker: WorkerId) -> None:
         """Stand-in for a process that died: every later call or write to it fails."""
         self.dead.add(worker)
+        self.resume(worker)  # (calls waiting on a stalled worker now fail)
+
+    def stall(self, worker: WorkerId) -> None:
+        """Stand-in for a stopped process (SIGSTOP): calls to it wait until `resume` and are
+        served then (their callers gave up after the peer timeout), writes into it wait up
+        to the peer timeout and are lost."""
+        self._stalled.setdefault(worker, threading.Event())
+
+    def resume(self, worker: WorkerId) -> None:
+        """A stalled worker goes on (SIGCONT): the calls that waited for it are served."""
+        gate = self._stalled.pop(worker, None)
+        if gate is not None:
+            gate.set()
+
+    def stalled(self, worker: WorkerId) -> bool:
+        return worker in self._stalled
+
+    def _gate(self, worker: WorkerId, timeout: float | None = None) -> bool:
+        """Wait while ``worker`` is stalled (at most ``timeout``); False if it still is."""
+        gate = self._stalled.get(worker)
+        return gate is None or gate.wait(timeout)
+
+    def timeout(self, call: PeerCall | None) -> float | None:
+        """How long ``call`` (None: a write) may take, from the group's `TransferConfig`
+        (every worker of a group holds an equal one); None: unbounded."""
+        config = next((getattr(w, "config", None) for w in self._workers.values()), None)
+        if config is None or (call is not None and call.unbounded):
+            return None
+        return config.notice_timeout_s if call is not None and call.notice \
+            else config.peer_timeout_s
 
     def add(self, worker):
         """Add a worker (`TransferWorker` or an adapter); returns it."""
@@ -82,19 +117,35 @@ class LocalControl:
                   *, return_errors: bool = False) -> list:
         """``call`` with ``args[i]`` on ``peers[i]``, all at once (a thread each); the results
         in order. Raises the first peer's error once all have ended (``return_errors``:
-        returns the errors in place of results)."""
-        def one(peer_args):
-            peer, a = peer_args
-            try:
-                return call.serve(self.target(peer), *a)
-            except Exception as e:  # noqa: BLE001  (handed to the caller below)
-                return PeerFailed(e)
+        returns the errors in place of results). A peer that does not answer within
+        `timeout` (``call``) counts as failed with a `TimeoutError`; its thread is left to
+        end by itself (daemon), as a mesh leaves an unanswered message."""
+        served: list = [None] * len(peers)
+        ended = [threading.Event() for _ in peers]
 
-        if len(peers) == 1:
-            out = [one((peers[0], args[0]))]
-        else:
-            with ThreadPoolExecutor(max_workers=max(1, len(peers))) as pool:
-                out = list(pool.map(one, zip(peers, args)))
+        def one(i: int, peer: WorkerId, a: tuple) -> None:
+            try:
+                self.target(peer)
+                self._gate(peer)  # a stopped process answers once it goes on
+                served[i] = call.serve(self.target(peer), *a)
+            except Exception as e:  # noqa: BLE001  (handed to the caller below)
+                served[i] = PeerFailed(e)
+            finally:
+                ended[i].set()
+
+        for i, (peer, a) in enumerate(zip(peers, args)):
+            threading.Thread(target=one, args=(i, peer, a), daemon=True,
+                             name=f"local-{call.value}-{peer}").start()
+        timeout = self.timeout(call)
+        end = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for i, peer in enumerate(peers):
+            if ended[i].wait(None if end is None else max(0.0, end - time.monotonic())):
+                out.append(served[i])
+            else:
+                out.append(PeerFailed(TimeoutError(
+                    f"{call.value} to {peer} did not answer within {timeout:g}s "
+                    f"(TransferConfig.timeout_s): a peer is stalled or its process died")))
         return gathered(out, return_errors)
 
     def call(self, peers: Sequence[WorkerId], call: PeerCall, *args,
@@ -116,6 +167,11 @@ class LocalTransport:
         index, offset, nbytes = key
         if peer in self.control.dead:
             raise WorkerGone(f"writing {nbytes} bytes into {peer}: it is gone (killed)")
+        timeout = self.control.timeout(None)
+        if not self.control._gate(peer, timeout):
+            raise TimeoutError(f"writing {nbytes} bytes into {peer}: it did not take them "
+                               f"within {timeout:g}s (TransferConfig.peer_timeout_s): it is "
+                               f"stalled")
         self.control.target(peer).executor.arenas[index][offset:offset + nbytes].copy_(src)
         self.bytes_written += nbytes
 

@@ -1,0 +1,113 @@
+"""The protocol fuzz over many seeds: per-kind violation counts and the seeds that show them.
+
+    .venv/bin/python benchmarks/fuzz_protocol.py --seeds 500            # seeds 0..499
+    .venv/bin/python benchmarks/fuzz_protocol.py --seeds 20 --first 1000 --jobs 1
+    .venv/bin/python benchmarks/fuzz_protocol.py --only 19 --verbose    # one seed, every detail
+
+Each seed is a small adapter group in one process (`weightbridge.testing.fuzz`: one or two
+trainers, one to three engines of one or two ranks, a three-tensor model) in the mode
+``seed % 4`` (sync, SS, RS, async), running eight random operations (full and delta updates,
+joins, leaves, kills, stalls, pauses) and then full updates until one goes through. Printed:
+one line per violation kind with the number of seeds showing it (per mode), the first seeds
+that do and one example; then a summary line. Exit status 1 when any seed violates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from weightbridge.testing.fuzz import KINDS  # noqa: E402
+from weightbridge.testing.fuzz_plan import MODES  # noqa: E402
+
+
+def _one(args: tuple[int, int, float]):
+    seed, num_ops, timeout_s = args
+    import torch
+
+    from weightbridge.testing.fuzz import run_seed
+
+    torch.set_num_threads(1)
+    r = run_seed(seed, num_ops=num_ops, timeout_s=timeout_s)
+    return (seed, r.scenario.mode, r.scenario.describe(), len(r.scenario.ops),
+            [(v.kind, v.detail) for v in r.violations], r.trainer_errors, r.wall_s)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=500, help="how many seeds")
+    parser.add_argument("--first", type=int, default=0, help="the first seed")
+    parser.add_argument("--only", type=int, nargs="*", help="run just these seeds")
+    parser.add_argument("--ops", type=int, default=8, help="operations per seed")
+    parser.add_argument("--timeout-s", type=float, default=1.0, help="the groups' timeout_s")
+    parser.add_argument("--jobs", type=int, default=2, help="processes running seeds")
+    parser.add_argument("--verbose", action="store_true", help="every seed's violations")
+    args = parser.parse_args()
+    if args.seeds < 1 or args.jobs < 1 or args.ops < 0 or args.timeout_s <= 0:
+        parser.error("--seeds, --jobs >= 1, --ops >= 0, --timeout-s > 0")
+    seeds = args.only if args.only else range(args.first, args.first + args.seeds)
+    work = [(s, args.ops, args.timeout_s) for s in seeds]
+    t0 = time.monotonic()
+    results = []
+    if args.jobs == 1:
+        results = [_one(w) for w in work]
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(args.jobs, maxtasksperchild=25) as pool:
+            for res in pool.imap_unordered(_one, work):
+                results.append(res)
+                if args.verbose or res[4]:
+                    _show(res, args.verbose)
+    wall = time.monotonic() - t0
+    if args.jobs == 1:
+        for res in results:
+            if args.verbose or res[4]:
+                _show(res, args.verbose)
+    results.sort()
+    by_kind: dict[str, dict[str, set]] = {k: collections.defaultdict(set) for k in KINDS}
+    example: dict[str, str] = {}
+    for seed, mode, _, _, violations, _, _ in results:
+        for kind, detail in violations:
+            by_kind[kind][mode].add(seed)
+            example.setdefault(kind, f"seed {seed}: {detail}")
+    per_mode = collections.Counter(mode for _, mode, *_ in results)
+    for kind in KINDS:
+        seeds_of = sorted(set().union(*by_kind[kind].values()))
+        modes = " ".join(f"{m} {len(by_kind[kind][m])}" for m in MODES)
+        line = f"{kind:<12} {len(seeds_of):4d} seeds ({modes})"
+        if seeds_of:
+            line += f"  seeds {seeds_of[:8]}{' ...' if len(seeds_of) > 8 else ''}\n" \
+                    f"{'':17}e.g. {example[kind][:220]}"
+        print(line)
+    bad = sorted(r[0] for r in results if r[4])
+    ops = sum(r[3] for r in results)
+    slowest = max(results, key=lambda r: r[6])
+    print(f"fuzz_protocol: {len(results)} seeds ("
+          + ", ".join(f"{m} {per_mode[m]}" for m in MODES)
+          + f"), {ops} operations, timeout_s={args.timeout_s:g}: "
+          + (f"{len(bad)} seeds with violations, {len(results) - len(bad)} clean"
+             if bad else "0 violations")
+          + f"; {wall:.0f}s wall ({args.jobs} jobs; slowest seed {slowest[0]}: "
+            f"{slowest[6]:.1f}s)")
+    return 1 if bad else 0
+
+
+def _show(res, verbose: bool) -> None:
+    seed, _, described, _, violations, trainer_errors, wall = res
+    print(f"{described} [{wall:.1f}s]")
+    for kind, detail in violations:
+        print(f"    {kind}: {detail[:300]}")
+    if verbose:
+        for e in trainer_errors:
+            print(f"    (trainer) {e[:300]}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
