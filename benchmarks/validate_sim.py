@@ -18,7 +18,9 @@ default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separat
 point it prints measured, predicted and error beside two baselines: ``const``, one EWTT (the
 mean measured on the calibration points of RUN1) for every point, and ``bare``, the model
 without overheads (`simulate(plan, cluster)`); and the same point's EWTT measured in RUN1
-(run-to-run drift). Held-out points are those not in ``--calibrate``.
+(run-to-run drift). Held-out points are those not in ``--calibrate``. ``--fanout-s X``: the
+model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
+measured apart by `benchmarks/control_scaling.py`; the rest fitted as before).
 
 Measured EWTT of a point: the median over its updates after the first (the first warms caches).
 """
@@ -144,13 +146,15 @@ def _load() -> str:
     return "load " + out.split("load average:")[-1].strip()
 
 
-def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run]) -> dict:
-    """Fit on ``calibrate`` of ``fit_runs``, predict ``runs``; print the table; the summary."""
+def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run], *,
+             fanout_s: float = 0.0) -> dict:
+    """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given), predict ``runs``; print the
+    table; the summary."""
     fitted = [r for r in fit_runs if r.label in calibrate]
     if not fitted:
         raise SystemExit(f"--calibrate {list(calibrate)} names none of "
                          f"{[r.label for r in fit_runs]}")
-    overheads = fit_overheads(fitted)
+    overheads = fit_overheads(fitted, fanout_s=fanout_s)
     const = statistics.mean(r.measured_s for r in fitted)
     print(f"fitted on {[r.label for r in fitted]}: {overheads}")
     print(f"const = {const:.3f}s (mean measured EWTT of the calibration points)")
@@ -204,6 +208,8 @@ def main() -> int:
     parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
     parser.add_argument("--calibrate", nargs="+", default=list(CALIBRATION))
+    parser.add_argument("--fanout-s", type=float, default=0.0,
+                        help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
     args = parser.parse_args()
     if args.collect:
         t0 = time.perf_counter()
@@ -218,7 +224,7 @@ def main() -> int:
         fit_runs = pickle.loads(Path(args.fit_from).read_bytes())
         runs = pickle.loads(Path(args.predict).read_bytes())
         print(f"fit: {args.fit_from}; predict: {args.predict}")
-        validate(fit_runs, runs, args.calibrate, fit_runs)
+        validate(fit_runs, runs, args.calibrate, fit_runs, fanout_s=args.fanout_s)
     return 0
 
 
