@@ -17,7 +17,8 @@ point (`REPEATED`) is measured a second time at the end of its block: the machin
 default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separate run. Per
 point it prints measured, predicted and error beside two baselines: ``const``, one EWTT (the
 mean measured on the calibration points of RUN1) for every point, and ``bare``, the model
-without overheads (`simulate(plan, cluster)`); and the same point's EWTT measured in RUN1
+without overheads (`simulate(plan, cluster)`), and, a stronger one, ``k x bare``: that model scaled by one factor
+fitted on the calibration points; and the same point's EWTT measured in RUN1
 (run-to-run drift). Held-out points are those not in ``--calibrate``. ``--fanout-s X``: the
 model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
 measured apart by `benchmarks/control_scaling.py`; the rest fitted as before).
@@ -156,41 +157,47 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
                          f"{[r.label for r in fit_runs]}")
     overheads = fit_overheads(fitted, fanout_s=fanout_s)
     const = statistics.mean(r.measured_s for r in fitted)
+    scale = statistics.mean(r.measured_s / simulate(r.plan, point_cluster(r)).ewtt
+                            for r in fitted)
     print(f"fitted on {[r.label for r in fitted]}: {overheads}")
-    print(f"const = {const:.3f}s (mean measured EWTT of the calibration points)")
+    print(f"const = {const:.3f}s (mean measured EWTT of the calibration points); k x bare: "
+          f"k = {scale:.3f} (their mean measured / no-overhead EWTT)")
     before = {r.label: r.measured_s for r in reference}
     print(f"{'point':<22} {'held':>4} {'rounds':>6} {'measured':>8} {'predicted':>9} {'error':>7}"
-          f" {'const err':>9} {'bare':>7} {'bare err':>8} {'other run':>9} {'drift':>6}  load")
-    held, wins, drifts = [], 0, []
+          f" {'const err':>9} {'bare':>7} {'bare err':>8} {'k*bare err':>10} {'other run':>9}"
+          f" {'drift':>6}  load")
+    held, wins, kwins, drifts = [], 0, 0, []
     for run in runs:
         cluster = point_cluster(run)
         m = run.measured_s
         est = simulate(run.plan, cluster, overheads=overheads, depth=run.depth).ewtt
         bare = simulate(run.plan, cluster).ewtt
         err, cerr, berr = est / m - 1, const / m - 1, bare / m - 1
+        kerr = scale * bare / m - 1
         is_held = run.label not in calibrate and not run.label.endswith(" again")
         if is_held:
             held.append(abs(err))
             wins += abs(err) < abs(cerr)
+            kwins += abs(err) < abs(kerr)
         other = before.get(run.label)
         drift = "" if other is None else f"{100 * (m / other - 1):+5.1f}%"
         if other is not None:
             drifts.append(abs(m / other - 1))
         print(f"{run.label:<22} {'yes' if is_held else 'no':>4} {run.plan.num_rounds:6d} "
               f"{m:7.3f}s {est:8.3f}s {100 * err:+6.1f}% {100 * cerr:+8.1f}% {bare:6.3f}s "
-              f"{100 * berr:+7.1f}% {'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  "
+              f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% {'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  "
               f"{run.load}")
     by = {r.label: r.measured_s for r in runs}
     again = by.get(REPEATED + " again")
     measured = [r.measured_s for r in runs]
     summary = {"held": len(held), "worst": max(held, default=0.0),
-               "median": statistics.median(held) if held else 0.0, "wins": wins,
+               "median": statistics.median(held) if held else 0.0, "wins": wins, "kwins": kwins,
                "span": max(measured) / min(measured)}
     print(f"measured EWTT spans {min(measured):.3f}-{max(measured):.3f}s "
           f"({summary['span']:.1f}x)")
     print(f"held-out points: {len(held)}; worst |error| {100 * summary['worst']:.1f}% "
           f"(target <= 15%), median {100 * summary['median']:.1f}% (target <= 7%); "
-          f"better than const at {wins}/{len(held)}")
+          f"better than const at {wins}/{len(held)}, than k x bare at {kwins}/{len(held)}")
     if again is not None and REPEATED in by:
         print(f"in-run drift: {REPEATED} measured {by[REPEATED]:.3f}s then {again:.3f}s "
               f"({100 * (again / by[REPEATED] - 1):+.1f}%)")
@@ -198,6 +205,27 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
         print(f"run-to-run drift (same point, the two runs): median "
               f"{100 * statistics.median(drifts):.1f}%, worst {100 * max(drifts):.1f}%")
     return summary
+
+
+def hops(runs: list[Run]) -> None:
+    """Per point: the median gap from a step's last answer to the next step on a rollout (two
+    messages and a step: what the control latency is read from) and the median busiest
+    worker's link time of a round; their correlation over the points."""
+    from weightbridge.planning.calibrate import _hop_gaps
+    from weightbridge.planning.timeline import Overheads, _steps
+
+    xs, ys = [], []
+    for run in runs:
+        gaps = _hop_gaps(run, Overheads())
+        out: dict[int, int] = {}
+        for (_, r, stage), v in _steps(run.plan).items():
+            if stage != "land":
+                out[r] = max(out.get(r, 0), sum(n for _, _, n in v[1]))
+        xs.append(statistics.median(out.values()) / run.link_rate)
+        ys.append(statistics.median(gaps))
+        print(f"{run.label:<22} round on the busiest link {1e3 * xs[-1]:6.1f} ms, median hop "
+              f"{1e3 * ys[-1]:5.2f} ms")
+    print(f"correlation {statistics.correlation(xs, ys):+.2f}")
 
 
 def main() -> int:
@@ -208,6 +236,7 @@ def main() -> int:
     parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
     parser.add_argument("--calibrate", nargs="+", default=list(CALIBRATION))
+    parser.add_argument("--hops", help="a pickled run: print every point's median hop gap")
     parser.add_argument("--fanout-s", type=float, default=0.0,
                         help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
     args = parser.parse_args()
@@ -220,6 +249,8 @@ def main() -> int:
         Path(args.collect).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
               f"{args.collect}  ({_load()})")
+    if args.hops:
+        hops(pickle.loads(Path(args.hops).read_bytes()))
     if args.fit_from and args.predict:
         fit_runs = pickle.loads(Path(args.fit_from).read_bytes())
         runs = pickle.loads(Path(args.predict).read_bytes())
