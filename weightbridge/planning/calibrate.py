@@ -15,6 +15,8 @@ is read off the spans it shows in, not tuned per point:
   sends, its assemble after the forwards), less its checksum time: two messages and a step;
 - step cost: the gap between a trainer's writes landing and its next pack, where the next
   send was already waiting (median);
+- fanout (per worker a step waits for): not read off transfer spans, but given
+  (``fanout_s=``, measured by `benchmarks/control_scaling.py`) and taken out of the gaps above;
 - flow penalty, then write cost: the two parameters no span isolates (a write's span also
   holds its wait for the link); each the value whose predicted EWTT best matches (least
   squares) the measured EWTT of the calibration runs, the other parameters fixed.

@@ -14,6 +14,9 @@ what an update does (`weightbridge.coordination.sequencer`, `session.ControlStep
     land(r)    on every rollout: message, step cost, checksum what arrived, assemble (copy),
                reply
 
+A step waits for every worker taking part; it has all their answers ``Overheads.fanout_s``
+per worker after the last one left (the controller hears them one after another).
+
 Links are shared max-min fairly (TCP-like) by the writes in flight: each worker's NIC
 (`Cluster.gpu_nic_bandwidth`) and each node's link (`Cluster.inter_node_bandwidth`), both
 scaled by `Overheads.link_efficiency`, one direction each; INTERNAL writes use NVLink
