@@ -228,6 +228,22 @@ def hops(runs: list[Run]) -> None:
     print(f"correlation {statistics.correlation(xs, ys):+.2f}")
 
 
+def show_rounds(runs: list[Run], label: str, rounds) -> None:
+    """Every span of ``rounds`` of the second update of point ``label``, ms from its start."""
+    from weightbridge.planning.calibrate import _numbered
+
+    run = next((r for r in runs if r.label == label), None)
+    if run is None:
+        raise SystemExit(f"--rounds: no point {label!r} in {[r.label for r in runs]}")
+    by = _numbered(run.updates()[0], len(run.plan.trainers))
+    t0 = min(s[2] for ss in by.values() for s in ss)
+    rows = sorted((a - t0, b - t0, w, st, r) for w, ss in by.items() for st, r, a, b in ss
+                  if r in rounds)
+    for a, b, w, st, r in rows:
+        print(f"round {r} worker {w} {st:<9} {1e3 * a:7.1f} -> {1e3 * b:7.1f} ms "
+              f"({1e3 * (b - a):5.1f})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collect", help="run every point and pickle the runs to this path")
@@ -237,6 +253,8 @@ def main() -> int:
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
     parser.add_argument("--calibrate", nargs="+", default=list(CALIBRATION))
     parser.add_argument("--hops", help="a pickled run: print every point's median hop gap")
+    parser.add_argument("--rounds", nargs="+", metavar=("LABEL", "ROUND"),
+                        help="with --hops RUN: print these rounds' spans of point LABEL")
     parser.add_argument("--fanout-s", type=float, default=0.0,
                         help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
     args = parser.parse_args()
@@ -249,7 +267,10 @@ def main() -> int:
         Path(args.collect).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
               f"{args.collect}  ({_load()})")
-    if args.hops:
+    if args.hops and args.rounds:
+        show_rounds(pickle.loads(Path(args.hops).read_bytes()), args.rounds[0],
+                    {int(r) for r in args.rounds[1:]})
+    elif args.hops:
         hops(pickle.loads(Path(args.hops).read_bytes()))
     if args.fit_from and args.predict:
         fit_runs = pickle.loads(Path(args.fit_from).read_bytes())
