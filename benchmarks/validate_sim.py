@@ -1,7 +1,9 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
-    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py --collect out/validate_sim/run1.pkl
-    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py --collect out/validate_sim/run2.pkl
+    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
+        --collect out/validate_sim/run1.pkl                       # ~4 min, needs root
+    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
+        --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
         --predict out/validate_sim/run2.pkl
 
@@ -15,10 +17,10 @@ point (`REPEATED`) is measured a second time at the end of its block: the machin
 
 ``--fit-from RUN1 --predict RUN2`` fits `Overheads` on the calibration points (``--calibrate``,
 default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separate run. Per
-point it prints measured, predicted and error beside two baselines: ``const``, one EWTT (the
-mean measured on the calibration points of RUN1) for every point, and ``bare``, the model
-without overheads (`simulate(plan, cluster)`), and, a stronger one, ``k x bare``: that model scaled by one factor
-fitted on the calibration points; and the same point's EWTT measured in RUN1
+point it prints measured, predicted and error beside three baselines: ``const``, one EWTT (the
+mean measured on the calibration points of RUN1) for every point; ``bare``, the model
+without overheads (`simulate(plan, cluster)`); and, a stronger one, ``k x bare``: that model
+scaled by one factor fitted on the calibration points; and the same point's EWTT measured in RUN1
 (run-to-run drift). Held-out points are those not in ``--calibrate``. ``--fanout-s X``: the
 model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
 measured apart by `benchmarks/control_scaling.py`; the rest fitted as before).
@@ -185,8 +187,8 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
             drifts.append(abs(m / other - 1))
         print(f"{run.label:<22} {'yes' if is_held else 'no':>4} {run.plan.num_rounds:6d} "
               f"{m:7.3f}s {est:8.3f}s {100 * err:+6.1f}% {100 * cerr:+8.1f}% {bare:6.3f}s "
-              f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% {'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  "
-              f"{run.load}")
+              f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% "
+              f"{'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  {run.load}")
     by = {r.label: r.measured_s for r in runs}
     again = by.get(REPEATED + " again")
     measured = [r.measured_s for r in runs]
