@@ -4,10 +4,11 @@
 
 A round step is one call to every worker taking part and a wait for all their answers
 (`MeshControl.call_async`: one message to a run of consecutive ranks, answered by
-`TransferAgent.serve` from a thread through its response port). This times exactly that path
-with nothing to do: `benchmarks.echo_actor.Echo` answers like `TransferAgent` (a sync actor,
-explicit response port, the answer sent from a pool thread), on n procs of the emulated cluster (one per host, or two),
-``--calls`` calls one after another, median.
+`TransferAgent.serve` from a thread through its response port). This times the same kind of
+call with nothing to do: one mesh-wide call to `benchmarks.echo_actor.Echo`, which answers
+like `TransferAgent` (a sync actor, explicit response port, the answer sent from a pool
+thread), waited for synchronously from the controller (not through asyncio), on n procs of
+the emulated cluster (one per host, or two), ``--calls`` calls one after another, median.
 
 It fits ``t(n) = a + b n`` on the calibration layouts (`FIT`: 2, 4 and 8 procs, one per host)
 and predicts the held-out ones (4, 8, 12 and 16 procs, two per host), printing measured,
