@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/table2_calibrated.py            # a few minutes on 2 cores
     .venv/bin/python benchmarks/table2_calibrated.py --fitted out/calibrate_sim/runs_procs1.pkl
+    .venv/bin/python benchmarks/table2_calibrated.py --deployments a b c --fanout-s 2e-4 \
+        --fit-fanout-on c
 
 Plans the four deployments of Table 2 (`weightbridge.shapes`) and simulates each with the
 paper's testbed links (`PAPER_CLUSTER`: 8 H100 per node, 400 GB/s RDMA per node, NVLink) and
@@ -13,7 +15,13 @@ two buffers per worker, under overhead sets (`Overheads`):
   nominal, 100 us per control message, 20 us per step, 10 us per write;
 - ``fitted`` (with ``--fitted``): the control latency, step and write costs and flow penalty
   fitted on the emulated cluster (2 loaded CPU cores), with the H100 links and copies: what
-  a control plane that slow would cost at paper scale.
+  a control plane that slow would cost at paper scale;
+- ``fanout X`` (with ``--fanout-s X ...``): ``h100`` plus a control cost that grows with the
+  workers a step waits for (`Overheads.fanout_s`, measured on the emulated cluster by
+  `benchmarks/control_scaling.py`): X seconds per worker;
+- ``fanout fit`` (with ``--fit-fanout-on NAME``): ``h100`` plus the one ``fanout_s`` whose
+  predicted EWTT / ideal matches the paper's at deployment NAME (golden section), then used
+  unchanged at the others: does one per-worker law fit the deployments a fixed latency cannot?
 
 Prints one line per deployment and overhead set with the paper's measured ratio beside it.
 """
@@ -47,8 +55,21 @@ def main() -> int:
     parser.add_argument("--fitted", help="runs pickled by benchmarks/calibrate_sim.py")
     parser.add_argument("--fit", nargs="+", default=["replicas=1", "trainer nodes=4"])
     parser.add_argument("--deployments", nargs="+", default=[d.name for d in TABLE_2])
+    parser.add_argument("--fanout-s", nargs="+", type=float, default=[],
+                        help="seconds per worker a step waits for, added to h100")
+    parser.add_argument("--fit-fanout-on", help="a deployment: fit fanout_s to its paper ratio")
+    parser.add_argument("--skip-h100", action="store_true",
+                        help="leave the h100 set out ((d) takes 16 minutes per set)")
     args = parser.parse_args()
-    sets = {"h100": H100}
+    sets = {} if args.skip_h100 else {"h100": H100}
+    for x in args.fanout_s:
+        sets[f"fanout {x:g}"] = replace(H100, fanout_s=x)
+    if args.fit_fanout_on:
+        dep = next(d for d in TABLE_2 if d.name == args.fit_fanout_on)
+        x = fit_fanout(dep)
+        sets["fanout fit"] = replace(H100, fanout_s=x)
+        print(f"fanout_s fitted on ({dep.name}) to the paper's {PAPER_EWTT_OVER_IDEAL[dep.name]}x:"
+              f" {x:.3g} s per worker", flush=True)
     if args.fitted:
         from weightbridge.planning.calibrate import fit_overheads
 
@@ -73,6 +94,32 @@ def main() -> int:
               f"{bare.ideal * 1e3:7.1f} ms | predicted EWTT/ideal: {' | '.join(cells)} | paper "
               f"measured {PAPER_EWTT_OVER_IDEAL[dep.name]:.2f}x", flush=True)
     return 0
+
+
+def fit_fanout(dep, top: float = 1e-3) -> float:
+    """The ``fanout_s`` in [0, top] whose EWTT / ideal at ``dep`` (``h100`` otherwise) is the
+    paper's (golden section on the squared difference)."""
+    trainers, rollouts = workers(dep)
+    plan = plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
+    want = PAPER_EWTT_OVER_IDEAL[dep.name]
+
+    def loss(x: float) -> float:
+        est = simulate(plan, PAPER_CLUSTER, overheads=replace(H100, fanout_s=x), depth=DEPTH)
+        return (est.ratio - want) ** 2
+
+    lo, hi, g = 0.0, top, (5 ** 0.5 - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(16):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = loss(b)
+    return (a + b) / 2
 
 
 if __name__ == "__main__":

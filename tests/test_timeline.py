@@ -117,3 +117,41 @@ def test_a_block_quantizing_pack_costs_the_source_bytes_it_reads():
     est = simulate(plan, LINK, overheads=Overheads(copy_bandwidth=1e7), depth=2)
     packed = 64 * 64 * 2 * 2 + 4 * 32 * 32 * 2  # values read twice, each scale's block once
     assert est.ewtt == pytest.approx(packed / 1e7 + wire / 1e6 + wire / 1e7, rel=1e-6)
+
+
+def test_a_step_pays_fanout_for_every_worker_it_waits_for():
+    """One round, nothing overlaps: the send step waits for every trainer, so its answers
+    come in fanout_s x trainers later; the land step's join ends after the last assemble."""
+    for trainers in (1, 2, 4):
+        plan = _plan(trainers, 1, round_bytes=2 * MODEL)
+        assert plan.num_rounds == 1
+        base = simulate(plan, LINK, overheads=Overheads(control_s=0.01), depth=2).ewtt
+        fan = simulate(plan, LINK, overheads=Overheads(control_s=0.01, fanout_s=0.003),
+                       depth=2).ewtt
+        assert fan - base == pytest.approx(0.003 * trainers, rel=1e-6)
+    with pytest.raises(ValueError, match="out of range"):
+        Overheads(fanout_s=-1)
+
+
+def test_fit_takes_fanout_out_of_the_control_latency():
+    """Spans of a 2 -> 1 transfer made by hand: the trainers send round after round with no
+    gap (no step cost), and the rollout assembles each round two control latencies plus the
+    send step's fanout (2 trainers) after its writes landed: given that fanout, the fit reads
+    the control latency alone; without it, the fanout is counted in the latency."""
+    plan = _plan(2, 1, round_bytes=MODEL // 4)
+    control, fanout, rate = 0.002, 0.0005, 1e6
+    spans, t = {("trainer", 0): [], ("trainer", 1): [], ("rollout", 0): []}, 0.0
+    for r in range(plan.num_rounds):
+        end = t
+        for i in (0, 1):
+            n = int(plan.tables.send_bytes[i][r])
+            spans[("trainer", i)] += [("pack", r, int(t * 1e9), int(t * 1e9)),
+                                      ("receive", r, int(t * 1e9), int((t + n / rate) * 1e9))]
+            end = max(end, t + n / rate)
+        start = end + 2 * control + 2 * fanout
+        spans[("rollout", 0)].append(("assemble", r, int(start * 1e9), int(start * 1e9)))
+        t = end
+    run = Run(label="x", plan=plan, link_rate=rate, depth=100, spans=(spans,),
+              ewtt_s=(t + 2 * control,), load="")
+    assert fit_overheads([run], fanout_s=fanout).control_s == pytest.approx(control, rel=0.01)
+    assert fit_overheads([run]).control_s == pytest.approx(control + fanout, rel=0.01)

@@ -15,6 +15,8 @@ is read off the spans it shows in, not tuned per point:
   sends, its assemble after the forwards), less its checksum time: two messages and a step;
 - step cost: the gap between a trainer's writes landing and its next pack, where the next
   send was already waiting (median);
+- fanout (per worker a step waits for): not read off transfer spans, but given
+  (``fanout_s=``, measured by `benchmarks/control_scaling.py`) and taken out of the gaps above;
 - flow penalty, then write cost: the two parameters no span isolates (a write's span also
   holds its wait for the link); each the value whose predicted EWTT best matches (least
   squares) the measured EWTT of the calibration runs, the other parameters fixed.
@@ -89,8 +91,10 @@ def point_cluster(run: Run) -> Cluster:
                    intra_node_bandwidth=1e12, nic_bandwidth=run.link_rate)
 
 
-def fit_overheads(runs: Sequence[Run]) -> Overheads:
-    """Fit every `Overheads` field from the spans of ``runs`` (see the module doc)."""
+def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0) -> Overheads:
+    """Fit every `Overheads` field but ``fanout_s`` from the spans of ``runs`` (see the
+    module doc); ``fanout_s`` (measured apart: `benchmarks/control_scaling.py`) is kept, and
+    taken out of the gaps the control latency is read from."""
     if not runs:
         raise ValueError("fit_overheads needs at least one measured Run")
     copy_x, copy_y, sum_x, sum_y, efficiency = [], [], [], [], []
@@ -114,7 +118,7 @@ def fit_overheads(runs: Sequence[Run]) -> Overheads:
     _, sum_per_byte = _line(sum_x, sum_y)
     base = Overheads(copy_fixed_s=copy_fixed, copy_bandwidth=_rate(copy_per_byte),
                      checksum_bandwidth=_rate(sum_per_byte),
-                     link_efficiency=min(1.0, max(efficiency)))
+                     link_efficiency=min(1.0, max(efficiency)), fanout_s=fanout_s)
     two_hops = statistics.median(g for run in runs for g in _hop_gaps(run, base))
     step = statistics.median(_queued_gaps(runs, two_hops) or [0.0])
     base = replace(base, step_s=step, control_s=max(0.0, (two_hops - step) / 2))
@@ -175,9 +179,11 @@ def _union(intervals: list) -> float:
 
 
 def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
-    """Reply-to-next-step gaps seen on rollouts, less their checksum time (two messages and
-    a step each)."""
+    """Reply-to-next-step gaps seen on rollouts, less their checksum time and the fanout of
+    the step before (its workers: the trainers before a forward, the rollouts before a land
+    after a forward): two messages and a step each."""
     steps, T = _steps(run.plan), len(run.plan.trainers)
+    R = len(run.plan.rollouts)
     out = []
     for spans in run.updates():
         by = _numbered(spans, T)
@@ -192,14 +198,17 @@ def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
                 if stage == "external":
                     before, nbytes = ends.get((r, "receive")), sum(
                         n for _, _, n in steps[(w, r, EXTERNAL)][1])
+                    waited = T
                 elif stage == "assemble":
-                    before = ends.get((r, "internal"), ends.get((r, "external"),
-                                                                ends.get((r, "receive"))))
+                    forwarded = ends.get((r, "internal"), ends.get((r, "external")))
+                    before = forwarded if forwarded is not None else ends.get((r, "receive"))
                     nbytes = steps[(w, r, "land")]
+                    waited = R if forwarded is not None else T
                 else:
                     continue
                 if before is not None:
-                    out.append(start - before - nbytes / oh.checksum_bandwidth)
+                    out.append(start - before - nbytes / oh.checksum_bandwidth
+                               - oh.fanout_s * waited)
     return out
 
 

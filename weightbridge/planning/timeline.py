@@ -14,6 +14,9 @@ what an update does (`weightbridge.coordination.sequencer`, `session.ControlStep
     land(r)    on every rollout: message, step cost, checksum what arrived, assemble (copy),
                reply
 
+A step waits for every worker taking part; it has all their answers ``Overheads.fanout_s``
+per worker after the last one left (the controller hears them one after another).
+
 Links are shared max-min fairly (TCP-like) by the writes in flight: each worker's NIC
 (`Cluster.gpu_nic_bandwidth`) and each node's link (`Cluster.inter_node_bandwidth`), both
 scaled by `Overheads.link_efficiency`, one direction each; INTERNAL writes use NVLink
@@ -65,9 +68,14 @@ class Overheads:
     """Goodput lost per further write in flight on an RDMA link: with n writes on it a link
     carries ``rate * link_efficiency / (1 + flow_penalty * (n - 1))`` (streams competing in
     one queue, and the CPU each stream costs, on the emulated cluster)."""
+    fanout_s: float = 0.0
+    """Cost per worker a step waits for: a step on n workers has all its answers
+    ``fanout_s * n`` after the last one left its worker (the controller reaches and hears
+    the workers one after another; `benchmarks/control_scaling.py` measures it)."""
 
     def __post_init__(self) -> None:
-        bad = [n for n in ("control_s", "step_s", "write_s", "copy_fixed_s", "flow_penalty")
+        bad = [n for n in ("control_s", "step_s", "write_s", "copy_fixed_s", "flow_penalty",
+                            "fanout_s")
                if not getattr(self, n) >= 0]
         bad += [n for n in ("copy_bandwidth", "checksum_bandwidth") if not getattr(self, n) > 0]
         if not 0 < self.link_efficiency <= 1:
@@ -207,6 +215,13 @@ class _Update:
         assert all(self.landed), "the model left rounds unlanded"
         return self.last_end - self.first_start
 
+    def join(self, count: int, then) -> "_Join":
+        """Calls ``then`` ``fanout_s * count`` after the ``count``-th answer came in."""
+        if not self.oh.fanout_s:
+            return _Join(count, then)
+        delay = self.oh.fanout_s * count
+        return _Join(count, lambda: self.at(self.now + delay, then))
+
     # -- the sequencer --------------------------------------------------------------------------
 
     def maybe_send(self, r: int) -> None:
@@ -220,7 +235,7 @@ class _Update:
             self.forward(r, EXTERNAL)
             self.maybe_send(r + 1)
             return
-        replies = _Join(self.num_trainers, lambda: self.forward(r, EXTERNAL))
+        replies = self.join(self.num_trainers, lambda: self.forward(r, EXTERNAL))
         for i in range(self.num_trainers):
             c = self.oh.control_s
             self.at(self.now + c, lambda i=i, c=c: self.enqueue(i, r, replies, c))
@@ -258,7 +273,7 @@ class _Update:
             then()
             return
         R = self.W - self.num_trainers
-        replies = _Join(R, then)
+        replies = self.join(R, then)
         for j in range(self.num_trainers, self.W):
             _, writes = self.steps.get((j, r, stage), (0, ()))
             c = oh.control_s
@@ -272,7 +287,7 @@ class _Update:
             self.landed[r] = True
             self.maybe_send(r + self.depth)
         R = self.W - self.num_trainers
-        replies = _Join(R, landed)
+        replies = self.join(R, landed)
         for j in range(self.num_trainers, self.W):
             received = self.steps.get((j, r, "land"), 0)
             c = oh.control_s

@@ -1,0 +1,286 @@
+"""Validate the calibrated simulator on held-out points of a separate run, over a wide range.
+
+    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
+        --collect out/validate_sim/run1.pkl                       # ~4 min, needs root
+    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
+        --collect out/validate_sim/run2.pkl
+    .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
+        --predict out/validate_sim/run2.pkl
+
+``--collect`` (needs root) runs WeightBridge (`MeshTransfer`) at every point of `POINTS` on one
+emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the
+rate blocks, and pickles every point's plan, link rate, depth and every update's actor spans
+(`weightbridge.planning.calibrate.Run`). The points vary link rate (50 and 200 Mbit/s), round
+size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout replicas (1-4), trainer
+nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT spans over 10x. One
+point (`REPEATED`) is measured a second time at the end of its block: the machine's own drift.
+
+``--fit-from RUN1 --predict RUN2`` fits `Overheads` on the calibration points (``--calibrate``,
+default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separate run. Per
+point it prints measured, predicted and error beside three baselines: ``const``, one EWTT (the
+mean measured on the calibration points of RUN1) for every point; ``bare``, the model
+without overheads (`simulate(plan, cluster)`); and, a stronger one, ``k x bare``: that model
+scaled by one factor fitted on the calibration points; and the same point's EWTT measured in RUN1
+(run-to-run drift). Held-out points are those not in ``--calibrate``. ``--fanout-s X``: the
+model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
+measured apart by `benchmarks/control_scaling.py`; the rest fitted as before).
+
+Measured EWTT of a point: the median over its updates after the first (the first warms caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_cluster import attached  # noqa: E402
+from weightbridge.planning.calibrate import Run, fit_overheads, point_cluster  # noqa: E402
+from weightbridge.planning.simulate import simulate  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Point:
+    """One configuration: layouts, model, link rate (Mbit/s), round size (KiB), depth."""
+
+    label: str
+    trainer: str
+    rollout: str
+    model: str
+    mbit: float
+    round_kib: int
+    depth: int
+
+
+T2 = "nodes=1,gpus=2,tp=2"
+R1 = "nodes=1,gpus=1"
+R2 = "nodes=1,gpus=2,tp=2"
+POINTS = (
+    Point("200M tiny r1", T2, f"engines=1,{R1}", "tiny", 200, 512, 3),
+    Point("200M tiny t2 r4 128K", "nodes=2,gpus=1,ep=2", f"engines=4,{R1}", "tiny", 200, 128, 3),
+    Point("200M med r2", T2, f"engines=2,{R1}", "medium", 200, 512, 3),
+    Point("200M med r4 d2 256K", T2, f"engines=4,{R1}", "medium", 200, 256, 2),
+    Point("200M med t4 p2", "nodes=4,gpus=1,ep=4", f"engines=2,{R2}", "medium", 200, 512, 3),
+    Point("200M med r1 p2 1M", T2, f"engines=1,{R2}", "medium", 200, 1024, 3),
+    Point("50M med r1", T2, f"engines=1,{R1}", "medium", 50, 512, 3),
+    Point("50M med r4", T2, f"engines=4,{R1}", "medium", 50, 512, 3),
+    Point("50M med t4", "nodes=4,gpus=1,ep=4", f"engines=4,{R1}", "medium", 50, 512, 3),
+    Point("50M med t2 d2", "nodes=2,gpus=1,ep=2", f"engines=4,{R1}", "medium", 50, 512, 2),
+    Point("50M med r2 128K", T2, f"engines=2,{R1}", "medium", 50, 128, 3),
+    Point("50M tiny r2 p2", T2, f"engines=2,{R2}", "tiny", 50, 256, 3),
+    Point("50M tiny t1 r3 64K", "nodes=1,gpus=1", f"engines=3,{R1}", "tiny", 50, 64, 3),
+)
+CALIBRATION = ("200M tiny r1", "50M med r1", "50M med t4")
+"""The points the overheads are fitted on (of the calibration run only)."""
+REPEATED = "50M med r1"
+"""Measured again at the end of its rate block, labelled ``+ " again"``: in-run drift."""
+OUT = Path(__file__).resolve().parents[1] / "out" / "validate_sim"
+
+
+def set_rate(cluster, mbit: float) -> None:
+    """Re-shape every host link of a running `EmulatedCluster` to ``mbit`` each direction
+    (tbf rate and, with control priority, the bulk band's byte FIFO sized for the new rate)."""
+    from controller.cluster import NS_PREFIX, QUEUE_S, VETH_PREFIX, _ip
+
+    cluster.link_mbit = float(mbit)
+    for i in range(cluster.hosts):
+        for dev, ns in ((f"{VETH_PREFIX}{i}", None), ("eth0", f"{NS_PREFIX}{i}")):
+            _ip("tc", "qdisc", "change", "dev", dev, "root", "handle", "1:", *cluster._tbf(),
+                ns=ns)
+            if cluster.control_priority:
+                _ip("tc", "qdisc", "replace", "dev", dev, "parent", "10:2", "bfifo", "limit",
+                    str(int(cluster.link_bytes_per_s * QUEUE_S)), ns=ns)
+
+
+def collect(points, updates: int) -> list[Run]:
+    """Every point (and `REPEATED` again), WeightBridge only: plan, rate and spans."""
+    from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        raise SystemExit(f"cannot emulate a cluster here: {reason}")
+    order = list(points)
+    rep = [i for i, p in enumerate(order) if p.label == REPEATED]
+    if rep:  # again at the end of its rate block
+        p = order[rep[0]]
+        last = max(i for i, q in enumerate(order) if q.mbit == p.mbit)
+        order.insert(last + 1, replace(p, label=p.label + " again"))
+    runs = []
+    with EmulatedCluster(8, link_mbit=order[0].mbit, insecure=True) as cluster:
+        os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        from controller.driver import MeshTransfer
+        from meshes.spec import RolloutSpec, TrainerSpec
+        from weightbridge import TransferConfig
+
+        for p in order:
+            if p.mbit != cluster.link_mbit:
+                set_rate(cluster, p.mbit)
+            rate = p.mbit * 1e6 / 8
+            tspec, rspec = TrainerSpec.parse(p.trainer), RolloutSpec.parse(p.rollout)
+            config = TransferConfig(round_bytes=p.round_kib << 10, depth=p.depth)
+            with attached(cluster.addresses, tspec, rspec) as procs:
+                with MeshTransfer(tspec, rspec, p.model, procs=procs, config=config,
+                                  link_rate=rate) as mt:
+                    plan = mt.connect()
+                    reports = [mt.update(v) for v in range(1, updates + 1)]
+            bad = [r for r in reports if r.mismatched]
+            if bad:
+                raise SystemExit(f"[{p.label}] {bad[0].line()}")
+            runs.append(Run(label=p.label, plan=plan, link_rate=rate, depth=p.depth,
+                            spans=tuple(dict(r.timing.spans) for r in reports),
+                            ewtt_s=tuple(r.timing.ewtt_s for r in reports), load=_load()))
+            print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
+                  + " ".join(f"{r.timing.ewtt_s:.3f}s" for r in reports)
+                  + f"  ({runs[-1].load})", flush=True)
+    return runs
+
+
+def _load() -> str:
+    out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    return "load " + out.split("load average:")[-1].strip()
+
+
+def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run], *,
+             fanout_s: float = 0.0) -> dict:
+    """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given), predict ``runs``; print the
+    table; the summary."""
+    fitted = [r for r in fit_runs if r.label in calibrate]
+    if not fitted:
+        raise SystemExit(f"--calibrate {list(calibrate)} names none of "
+                         f"{[r.label for r in fit_runs]}")
+    overheads = fit_overheads(fitted, fanout_s=fanout_s)
+    const = statistics.mean(r.measured_s for r in fitted)
+    scale = statistics.mean(r.measured_s / simulate(r.plan, point_cluster(r)).ewtt
+                            for r in fitted)
+    print(f"fitted on {[r.label for r in fitted]}: {overheads}")
+    print(f"const = {const:.3f}s (mean measured EWTT of the calibration points); k x bare: "
+          f"k = {scale:.3f} (their mean measured / no-overhead EWTT)")
+    before = {r.label: r.measured_s for r in reference}
+    print(f"{'point':<22} {'held':>4} {'rounds':>6} {'measured':>8} {'predicted':>9} {'error':>7}"
+          f" {'const err':>9} {'bare':>7} {'bare err':>8} {'k*bare err':>10} {'other run':>9}"
+          f" {'drift':>6}  load")
+    held, wins, kwins, drifts = [], 0, 0, []
+    for run in runs:
+        cluster = point_cluster(run)
+        m = run.measured_s
+        est = simulate(run.plan, cluster, overheads=overheads, depth=run.depth).ewtt
+        bare = simulate(run.plan, cluster).ewtt
+        err, cerr, berr = est / m - 1, const / m - 1, bare / m - 1
+        kerr = scale * bare / m - 1
+        is_held = run.label not in calibrate and not run.label.endswith(" again")
+        if is_held:
+            held.append(abs(err))
+            wins += abs(err) < abs(cerr)
+            kwins += abs(err) < abs(kerr)
+        other = before.get(run.label)
+        drift = "" if other is None else f"{100 * (m / other - 1):+5.1f}%"
+        if other is not None:
+            drifts.append(abs(m / other - 1))
+        print(f"{run.label:<22} {'yes' if is_held else 'no':>4} {run.plan.num_rounds:6d} "
+              f"{m:7.3f}s {est:8.3f}s {100 * err:+6.1f}% {100 * cerr:+8.1f}% {bare:6.3f}s "
+              f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% "
+              f"{'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  {run.load}")
+    by = {r.label: r.measured_s for r in runs}
+    again = by.get(REPEATED + " again")
+    measured = [r.measured_s for r in runs]
+    summary = {"held": len(held), "worst": max(held, default=0.0),
+               "median": statistics.median(held) if held else 0.0, "wins": wins, "kwins": kwins,
+               "span": max(measured) / min(measured)}
+    print(f"measured EWTT spans {min(measured):.3f}-{max(measured):.3f}s "
+          f"({summary['span']:.1f}x)")
+    print(f"held-out points: {len(held)}; worst |error| {100 * summary['worst']:.1f}% "
+          f"(target <= 15%), median {100 * summary['median']:.1f}% (target <= 7%); "
+          f"better than const at {wins}/{len(held)}, than k x bare at {kwins}/{len(held)}")
+    if again is not None and REPEATED in by:
+        print(f"in-run drift: {REPEATED} measured {by[REPEATED]:.3f}s then {again:.3f}s "
+              f"({100 * (again / by[REPEATED] - 1):+.1f}%)")
+    if drifts:
+        print(f"run-to-run drift (same point, the two runs): median "
+              f"{100 * statistics.median(drifts):.1f}%, worst {100 * max(drifts):.1f}%")
+    return summary
+
+
+def hops(runs: list[Run]) -> None:
+    """Per point: the median gap from a step's last answer to the next step on a rollout (two
+    messages and a step: what the control latency is read from) and the median busiest
+    worker's link time of a round; their correlation over the points."""
+    from weightbridge.planning.calibrate import _hop_gaps
+    from weightbridge.planning.timeline import Overheads, _steps
+
+    xs, ys = [], []
+    for run in runs:
+        gaps = _hop_gaps(run, Overheads())
+        out: dict[int, int] = {}
+        for (_, r, stage), v in _steps(run.plan).items():
+            if stage != "land":
+                out[r] = max(out.get(r, 0), sum(n for _, _, n in v[1]))
+        xs.append(statistics.median(out.values()) / run.link_rate)
+        ys.append(statistics.median(gaps))
+        print(f"{run.label:<22} round on the busiest link {1e3 * xs[-1]:6.1f} ms, median hop "
+              f"{1e3 * ys[-1]:5.2f} ms")
+    print(f"correlation {statistics.correlation(xs, ys):+.2f}")
+
+
+def show_rounds(runs: list[Run], label: str, rounds) -> None:
+    """Every span of ``rounds`` of the second update of point ``label``, ms from its start."""
+    from weightbridge.planning.calibrate import _numbered
+
+    run = next((r for r in runs if r.label == label), None)
+    if run is None:
+        raise SystemExit(f"--rounds: no point {label!r} in {[r.label for r in runs]}")
+    by = _numbered(run.updates()[0], len(run.plan.trainers))
+    t0 = min(s[2] for ss in by.values() for s in ss)
+    rows = sorted((a - t0, b - t0, w, st, r) for w, ss in by.items() for st, r, a, b in ss
+                  if r in rounds)
+    for a, b, w, st, r in rows:
+        print(f"round {r} worker {w} {st:<9} {1e3 * a:7.1f} -> {1e3 * b:7.1f} ms "
+              f"({1e3 * (b - a):5.1f})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--collect", help="run every point and pickle the runs to this path")
+    parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument("--points", nargs="+", help="labels of the points to collect (all)")
+    parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
+    parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
+    parser.add_argument("--calibrate", nargs="+", default=list(CALIBRATION))
+    parser.add_argument("--hops", help="a pickled run: print every point's median hop gap")
+    parser.add_argument("--rounds", nargs="+", metavar=("LABEL", "ROUND"),
+                        help="with --hops RUN: print these rounds' spans of point LABEL")
+    parser.add_argument("--fanout-s", type=float, default=0.0,
+                        help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
+    args = parser.parse_args()
+    if args.collect:
+        t0 = time.perf_counter()
+        print(f"collect: {_load()}", flush=True)
+        points = [p for p in POINTS if not args.points or p.label in args.points]
+        runs = collect(points, args.updates)
+        Path(args.collect).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.collect).write_bytes(pickle.dumps(runs))
+        print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
+              f"{args.collect}  ({_load()})")
+    if args.hops and args.rounds:
+        show_rounds(pickle.loads(Path(args.hops).read_bytes()), args.rounds[0],
+                    {int(r) for r in args.rounds[1:]})
+    elif args.hops:
+        hops(pickle.loads(Path(args.hops).read_bytes()))
+    if args.fit_from and args.predict:
+        fit_runs = pickle.loads(Path(args.fit_from).read_bytes())
+        runs = pickle.loads(Path(args.predict).read_bytes())
+        print(f"fit: {args.fit_from}; predict: {args.predict}")
+        validate(fit_runs, runs, args.calibrate, fit_runs, fanout_s=args.fanout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
