@@ -146,7 +146,8 @@ class _Fuzz:
     def script(self) -> int | None:
         if not self._collective("connect", lambda a: a.connect()):
             return None
-        for rank in self.ranks:
+        for rank in self.ranks:  # connect probed them: they hold probe values until v1
+            rank.snapshot = {n: p.clone() for n, p in rank.model.params.items()}
             self._start(rank)
         for op in self.s.ops:
             if self.ended or not self._run_op(op):
@@ -341,7 +342,7 @@ class _Fuzz:
         if rank.dead:
             return
         held = r.version
-        if fresh and held == 0:
+        if held == 0:  # no version installed yet: probe values (docs/integration.md)
             return
         rank.history.append(held)
         if rank.told:
