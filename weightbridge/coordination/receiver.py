@@ -14,7 +14,8 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.coordination.control import PeerCall, engine_workers
-from weightbridge.coordination.protocol import EngineCoordinator, Relay, WorkerVersions
+from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
+                                                check_version)
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
@@ -178,6 +179,7 @@ class ReceiverAdapter(AdapterWorker):
                 group's ``timeout_s``).
             TransferFailed: as `poll_requests`.
         """
+        version = check_version(version, "wait_for_version")
         limit = 3 * self.config.timeout_s if timeout_s is None else timeout_s
         end = time.monotonic() + limit
         while self.version < version:

@@ -15,7 +15,7 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
-from weightbridge.coordination.protocol import SenderStage, StagingSlots
+from weightbridge.coordination.protocol import SenderStage, StagingSlots, check_version
 from weightbridge.coordination.sender_delta import SenderDelta
 from weightbridge.coordination.sender_membership import SenderMembership
 from weightbridge.coordination.sender_recovery import SenderRecovery
@@ -55,6 +55,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
         self._ready = 0  # non-SS: the newest version send_weights was called with
         self._sending: int | None = None  # non-SS: the version send_weights is waiting on now
+        self._calling: int | None = None  # the version of the send_weights call running now
         self._done = 0  # newest version whose transfer finished
         self._connected = threading.Event()
         self._connect_error: str | None = None
@@ -144,8 +145,24 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
                 staged: it still goes to the surviving engines). See docs/integration.md,
                 "Failures".
         """
+        version = check_version(version)
         if self.executor is None:
             raise RuntimeError("call connect() before send_weights()")
+        with self.cond:
+            if self._calling is not None:
+                raise RuntimeError(
+                    f"{self.worker}: send_weights({version}) while send_weights("
+                    f"{self._calling}) is still running on this trainer in another thread; "
+                    f"send_weights is called once per update, from one thread: wait for the "
+                    f"running call to return first")
+            self._calling = version
+        try:
+            self._send_weights(version, changed)
+        finally:
+            with self.cond:
+                self._calling = None
+
+    def _send_weights(self, version: int, changed) -> None:
         if self._broken is not None:
             raise TransferFailed(self._broken)
         checked = self._delta_check(changed)
@@ -324,8 +341,8 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         try:
             self._poll_until(same, f"not every trainer called send_weights({version})")
         except _Disagree:
-            calls = ", ".join(f"{t} send_weights({v})" for t, v in zip(ts, sending)
-                              if v is not None)
+            calls = ", ".join(f"{t} send_weights({version if t == TRAINER_0 else v})"
+                              for t, v in zip(ts, sending) if v is not None or t == TRAINER_0)
             message = (f"the trainers are sending different versions ({calls}); every "
                        f"trainer must call send_weights with the same version in each update. "
                        f"Nothing was sent: call send_weights again with one version on every "

@@ -1,0 +1,89 @@
+"""Issue 23, the adapters' side: a group's state has one owner and no seam tears an install.
+
+`tinygroup` (two data-parallel trainers, an engine per rollout, one `LocalControl`). Each test
+is a finding of issue 23 that used to tear or mislabel weights or wedge the group:
+
+- bools and floats accepted as versions and engine ids; two send_weights of one trainer
+  racing each other refused with a message naming one version twice (finding 7);
+- an engine joining while a delta plan is in force re-planned under the same generation: the
+  rollouts' staging slots were made anew (uninitialized) while rank 0 still recorded a landed
+  version in them, and a lagging engine installed garbage under that version (finding 1);
+"""
+
+import threading
+
+import torch
+
+import pytest
+from tinygroup import MODES, build, checkpoint, connect, in_threads, send
+
+import weightbridge.coordination.receiver as receiver_module
+from weightbridge import ReceiverAdapter, TransferConfig
+from tinygroup import SPEC, SHAPES, Model
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, 2.0, "3", None, 0, -1])
+def test_versions_that_are_not_positive_ints_are_refused_before_anything_moves(bad):
+    control, trainers, rollouts = build(TransferConfig(timeout_s=2))
+    connect(trainers)
+    moved = control.transport.bytes_written
+    for _, t in trainers:
+        with pytest.raises(ValueError, match=r"version must be a positive int .*got " +
+                           repr(bad).replace(".", r"\.")):
+            t.send_weights(bad)
+    for _, r in rollouts:
+        with pytest.raises(ValueError, match=r"version must be a positive int"):
+            r.wait_for_version(bad, timeout_s=0.1)
+    assert control.transport.bytes_written == moved
+    # The group goes on: nothing was recorded for the refused calls.
+    got = in_threads(*send(trainers, 1, ss=False),
+                     *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])
+    assert got == [None, None, 1, 1], got
+
+
+@pytest.mark.parametrize("bad", [True, False, 1.0, 0.5])
+def test_engine_ids_that_are_not_ints_are_refused(bad):
+    control, trainers, rollouts = build(TransferConfig(timeout_s=2), num_engines=3)
+    connect(trainers)
+    out = in_threads(*[lambda a=a: a.remove_engine(bad) for _, a in trainers])
+    assert isinstance(out[0], ValueError), out
+    assert "engine must be an engine number" in str(out[0]) and repr(bad) in str(out[0])
+    assert trainers[0][1].failed_engines == set()
+    got = in_threads(*send(trainers, 1, ss=False),
+                     *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])
+    assert got == [None, None, 1, 1, 1], got
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_second_send_weights_on_one_trainer_while_one_runs_is_refused(mode):
+    ss, rs = MODES[mode]
+    control, trainers, rollouts = build(TransferConfig(timeout_s=2, sender_staging=ss,
+                                                       receiver_staging=rs))
+    connect(trainers)
+    (m0, t0), (m1, t1) = trainers
+    inside, release = threading.Event(), threading.Event()
+    real = t1._delta_check  # the first step of send_weights, before anything is recorded
+
+    def held(changed):
+        if not inside.is_set():
+            inside.set()
+            release.wait(30)
+        return real(changed)
+    t1._delta_check = held
+    for m, _ in trainers:
+        m.load_weights(checkpoint(1).items())
+    first = threading.Thread(target=lambda: t1.send_weights(1), daemon=True)
+    first.start()
+    assert inside.wait(30)
+    with pytest.raises(RuntimeError, match=r"send_weights\(2\) while send_weights\(1\) is "
+                                           r"still running on this trainer"):
+        t1.send_weights(2)
+    release.set()
+    t0_done = in_threads(lambda: t0.send_weights(1),
+                         *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])
+    first.join(timeout=30)
+    if ss:
+        t0.wait_idle()
+    assert t0_done == [None, 1, 1], t0_done
+    assert all(m.holds(1) for m, _ in rollouts)
+
