@@ -87,3 +87,48 @@ def test_a_second_send_weights_on_one_trainer_while_one_runs_is_refused(mode):
     assert t0_done == [None, 1, 1], t0_done
     assert all(m.holds(1) for m, _ in rollouts)
 
+
+
+def _add_receiver(control, config, rank: int):
+    m = Model()
+    return m, control.add(ReceiverAdapter(
+        m.params, m.load_weights, SPEC, rank=rank, engine=rank, engine_rank=0, engine_size=1,
+        control=control, transport=control.transport, config=config))
+
+
+def _holds(model, versions: dict) -> bool:
+    """``model`` holds, per tensor, the bytes of the version ``versions`` names."""
+    return all(torch.equal(model.params[n].view(torch.uint8),
+                           checkpoint(v)[n].view(torch.uint8)) for n, v in versions.items())
+
+
+def test_a_join_under_a_delta_plan_never_installs_a_fresh_staging_slot(monkeypatch):
+    real = receiver_module.host_buffer
+    # Staging memory is uninitialized: make it visibly so (a NaN-ish pattern in every byte).
+    monkeypatch.setattr(receiver_module, "host_buffer",
+                        lambda n, like: real(n, like).fill_(0xA5))
+    config = TransferConfig(timeout_s=5, receiver_staging=True)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    (_, r0), (m1, r1) = rollouts
+
+    def delta(v, changed):
+        for m, _ in trainers:
+            m.load_weights((n, checkpoint(v)[n]) for n in changed or SHAPES)
+        assert in_threads(*[lambda a=a: a.send_weights(v, changed=changed)
+                            for _, a in trainers]) == [None, None]
+
+    delta(1, None)
+    assert [a.wait_for_version(1) for _, a in rollouts] == [1, 1]
+    delta(2, ["w"])  # landed in both engines' staging; only engine 0 installs it
+    assert r0.wait_for_version(2) == 2
+    rollouts.append(_add_receiver(control, config, 2))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    # Engine 1 installs version 2 (it landed before the join) whole, or nothing newer than
+    # what it holds; never the bytes of a slot made by the join.
+    got = r1.wait_for_version(2, timeout_s=2)
+    assert got == 2 and _holds(m1, {"w": 2, "v": 1, "m": 1}), m1.params
+    delta(3, ["v"])
+    want = {"w": 2, "v": 3, "m": 1}
+    assert [a.wait_for_version(3) for _, a in rollouts] == [3, 3, 3]
+    assert all(_holds(m, want) for m, _ in rollouts)

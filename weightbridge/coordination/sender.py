@@ -14,12 +14,13 @@ import torch
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
-from weightbridge.coordination.control import PeerCall, engine_workers, rollouts, trainers
-from weightbridge.coordination.protocol import SenderStage, StagingSlots, check_version
+from weightbridge.coordination.control import PeerCall, trainers
+from weightbridge.coordination.leader import GroupLeader
+from weightbridge.coordination.protocol import SenderStage, check_version
 from weightbridge.coordination.sender_delta import SenderDelta
 from weightbridge.coordination.sender_membership import SenderMembership
 from weightbridge.coordination.sender_recovery import SenderRecovery
-from weightbridge.coordination.session import check_replicas, connect_group, run_update
+from weightbridge.coordination.session import check_replicas, run_update
 from weightbridge.coordination.worker import ReplicaMismatch, param_digest
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, Stage, WorkerId
@@ -60,30 +61,41 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         self._connected = threading.Event()
         self._connect_error: str | None = None
         self._planning = False  # rank 0, inside connect's probe and plan
-        # Rank 0 only: the engines' staging slots (RS) and the sequencing thread (SS).
-        self.slots: StagingSlots | None = None
+        # Rank 0 only: the group's state (`GroupLeader`) and the sequencing thread (SS).
+        self.leader = GroupLeader(control, config)
         self._session_lock = threading.Lock()
-        self._slots_lock = threading.Lock()
         self._joined: set[WorkerId] = set()
         self._session_joined: set[WorkerId] = set()  # who had joined the running transfer
         self._thread: threading.Thread | None = None
         self._kick_lock = threading.Lock()
         self.error: BaseException | None = None
-        # Rank 0 only: the group's source maps (re-planning), the engines lost so far, and
-        # why the group can no longer send (None while it can).
-        self._maps = None
-        self.group = None
-        self.plan = None
-        """Rank 0, once connected: the `TransferPlan` in force (its ``summary()`` is the byte
-        accounting); replaced when a lost engine is planned out."""
-        self.failed_engines: set[int] = set()
-        self.failed_trainers: set[int] = set()
-        """Trainers lost mid-transfer (rank 0): their replicas send what they held."""
-        self._generation = 0
+        # Rank 0 only: why the group can no longer send (None while it can).
         self._broken: str | None = None
         # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
         self._failures: dict[int, tuple[str, str]] = {}
         self._init_membership()
+
+    # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
+
+    @property
+    def plan(self):
+        """Rank 0, once connected: the `TransferPlan` in force (its ``summary()`` is the byte
+        accounting); replaced by every re-plan."""
+        return self.leader.plan
+
+    @property
+    def group(self):
+        return self.leader.group
+
+    @property
+    def failed_engines(self) -> set[int]:
+        """Rank 0: the engines out of the group (lost, removed, refused at a join)."""
+        return self.leader.out_engines
+
+    @property
+    def failed_trainers(self) -> set[int]:
+        """Rank 0: trainers lost mid-transfer; their replicas send what they held."""
+        return self.leader.out_trainers
 
     # -- the user's calls -----------------------------------------------------------------------
 
@@ -96,8 +108,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         if self.worker.index == 0:
             self._planning = True
             try:
-                self._maps, self.group = connect_group(self.control, self.config)
-                self.plan = self.group.plan
+                self.leader.connect()
             except Exception as e:
                 # The other trainers wait for a plan: tell them now rather than at timeout.
                 self.control.call(trainers(self.control)[1:], PeerCall.CONNECT_FAILED,
@@ -105,7 +116,6 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
                 raise
             finally:
                 self._planning = False
-            self.slots = StagingSlots(self.control.num_engines)
         # Probing and planning grow with the model and may outlast timeout_s: wait on while
         # trainer 0 says it is still at it (a dead or absent trainer 0 ends the wait).
         while not self._connected.wait(self.config.timeout_s):
@@ -304,17 +314,13 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
     # -- the transfer (rank 0) ------------------------------------------------------------------
 
     def _live(self) -> list[WorkerId]:
-        """Every rollout worker of an engine not lost."""
-        size = self.control.engine_size
-        return [w for w in rollouts(self.control) if w.index // size not in self.failed_engines]
+        return self.leader.live_rollouts()
 
     def _live_trainers(self) -> list[WorkerId]:
-        """Every trainer not lost (trainer 0 first: it runs this)."""
-        return [t for t in trainers(self.control) if t.index not in self.failed_trainers]
+        return self.leader.live_trainers()
 
     def _live_rank0s(self) -> list[WorkerId]:
-        return [engine_workers(self.control, e)[0] for e in range(self.control.num_engines)
-                if e not in self.failed_engines]
+        return self.leader.live_rank0s()
 
     def _gather(self, version: int, *, deadline: bool = True) -> None:
         """RS off: offer ``version`` to every engine and wait until every rollout joined."""
@@ -376,8 +382,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
             self._plan_delta(ts, version)  # the plan of the tensors the rollouts need
         check_replicas(control, self.group, version)  # (SS: each staged copy's digest)
         if mode.receiver_staging:
-            with self._slots_lock:
-                slots = self.slots.begin(version)
+            slots = self.leader.begin_landing(version)
         else:
             slots = {}
             while True:  # a rollout may leave (its poll timed out) until the swap below
@@ -389,8 +394,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         moved[0] = True
         run_update(control, self.group, slots=slots)  # the rounds, sequenced from here
         if mode.receiver_staging:
-            with self._slots_lock:
-                self.slots.complete(version)
+            self.leader.landed(version)
             if release:  # landed: the trainers go on before any install
                 control.call(ts, PeerCall.TRANSFERRED, version)
             control.call(self._live_rank0s(), PeerCall.OFFER, version)
@@ -485,5 +489,4 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
             return False
 
     def on_claim(self, engine: int):
-        with self._slots_lock:  # a slot being filled holds no landed version: never claimed
-            return self.slots.claim(engine)
+        return self.leader.claim(engine)

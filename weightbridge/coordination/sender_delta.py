@@ -39,23 +39,13 @@ class SenderDelta:
     """``changed`` on every trainer (`_delta_check`, `_delta_begin`, `on_delta`) and the
     restricted re-plan on rank 0 (`_plan_delta`)."""
 
-    _tensors: frozenset[str] | None = None
-    """Rank 0: the checkpoint tensors the plan in force moves (None: all)."""
     _delta_prev = 0
     """The version of this trainer's previous send_weights call (sync, RS)."""
     _delta: tuple | None = None
     """(version, previous version, kind, names) of the send_weights call waiting now."""
     _digests: tuple[int, tuple[int, ...]] | None = None
     """(version, per-parameter checksums) at the last ``changed="auto"`` call."""
-    _delta_log: DeltaLog | None = None
-    _delta_claims: dict[int, int] | None = None
-    """Rank 0, RS: engine -> newest version it claimed (kept across re-plans' slots)."""
     _param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
-    _delta_unplanned = False
-    """Rank 0: a re-plan for `_tensors` did not finish (the workers' plans may differ)."""
-    _delta_joined_at: int | None = None
-    """Rank 0, sync: `_done` when engines last joined (`add_engines`): they hold nothing
-    until a transfer after it finished."""
 
     # -- every trainer --------------------------------------------------------------------------
 
@@ -142,39 +132,28 @@ class SenderDelta:
             changed = self._auto_tensors(ts, answers)
         else:
             changed = None
-        if self._delta_log is None:
-            self._delta_log = DeltaLog(p.region.tensor for m, _ in
-                                       self._maps.trainers + self._maps.rollouts
-                                       for p in m.pieces)
-        self._delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
-        tensors = self._delta_log.needed(self._delta_base())
-        if tensors != self._tensors or self._delta_unplanned:
-            self._tensors, self._delta_unplanned = tensors, True
-            # (SenderRecovery's: a new generation and staging slots, a plan of _tensors.) A
-            # re-plan that fails part-way leaves workers on different plans: plan again next
-            # time even for the same set.
-            self._replan()
-            self._delta_unplanned = False
+        leader = self.leader
+        if leader.delta_log is None:
+            leader.delta_log = DeltaLog(p.region.tensor for m, _ in
+                                        leader.maps.trainers + leader.maps.rollouts
+                                        for p in m.pieces)
+        leader.delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
+        leader.restrict(leader.delta_log.needed(self._delta_base()))
 
     def _delta_base(self) -> int:
         """The version every live rollout's parameters hold when it installs this transfer,
         or an older one (never newer: then a change would be missed)."""
         if not self.config.receiver_staging:
             # Sync: every live rollout took part in that transfer, unless it joined since.
-            joined = self._delta_joined_at
+            joined = self.leader.joined_at
             return 0 if joined is not None and self._done <= joined else self._done
-        claims = self._delta_claims = self._delta_claims or {}
-        live = sorted({w.index // self.control.engine_size for w in self._live()})
-        with self._slots_lock:
-            for e in live:
-                claims[e] = max(claims.get(e, 0), self.slots.claimed(e) or 0)
-        return min(claims.get(e, 0) for e in live)
+        return min(self.leader.claimed().values())
 
     def _auto_tensors(self, ts: list, answers: list) -> frozenset[str]:
         """The checkpoint tensors any of the trainers' changed parameters load from."""
         if self._param_tensors is None:
             self._param_tensors = {}
-            for i, (smap, _) in enumerate(self._maps.trainers):
+            for i, (smap, _) in enumerate(self.leader.maps.trainers):
                 by_param: dict[str, set] = {}
                 for p in smap.pieces:
                     by_param.setdefault(p.param, set()).add(p.region.tensor)

@@ -18,9 +18,7 @@ whole; the engines already in keep what they run and never see a partial version
 
 from __future__ import annotations
 
-from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
-from weightbridge.coordination.elastic import check_removable, join_group, leave_group
-from weightbridge.errors import LayoutError
+from weightbridge.coordination.control import PeerCall
 
 
 class SenderMembership:
@@ -127,44 +125,11 @@ class SenderMembership:
             self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
 
     def _join(self, group) -> None:
-        size = self.control.engine_size
-        joining = range(len(self._maps.rollouts) // size, self.control.num_engines)
-        try:
-            self._maps, self.group, _ = join_group(
-                self.control, self._maps, self.group, self.config,
-                generation=self._generation, restricted=self._tensors is not None,
-                excluded=frozenset(w.index for w in rollouts(self.control)
-                                   if w.index // size in self.failed_engines),
-                excluded_trainers=frozenset(self.failed_trainers))
-        except Exception as e:
-            # The group goes on without them; they count as out (never waited for).
-            self.failed_engines.update(joining)
-            self.control.call([w for j in joining for w in engine_workers(self.control, j)],
-                              PeerCall.FAIL, f"engines {list(joining)} could not join this "
-                              f"transfer group ({type(e).__name__}: {e})", return_errors=True)
-            if not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
-                self._replan()
-            raise
-        self._tensors = None  # (a delta plan in force was replaced by a full one)
-        self.plan = self.group.plan
-        self._delta_joined_at = self._done  # (delta updates: the new engines hold nothing)
-        with self._slots_lock:
-            self.slots.grow(self.control.num_engines)
+        self.leader.join()
+        self.leader.joined_at = self._done  # (delta updates: the new engines hold nothing)
 
     def _leave(self, engine: int) -> None:
-        check_removable(engine, self.control.num_engines, self.failed_engines)
-        self.failed_engines.add(engine)
-        self.control.call(engine_workers(self.control, engine), PeerCall.FAIL,
-                          f"engine {engine} was removed from this transfer group "
-                          f"(remove_engine({engine})): nothing more is sent to it; to use it "
-                          f"again, restart its workers and add them with add_engines()",
-                          return_errors=True)
-        shrunk = leave_group(self.control, self.group, self.config,
-                             engine_workers(self.control, engine))
-        if shrunk is None:  # others depend on it: plan again
-            self._replan()
-        else:
-            self.group, self.plan = shrunk, shrunk.plan
+        self.leader.leave(engine)
 
 
 def _call(what: tuple) -> str:

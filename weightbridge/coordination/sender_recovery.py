@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts
-from weightbridge.coordination.protocol import StagingSlots
-from weightbridge.coordination.session import plan_group, unanswered
+from weightbridge.coordination.session import unanswered
 from weightbridge.coordination.worker import ReplicaMismatch
 
 
@@ -43,9 +42,7 @@ class SenderRecovery:
                 control.call(live, PeerCall.FAIL, self._broken, return_errors=True)
             raise error
         lost = sorted({j // size for j in gone})
-        self.failed_engines.update(lost)
-        self.failed_trainers.update(gone_t)
-        survivors = sorted(set(range(control.num_engines)) - self.failed_engines)
+        survivors = sorted(set(self.leader.live_engines()) - set(lost))
         names = ([f"R{j} (engine {j // size})" for j in gone] + [f"T{i}" for i in gone_t])
         what = (f"{'workers' if len(names) > 1 else 'worker'} {', '.join(names)} failed during "
                 f"the transfer of version {version} ({type(error).__name__}: {cause}).")
@@ -61,14 +58,14 @@ class SenderRecovery:
                      f"{'are' if len(gone_t) > 1 else 'is'} excluded: the trainers that hold "
                      f"the same regions (data-parallel replicas) send them from now on, and "
                      f"send_weights() is collective over the others.")
-        orphans = [w for w in rollouts(control) if w.index // size in lost and w.index not in gone]
-        control.call(orphans, PeerCall.FAIL, what, return_errors=True)
+        self.leader.exclude(lost, gone_t, why=what,
+                            unreachable=[w for w in rollouts(control) if w.index in gone])
         if not survivors:
             self._broken = what + " No engine is left."
             self._tell_trainers(version, self._broken)
             raise TransferFailed(self._broken) from error
         try:
-            self._replan()
+            self.leader.replan()
             if not mode.sender_staging:  # the trainers' parameters still hold this version
                 self._rejoin(moved)
                 self._session(version, [False], release=False)
@@ -100,21 +97,6 @@ class SenderRecovery:
         live = set(self._live())
         with self.cond:
             self._joined = self._joined | (self._session_joined & live)
-
-    def _replan(self) -> None:
-        """Plan again from the source maps of connect, leaving the lost engines out; set the
-        trainers and surviving rollouts up on it (new tables, arenas and handles)."""
-        control = self.control
-        size = control.engine_size
-        excluded = frozenset(w.index for w in rollouts(control)
-                             if w.index // size in self.failed_engines)
-        self._generation += 1
-        with self._slots_lock:  # a version landing when it failed never completes
-            self.slots = StagingSlots(control.num_engines, first_slot=2 * self._generation)
-        self.group = plan_group(control, self._maps, self.config, excluded=excluded,
-                                excluded_trainers=frozenset(self.failed_trainers),
-                                generation=self._generation, tensors=self._tensors)
-        self.plan = self.group.plan
 
     def _tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
         others = self._live_trainers()[1:]
