@@ -8,6 +8,9 @@ is a finding of issue 23 that used to tear or mislabel weights or wedge the grou
 - an engine joining while a delta plan is in force re-planned under the same generation: the
   rollouts' staging slots were made anew (uninitialized) while rank 0 still recorded a landed
   version in them, and a lagging engine installed garbage under that version (finding 1);
+- add_engines() called on trainer 0 only failed, yet the engines it was meant to add were
+  offered versions and waited for: every later sync send timed out, every RS send raised
+  IndexError (finding 4);
 """
 
 import threading
@@ -132,3 +135,29 @@ def test_a_join_under_a_delta_plan_never_installs_a_fresh_staging_slot(monkeypat
     want = {"w": 2, "v": 3, "m": 1}
     assert [a.wait_for_version(3) for _, a in rollouts] == [3, 3, 3]
     assert all(_holds(m, want) for m, _ in rollouts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_an_add_engines_called_on_trainer_0_only_leaves_the_group_as_before(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=1, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    (_, t0), (_, t1) = trainers
+
+    def update(v, which):
+        got = in_threads(*send(trainers, v, ss=ss),
+                         *[lambda a=a: a.wait_for_version(v) for _, a in which])
+        assert got == [None, None] + [v] * len(which), got
+        assert all(m.holds(v) for m, _ in which)
+
+    update(1, rollouts)
+    new = _add_receiver(control, config, 2)
+    with pytest.raises(TimeoutError, match=r"not every trainer called the same add_engines"):
+        t0.add_engines()
+    # Nothing changed: the engine that was to join is not waited for, nor offered anything.
+    assert new[1].poll_requests() is None
+    update(2, rollouts)
+    assert new[1].poll_requests() is None and new[1].version == 0
+    assert in_threads(t0.add_engines, t1.add_engines) == [None, None]
+    update(3, rollouts + [new])

@@ -83,22 +83,25 @@ class GroupLeader:
 
     # -- who is in ------------------------------------------------------------------------------
 
+    def live_engines(self) -> list[int]:
+        """The engines in the group and not out. In the group: probed at connect or at a
+        join; an engine the control plane has beyond them (added, `join` not run or failed)
+        is neither offered a version nor waited for."""
+        joined = (self.control.num_engines if self.maps is None
+                  else len(self.maps.rollouts) // self.control.engine_size)
+        return [e for e in range(joined) if e not in self.out_engines]
+
     def live_rollouts(self) -> list[WorkerId]:
-        """Every rollout worker of an engine not out."""
-        size = self.control.engine_size
-        return [w for w in rollouts(self.control) if w.index // size not in self.out_engines]
+        """Every rollout worker of a live engine."""
+        return [w for e in self.live_engines() for w in engine_workers(self.control, e)]
 
     def live_trainers(self) -> list[WorkerId]:
         """Every trainer not out (trainer 0 first)."""
         return [t for t in trainers(self.control) if t.index not in self.out_trainers]
 
     def live_rank0s(self) -> list[WorkerId]:
-        """The rank-0 receiver of every engine not out."""
-        return [engine_workers(self.control, e)[0] for e in range(self.control.num_engines)
-                if e not in self.out_engines]
-
-    def live_engines(self) -> list[int]:
-        return [e for e in range(self.control.num_engines) if e not in self.out_engines]
+        """The rank-0 receiver of every live engine."""
+        return [engine_workers(self.control, e)[0] for e in self.live_engines()]
 
     def _excluded_rollouts(self) -> frozenset[int]:
         size = self.control.engine_size
@@ -216,6 +219,8 @@ class GroupLeader:
 
     def claim(self, engine: int) -> tuple[int, int] | None:
         """An engine's rank 0 pins the newest version landed for it: (version, slot)."""
+        if engine not in self.live_engines():  # (out, or not joined: nothing lands there)
+            return None
         with self._ledger:  # a slot being filled holds no landed version: never claimed
             return self.slots.claim(engine)
 
