@@ -11,6 +11,9 @@ is a finding of issue 23 that used to tear or mislabel weights or wedge the grou
 - add_engines() called on trainer 0 only failed, yet the engines it was meant to add were
   offered versions and waited for: every later sync send timed out, every RS send raised
   IndexError (finding 4);
+- a rank excluded while it stalled was never told (its polls returned None over torn
+  parameters), and after a trainer loss that could not be re-routed, or the loss of trainer 0,
+  no rollout was told (finding 2);
 """
 
 import threading
@@ -21,7 +24,8 @@ import pytest
 from tinygroup import MODES, build, checkpoint, connect, in_threads, send
 
 import weightbridge.coordination.receiver as receiver_module
-from weightbridge import ReceiverAdapter, TransferConfig
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
+from weightbridge.coordination.local_control import LocalControl, WorkerGone
 from tinygroup import SPEC, SHAPES, Model
 
 
@@ -161,3 +165,134 @@ def test_an_add_engines_called_on_trainer_0_only_leaves_the_group_as_before(mode
     assert new[1].poll_requests() is None and new[1].version == 0
     assert in_threads(t0.add_engines, t1.add_engines) == [None, None]
     update(3, rollouts + [new])
+
+
+class StallsInVersion2(ReceiverAdapter):
+    """A rollout that stops answering as the second transfer lands in it (a stall: it comes
+    back once the test takes it off ``control.dead``)."""
+
+    lands = 0
+
+    def on_land(self, r, slots=None, expected=None):
+        self.lands += 1
+        if self.lands > self.executor.num_rounds:
+            self.control.kill(self.worker)
+            raise WorkerGone(f"{self.worker} stalled")
+        return super().on_land(r, slots, expected)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_rank_excluded_while_it_stalled_is_told_when_it_comes_back(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=1, sender_staging=ss, receiver_staging=rs)
+    control = LocalControl()
+    trainers = [(m, control.add(SenderAdapter(m.params, m.load_weights, SPEC, rank=i,
+                                              control=control, transport=control.transport,
+                                              config=config))) for i, m in enumerate([Model(), Model()])]
+    rollouts = []
+    for j in range(2):
+        m = Model()
+        rollouts.append((m, control.add((StallsInVersion2 if j == 0 else ReceiverAdapter)(
+            m.params, m.load_weights, SPEC, rank=j, engine=j, engine_rank=0, engine_size=1,
+            control=control, transport=control.transport, config=config))))
+    connect(trainers)
+    (_, r0), (m1, r1) = rollouts
+    assert in_threads(*send(trainers, 1, ss=ss),
+                      *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]
+    stalled: list = []
+    if not rs:  # R0 waits inside its poll for version 2 when it stalls
+        poll = threading.Thread(target=lambda: stalled.extend(in_threads(
+            lambda: r0.wait_for_version(2, timeout_s=30))))
+        poll.start()
+    got = in_threads(*send(trainers, 2, ss=ss), lambda: r1.wait_for_version(2))
+    assert isinstance(got[0], TransferFailed) and "Engine [0] is excluded" in str(got[0]), got
+    assert got[2] == 2 and m1.holds(2)
+    control.dead.discard(r0.worker)  # it comes back
+    if not rs:
+        poll.join(timeout=30)
+        assert isinstance(stalled[0], TransferFailed), stalled
+    else:  # told with the next transfer (it did not answer when it was excluded)
+        got = in_threads(*send(trainers, 3, ss=ss), lambda: r1.wait_for_version(3))
+        assert got == [None, None, 3], got
+    for _ in range(2):  # every later poll says so, never None over what it holds
+        with pytest.raises(TransferFailed, match=r"R0 \(engine 0\): .*failed during the "
+                                                 r"transfer of version 2.*add them as a new"):
+            r0.wait_for_version(2, timeout_s=5)
+
+
+class Holds(Model):
+    """A trainer that holds only some of the tensors (no replica holds the rest)."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.params = {n: p for n, p in self.params.items() if n in names}
+
+    def load_weights(self, weights) -> None:
+        super().load_weights((n, t) for n, t in weights if n in self.params)
+
+
+class DiesAtVersion2(SenderAdapter):
+    """A trainer whose process dies as it packs a round of the second transfer: its calls
+    fail from then on, and the call it was serving never returns (until ``gone`` is set)."""
+
+    gone = threading.Event()
+    sends = 0
+
+    def on_send_round(self, r):
+        self.sends += 1
+        if self.sends > self.executor.num_rounds:
+            self.control.kill(self.worker)
+            if self.worker.index == 0:  # trainer 0's own session hangs with it
+                self.gone.wait(60)
+            raise WorkerGone(f"{self.worker} died")
+        return super().on_send_round(r)
+
+
+def _split_group(config, dies: int, holds=({"w", "v", "m"}, {"w", "v", "m"})):
+    control = LocalControl()
+    trainers = []
+    for i, names in enumerate(holds):
+        m = Holds(names)
+        cls = DiesAtVersion2 if i == dies else SenderAdapter
+        trainers.append((m, control.add(cls(m.params, m.load_weights, SPEC, rank=i,
+                                            control=control, transport=control.transport,
+                                            config=config))))
+    rollouts = [_add_receiver(control, config, j) for j in range(2)]
+    return control, trainers, rollouts
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+@pytest.mark.parametrize("lost", ["trainer 0", "a trainer no replica covers"])
+def test_every_rollout_is_told_when_a_trainer_loss_ends_the_group(mode, lost):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=1, sender_staging=ss, receiver_staging=rs)
+    DiesAtVersion2.gone = threading.Event()
+    if lost == "trainer 0":  # T1 is its replica, but trainer 0 sequences the group
+        control, trainers, rollouts = _split_group(config, dies=0)
+    else:  # T1 alone holds "m"
+        control, trainers, rollouts = _split_group(config, dies=1,
+                                                   holds=({"w", "v"}, {"w", "v", "m"}))
+    try:
+        connect(trainers)
+        assert in_threads(*send(trainers, 1, ss=ss),
+                          *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]
+        survivor = trainers[1 if lost == "trainer 0" else 0]
+        calls = [lambda: survivor[1].send_weights(2)]
+        if not rs:  # sync: the rollouts wait inside their polls for version 2
+            calls += [lambda a=a: a.wait_for_version(2, timeout_s=30) for _, a in rollouts]
+        dying = threading.Thread(target=lambda: trainers[0 if lost == "trainer 0" else 1][1]
+                                 .send_weights(2), daemon=True)
+        for m, _ in trainers:
+            m.load_weights(checkpoint(2).items())
+        dying.start()
+        got = in_threads(*calls)
+        assert isinstance(got[0], TransferFailed), got
+        why = ("trainer 0, which sequences this transfer group, is lost" if lost == "trainer 0"
+               else "Re-planning without it failed too")
+        assert why in str(got[0]), got[0]
+        for _, a in rollouts:  # told: every poll raises, none returns over torn parameters
+            for _ in range(2):
+                with pytest.raises(TransferFailed, match=why):
+                    a.wait_for_version(2, timeout_s=5)
+    finally:
+        DiesAtVersion2.gone.set()

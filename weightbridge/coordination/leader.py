@@ -34,6 +34,7 @@ Typical usage::
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Collection
 
@@ -63,6 +64,8 @@ class GroupLeader:
         """Engines out of the group (lost, removed, or refused at a join)."""
         self.out_trainers: set[int] = set()
         """Trainers lost: their data-parallel replicas send what they held."""
+        self.out_why: dict[int, str] = {}
+        """Engine out -> why (what its workers are told, again when one asks later)."""
         self.tensors: frozenset[str] | None = None
         """The checkpoint tensors the plan in force moves (None: all; a delta plan: some)."""
         self.slots: StagingSlots | None = None
@@ -73,9 +76,12 @@ class GroupLeader:
         """Engine -> the newest version it claimed (kept across re-plans; delta bases)."""
         self.joined_at: int | None = None
         """The newest finished version when engines last joined (they hold nothing older)."""
+        self.untold: dict[WorkerId, str] = {}
+        """Workers of excluded engines that did not answer when told why (`retell`)."""
         self._unplanned = False
         """A re-plan did not finish: workers may hold different plans; plan again."""
         self._ledger = threading.Lock()
+        self._retelling = False
 
     @property
     def plan(self):
@@ -144,14 +150,47 @@ class GroupLeader:
                 why: str | None = None, unreachable: Collection[WorkerId] = ()) -> None:
         """Put ``engines`` and trainers ``trainers_`` out for good; tell every worker of the
         excluded engines ``why`` (their polls raise `TransferFailed` with it), except the
-        ``unreachable`` ones (dead: asking them would only wait)."""
+        ``unreachable`` ones (dead or stalled: asking them would only wait). One of those
+        that comes back is told when it next asks trainer 0 anything (`why_out`)."""
         self.out_engines.update(engines)
         self.out_trainers.update(trainers_)
+        for e in engines:
+            self.out_why.setdefault(e, why or f"engine {e} is out of this transfer group")
         if why is not None and engines:
             skip = set(unreachable)
             told = [w for e in sorted(engines) for w in engine_workers(self.control, e)
                     if w not in skip]
-            self.control.call(told, PeerCall.FAIL, why, return_errors=True)
+            answers = self.control.call(told, PeerCall.FAIL, why, return_errors=True)
+            with self._ledger:
+                self.untold.update({w: why for w, a in zip(told, answers) if a is not None})
+                self.untold.update({w: why for e in engines
+                                    for w in engine_workers(self.control, e) if w in skip})
+
+    def retell(self) -> None:
+        """Tell the `untold` workers again why their engine is out, on a thread of its own
+        (a dead one would hold the caller up to the plane's timeout): a worker that stalled
+        and came back learns it, and its next poll raises. Called before each transfer."""
+        with self._ledger:
+            if not self.untold or self._retelling:
+                return
+            self._retelling, who = True, dict(self.untold)
+        # In a copy of this context: an actor's messaging context lives in contextvars.
+        ctx = contextvars.copy_context()
+        threading.Thread(target=ctx.run, args=(self._retell, who), daemon=True,
+                         name="weightbridge-retell").start()
+
+    def _retell(self, who: dict[WorkerId, str]) -> None:
+        try:
+            workers = list(who)
+            answers = self.control.call_each(workers, PeerCall.FAIL,
+                                             [(who[w],) for w in workers], return_errors=True)
+            with self._ledger:
+                for w, a in zip(workers, answers):
+                    if a is None:
+                        self.untold.pop(w, None)
+        finally:
+            with self._ledger:
+                self._retelling = False
 
     def join(self) -> range:
         """Plan in the engines the control plane has beyond the maps (probing only them);
@@ -186,6 +225,10 @@ class GroupLeader:
         with self._ledger:
             self.slots.grow(self.control.num_engines)
         return joining
+
+    def why_out(self, engine: int) -> str | None:
+        """Why ``engine`` is out (None: it is not)."""
+        return self.out_why.get(engine) if engine in self.out_engines else None
 
     def leave(self, engine: int) -> None:
         """Take ``engine`` out (told why): drop its rows when nothing depends on it, else

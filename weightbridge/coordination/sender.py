@@ -14,7 +14,7 @@ import torch
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
-from weightbridge.coordination.control import PeerCall, trainers
+from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.protocol import SenderStage, check_version
 from weightbridge.coordination.sender_delta import SenderDelta
@@ -194,15 +194,10 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
         try:
             if self.worker.index == 0:
                 self._run_session(version)
+            # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
+            self._await_rank0(lambda: self._done >= version or version in self._failures,
+                              f"the transfer of version {version} did not finish")
             with self.cond:
-                # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and
-                # re-sends.
-                if not self.cond.wait_for(
-                        lambda: self._done >= version or version in self._failures,
-                        timeout=3 * self.config.timeout_s):
-                    raise TimeoutError(f"{self.worker}: the transfer of version {version} did "
-                                       f"not finish within 3 x timeout_s="
-                                       f"{self.config.timeout_s}s; is trainer 0 still running?")
                 if version in self._failures:
                     kind, message = self._failures.pop(version)
                     raise _FAILURES.get(kind, TransferFailed)(message)
@@ -211,28 +206,68 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
                 self._sending = None
         self._log(("resume", version))
 
+    def _await_rank0(self, predicate, what: str) -> None:
+        """Wait on ``self.cond`` for ``predicate`` (made true by trainer 0), at most 3 x
+        timeout_s; every timeout_s, check that trainer 0 still answers. A lost trainer 0
+        breaks the group: every rollout is told (their polls raise) and `TransferFailed`
+        is raised here."""
+        for _ in range(3):
+            with self.cond:
+                if self.cond.wait_for(predicate, timeout=self.config.timeout_s):
+                    return
+            self._check_rank0(what)
+        raise TimeoutError(f"{self.worker}: {what} within 3 x timeout_s="
+                           f"{self.config.timeout_s}s; trainer 0 answers, but is it still "
+                           f"running the same calls (every trainer must make them)?")
+
+    def _check_rank0(self, what: str) -> None:
+        """Raise `TransferFailed` (every rollout told first) when trainer 0 does not answer."""
+        if self.worker.index == 0:
+            return
+        try:
+            if self._call_one(TRAINER_0, PeerCall.PING) is True:
+                return
+            error = "it did not answer a ping"
+        except Exception as e:  # noqa: BLE001  (reported below)
+            error = f"{type(e).__name__}: {e}"
+        self._broken = (f"trainer 0, which sequences this transfer group, is lost ({error}): "
+                        f"{what}. No version can reach the rollouts any more (their polls "
+                        f"raise); build a new group (new adapters on every worker, "
+                        f"connect()) to go on")
+        self.control.call(rollouts(self.control), PeerCall.FAIL, self._broken,
+                          return_errors=True)
+        raise TransferFailed(f"{self.worker}: {self._broken}")
+
     # -- staging (SS) ---------------------------------------------------------------------------
 
     def _stage(self, version: int) -> None:
-        with self.cond:
-            self._wait(lambda: not self.stage.busy,
-                       "the previous transfer did not release the staging buffer")
-            if self._staging is None:
-                self._staging = host_buffer(self._offsets[-1], self.executor.arenas[0])
-            for r in range(self.executor.num_rounds):
-                # Pack on the device into a round arena (free: with SS the transfer reads the
-                # staging copy), then copy to host memory (D2H on GPUs).
-                self.executor.pack(r)
-                view = self._staged_view(self._staging, r)
-                view.copy_(self.executor.arena(r)[:view.numel()])
-            if self.config.checksums:  # what replicas compare: the parameters staged now
-                self._staged_digest = (version, param_digest(self.params))
-            self.stage.stage(version)
-            self._log(("staged", version))
-            # Released: logged under the lock the sequencer reads `pending` with, so before any
-            # transfer of this version starts.
-            self._log(("released", version))
-            self.cond.notify_all()
+        what = "the previous transfer did not release the staging buffer"
+        try:
+            with self.cond:
+                self._wait(lambda: not self.stage.busy, what)
+                self._stage_locked(version)
+        except TimeoutError:
+            self._check_rank0(what)  # (a lost trainer 0 never releases it)
+            raise
+
+    def _stage_locked(self, version: int) -> None:
+        """Copy the parameters into the staging buffer (``self.cond`` held, buffer free)."""
+        if self._staging is None:
+            self._staging = host_buffer(self._offsets[-1], self.executor.arenas[0])
+        for r in range(self.executor.num_rounds):
+            # Pack on the device into a round arena (free: with SS the transfer reads the
+            # staging copy), then copy to host memory (D2H on GPUs).
+            self.executor.pack(r)
+            view = self._staged_view(self._staging, r)
+            view.copy_(self.executor.arena(r)[:view.numel()])
+        if self.config.checksums:  # what replicas compare: the parameters staged now
+            self._staged_digest = (version, param_digest(self.params))
+        self.stage.stage(version)
+        self._log(("staged", version))
+        # Released: logged under the lock the sequencer reads `pending` with, so before any
+        # transfer of this version starts.
+        self._log(("released", version))
+        self.cond.notify_all()
 
     def _kick(self) -> None:
         with self._kick_lock:  # _drain clears _thread under the same lock: no lost wake-up
@@ -376,6 +411,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
 
     def _session(self, version: int, moved: list, release: bool) -> None:
         control, mode = self.control, self.config.mode
+        self.leader.retell()  # (excluded workers that stalled when told: again, off-thread)
         ts = self._live_trainers()
         if not mode.sender_staging:  # every trainer is inside send_weights(version)
             self._wait_for_trainers(ts, version)
@@ -478,10 +514,14 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
             self._joined.add(worker)
             self.cond.notify_all()
 
-    def on_leave(self, worker: WorkerId) -> bool:
+    def on_leave(self, worker: WorkerId) -> bool | str:
         """A rollout that joined gives up waiting (its poll timed out): True when it is out
         before any byte moved toward it; False when the running transfer already counts it
-        (its bytes are on their way: it must wait for the end of the transfer)."""
+        (its bytes are on their way: it must wait for the end of the transfer); why its
+        engine is out of the group when it is (excluded while it stalled: it was not told)."""
+        why = self.leader.why_out(worker.index // self.control.engine_size)
+        if why is not None:
+            return why
         with self.cond:
             if worker in self._joined:
                 self._joined.discard(worker)
@@ -489,4 +529,6 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
             return False
 
     def on_claim(self, engine: int):
-        return self.leader.claim(engine)
+        """(version, slot) of the newest version landed for ``engine``, None, or why the
+        engine is out of the group (a string)."""
+        return self.leader.why_out(engine) or self.leader.claim(engine)

@@ -84,6 +84,8 @@ class SenderRecovery:
             self._broken = (f"{what} Re-planning without it failed too ({type(e2).__name__}: "
                             f"{e2}); build a new group (new adapters, connect()) to go on.")
             self._tell_trainers(version, self._broken)
+            # No engine gets another version: each learns it at its next poll.
+            control.call(self._live(), PeerCall.FAIL, self._broken, return_errors=True)
             raise TransferFailed(self._broken) from e2
         message = f"{what} {state} send_weights() goes on with the surviving workers."
         self._tell_trainers(version, message)
