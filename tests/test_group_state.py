@@ -14,6 +14,9 @@ is a finding of issue 23 that used to tear or mislabel weights or wedge the grou
 - a rank excluded while it stalled was never told (its polls returned None over torn
   parameters), and after a trainer loss that could not be re-routed, or the loss of trainer 0,
   no rollout was told (finding 2);
+- a tensor replicated across trainers whose other tensors are sharded (a norm, bias or
+  embedding on every tensor-parallel rank) was never compared: a diverged one was blended
+  into the rollouts (finding 5);
 """
 
 import threading
@@ -296,3 +299,29 @@ def test_every_rollout_is_told_when_a_trainer_loss_ends_the_group(mode, lost):
                     a.wait_for_version(2, timeout_s=5)
     finally:
         DiesAtVersion2.gone.set()
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_diverged_tensor_replicated_across_sharded_trainers_fails_before_any_byte(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=2, sender_staging=ss, receiver_staging=rs)
+    # "v" on both trainers (as a norm on every TP rank), "w" and "m" on one each.
+    control, trainers, rollouts = _split_group(config, dies=-1, holds=({"w", "v"}, {"v", "m"}))
+    connect(trainers)
+    # (checked by behaviour below)
+    assert in_threads(*send(trainers, 1, ss=ss),
+                      *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]
+    moved = control.transport.bytes_written
+    for m, _ in trainers:
+        m.load_weights(checkpoint(2).items())
+    trainers[1][0].params["v"][3] += 1  # its reduction went wrong on one TP rank
+    errors = in_threads(*[lambda a=a: a.send_weights(2) for _, a in trainers])
+    for e in errors:
+        assert "trainers T0 and T1 hold the same layout of the checkpoint in 1 parameters" \
+            in str(e) and "'v'" in str(e) and "Nothing of version 2 was sent" in str(e), errors
+    assert control.transport.bytes_written == moved
+    trainers[1][0].load_weights(checkpoint(3).items())
+    trainers[0][0].load_weights(checkpoint(3).items())
+    assert in_threads(*send(trainers, 3, ss=ss),
+                      *[lambda a=a: a.wait_for_version(3) for _, a in rollouts])[2:] == [3, 3]
+    assert all(m.holds(3) for m, _ in rollouts)
