@@ -17,6 +17,9 @@ is a finding of issue 23 that used to tear or mislabel weights or wedge the grou
 - a tensor replicated across trainers whose other tensors are sharded (a norm, bias or
   embedding on every tensor-parallel rank) was never compared: a diverged one was blended
   into the rollouts (finding 5);
+- the delta contract was not checked: a trainer that changed "m" but passed changed=["w"]
+  installed a stale "m" under the new label, and parameters changed during a send (an
+  optimizer step overlapping it) installed a silent mix (finding 6).
 """
 
 import threading
@@ -325,3 +328,70 @@ def test_a_diverged_tensor_replicated_across_sharded_trainers_fails_before_any_b
     assert in_threads(*send(trainers, 3, ss=ss),
                       *[lambda a=a: a.wait_for_version(3) for _, a in rollouts])[2:] == [3, 3]
     assert all(m.holds(3) for m, _ in rollouts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_changed_that_leaves_out_a_changed_tensor_is_refused_before_any_byte(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=2, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    assert in_threads(*send(trainers, 1, ss=ss),
+                      *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]
+    moved = control.transport.bytes_written
+    for m, _ in trainers:
+        m.load_weights((n, checkpoint(2)[n]) for n in ("w", "m"))  # "m" changed too
+    errors = in_threads(*[lambda a=a: a.send_weights(2, changed=["w"]) for _, a in trainers])
+    for e in errors:
+        assert isinstance(e, ValueError), errors
+        assert "leaves out parameters that changed since send_weights(1)" in str(e) \
+            and "'m'" in str(e) and "Nothing was sent" in str(e) and "changed=" in str(e), e
+    assert control.transport.bytes_written == moved
+    assert [a.poll_requests() for _, a in rollouts] == [None, None]
+    # Named in full, the next delta goes through, bit-exact.
+    assert in_threads(*[lambda a=a: a.send_weights(3, changed=["w", "m"]) for _, a in trainers],
+                      *[lambda a=a: a.wait_for_version(3) for _, a in rollouts])[2:] == [3, 3]
+    want = {"w": 2, "m": 2, "v": 1}
+    assert all(_holds(m, want) for m, _ in rollouts)
+
+
+class StepsDuringVersion2(SenderAdapter):
+    """Trainer 1: an optimizer step overlaps its second transfer (after its first round)."""
+
+    sends = 0
+
+    def on_send_round(self, r):
+        out = super().on_send_round(r)
+        self.sends += 1
+        if self.sends == self.executor.num_rounds + 1:
+            with torch.no_grad():
+                self.params["m"].add_(1)
+        return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_parameters_changed_during_a_send_fail_the_update_closed(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(timeout_s=2, sender_staging=ss, receiver_staging=rs)
+    control, trainers, rollouts = build(config, sender_cls=lambda rank: (
+        StepsDuringVersion2 if rank == 1 else SenderAdapter))
+    connect(trainers)
+    assert in_threads(*send(trainers, 1, ss=ss),
+                      *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]
+    polls = [] if rs else [lambda a=a: a.wait_for_version(2, timeout_s=20) for _, a in rollouts]
+    got = in_threads(*send(trainers, 2, ss=ss), *polls)
+    for e in got[:2]:
+        assert isinstance(e, ValueError), got
+        assert "parameters changed while send_weights(2) was sending them (T1: ['m'])" \
+            in str(e) and "Change no parameter until send_weights returns" in str(e), e
+    if rs:  # never offered: the engines keep version 1, whole, and go on
+        for m, a in rollouts:
+            with pytest.raises(TimeoutError):
+                a.wait_for_version(2, timeout_s=0.5)
+            assert a.version == 1 and m.holds(1)
+        assert in_threads(*send(trainers, 3, ss=ss),
+                          *[lambda a=a: a.wait_for_version(3) for _, a in rollouts])[2:] == [3, 3]
+        assert all(m.holds(3) for m, _ in rollouts)
+    else:  # in the parameters already: no poll returns it
+        for e in got[2:]:
+            assert isinstance(e, TransferFailed) and "mixes two states" in str(e), got

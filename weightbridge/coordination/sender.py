@@ -17,7 +17,7 @@ from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.protocol import SenderStage, check_version
-from weightbridge.coordination.sender_delta import SenderDelta
+from weightbridge.coordination.sender_delta import ChangedDuringSend, SenderDelta
 from weightbridge.coordination.sender_membership import SenderMembership
 from weightbridge.coordination.sender_recovery import SenderRecovery
 from weightbridge.coordination.session import check_replicas, run_update
@@ -406,6 +406,9 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
                 self._session(version, moved, release)
             except TransferFailed:
                 raise
+            except ChangedDuringSend as e:  # (the rollouts were told when they must be)
+                self._tell_trainers(version, str(e), "input")
+                raise ValueError(f"{self.worker}: {e}") from None
             except Exception as e:  # noqa: BLE001  (classified, then raised again)
                 self._on_failure(version, e, moved[0])
 
@@ -429,6 +432,7 @@ class SenderAdapter(SenderDelta, SenderMembership, SenderRecovery, AdapterWorker
                         break
         moved[0] = True
         run_update(control, self.group, slots=slots)  # the rounds, sequenced from here
+        self._check_unchanged(ts, version)  # (an optimizer step overlapping the send)
         if mode.receiver_staging:
             self.leader.landed(version)
             if release:  # landed: the trainers go on before any install

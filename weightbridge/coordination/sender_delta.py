@@ -44,7 +44,8 @@ class SenderDelta:
     _delta: tuple | None = None
     """(version, previous version, kind, names) of the send_weights call waiting now."""
     _digests: tuple[int, tuple[int, ...]] | None = None
-    """(version, per-parameter checksums) at the last ``changed="auto"`` call."""
+    """(version, per-parameter checksums) at the last accepted call (``changed="auto"``, or
+    any call with checksums on: the contract checks)."""
     _param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
 
     # -- every trainer --------------------------------------------------------------------------
@@ -58,7 +59,7 @@ class SenderDelta:
                 tensors of this trainer's checkpoint; a set before any full update.
         """
         if changed is None:
-            return "full", None
+            return "full", self._entry_digest()
         if self.config.sender_staging:
             raise ValueError(
                 "send_weights(changed=...) is not supported with sender_staging (SS and async "
@@ -82,28 +83,62 @@ class SenderDelta:
         if self._delta_prev == 0:
             raise ValueError("the first send_weights must be full (changed=None): the rollouts "
                              "hold no version of the trainers' weights yet")
-        return "set", frozenset(changed)
+        return "set", (frozenset(changed), self._entry_digest())
+
+    def _entry_digest(self) -> tuple[int, ...] | None:
+        """With checksums on (sync, RS): per-parameter checksums of what this call sends, for
+        the delta contract (`_undeclared`) and `on_unchanged`; None otherwise."""
+        if self.config.checksums and not self.config.sender_staging:
+            return param_digest(self.params)
+        return None
 
     def _delta_begin(self, version: int, checked: tuple) -> None:
         """This call is accepted (``self.cond`` held): keep what rank 0 asks for (`on_delta`)."""
         kind, value = checked
-        names = value
+        names, digest = (value if kind == "set" else (None, value))
+        # Only against the previous call's own checksums: a parameter that changed and
+        # changed back since an older one would look unchanged.
+        last = self._digests if self._digests and self._digests[0] == self._delta_prev else None
+        changed = (None if last is None or digest is None else
+                   frozenset(n for n, a, b in zip(sorted(self.params), last[1], digest)
+                             if a != b))
+        if digest is not None:
+            self._digests = (version, digest)
+        undeclared = ()
         if kind == "auto":
-            # Only against the previous call's own checksums: a parameter that changed and
-            # changed back since an older one would look unchanged.
-            last = self._digests
-            self._digests = (version, value)
-            names = None
-            if last is not None and last[0] == self._delta_prev:
-                order = sorted(self.params)
-                names = frozenset(n for n, a, b in zip(order, last[1], value) if a != b)
-        self._delta = (version, self._delta_prev, kind, names)
+            names = changed
+        elif kind == "set" and changed:
+            undeclared = self._undeclared(changed, names)
+        self._delta = (version, self._delta_prev, kind, names, undeclared)
         self._delta_prev = version
 
+    def _undeclared(self, changed: frozenset[str], names: frozenset[str]) -> tuple[str, ...]:
+        """The parameters in ``changed`` that load from none of the tensors ``names``: a
+        ``changed=`` that leaves them out would install their old bytes under the new label.
+        (Parameters with padding are left out: elements no checkpoint element lands in may
+        change freely.)"""
+        smap = self.source_map
+        loads: dict[str, set[str]] = {}
+        for p in smap.pieces:
+            loads.setdefault(p.param, set()).add(p.region.tensor)
+        padded = {n for n, _ in smap.unsourced}
+        return tuple(sorted(n for n in changed if n in loads and n not in padded
+                            and not loads[n] & names))
+
+    def on_unchanged(self, version: int) -> tuple[str, ...]:
+        """The parameters whose bytes differ now from when send_weights(``version``) was
+        called (checksums on, sync and RS): changed while the transfer read them."""
+        last = self._digests
+        if last is None or last[0] != version:
+            return ()
+        now = param_digest(self.params)
+        return tuple(n for n, a, b in zip(sorted(self.params), last[1], now) if a != b)
+
     def on_delta(self):
-        """(version, previous version, kind, names) of the send_weights call waiting here:
-        names are checkpoint tensors ("set"), this trainer's changed parameters ("auto"; None
-        without checksums of the previous call) or None ("full")."""
+        """(version, previous version, kind, names, undeclared) of the send_weights call
+        waiting here: names are checkpoint tensors ("set"), this trainer's changed parameters
+        ("auto"; None without checksums of the previous call) or None ("full"); undeclared,
+        the parameters that changed but load from no tensor named ("set", checksums on)."""
         with self.cond:
             return self._delta
 
@@ -117,6 +152,8 @@ class SenderDelta:
             ValueError: the trainers passed different ``changed`` (nothing was sent).
         """
         answers = self.control.call(ts, PeerCall.DELTA)
+        undeclared = [(t, u) for t, (*_, u) in zip(ts, answers) if u]
+        answers = [a[:4] for a in answers]
         kinds = {kind for _, _, kind, _ in answers}
         if len(kinds) > 1 or ("set" in kinds and len({n for *_, n in answers}) > 1):
             said = "; ".join(f"{t} changed={_shown(kind, names)}"
@@ -125,6 +162,15 @@ class SenderDelta:
                              f"({said}); every trainer must pass the same changed (None, "
                              f"\"auto\" or the same tensor names). Nothing was sent: call "
                              f"send_weights again with one changed on every trainer")
+        if undeclared:
+            said = "; ".join(f"{t}: {list(u[:4])}{' and more' if len(u) > 4 else ''}"
+                             for t, u in undeclared)
+            raise ValueError(
+                f"send_weights({version}, changed=...) leaves out parameters that changed "
+                f"since send_weights({answers[0][1]}) ({said}): the tensors they load are not "
+                f"in changed, so the rollouts would keep their old bytes under version "
+                f"{version}. Nothing was sent: name every tensor that changed in changed= "
+                f"(or pass changed=\"auto\", or None for a full update)")
         kind = kinds.pop()
         if kind == "set":
             changed = answers[0][3]
@@ -139,6 +185,37 @@ class SenderDelta:
                                         for p in m.pieces)
         leader.delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
         leader.restrict(leader.delta_log.needed(self._delta_base()))
+
+    def _check_unchanged(self, ts: list, version: int) -> None:
+        """After the rounds of ``version`` (sync, RS; checksums on): every trainer's parameters
+        still hold what send_weights(``version``) was called with. If not (an optimizer step
+        overlapped the send), what the rollouts received mixes two states: with receiver
+        staging it is never offered (the engines keep what they run); in sync mode it is in
+        the rollouts' parameters already, so the group fails closed (every poll raises).
+
+        Raises:
+            ChangedDuringSend: parameters changed (the message says which, and what to do).
+        """
+        if self.config.sender_staging or not self.config.checksums:
+            return
+        moved = [(t, names) for t, names in zip(ts, self.control.call(
+            ts, PeerCall.UNCHANGED, version)) if names]
+        if not moved:
+            return
+        said = "; ".join(f"{t}: {list(n[:4])}{' and more' if len(n) > 4 else ''}"
+                         for t, n in moved)
+        what = (f"parameters changed while send_weights({version}) was sending them ({said}), "
+                f"so what the rollouts received mixes two states of them. Change no parameter "
+                f"until send_weights returns")
+        if self.config.receiver_staging:
+            raise ChangedDuringSend(
+                f"{what}. Nothing of version {version} is installed (the engines keep the "
+                f"version they run): send again, a full update (changed=None) or a delta "
+                f"naming every tensor changed since the last version sent")
+        self._broken = (f"{what}. The rollouts' parameters hold that mix (no poll returns it: "
+                        f"they raise); build a new group (new adapters, connect()) to go on")
+        self.control.call(self._live(), PeerCall.FAIL, self._broken, return_errors=True)
+        raise ChangedDuringSend(self._broken)
 
     def _delta_base(self) -> int:
         """The version every live rollout's parameters hold when it installs this transfer,
@@ -163,6 +240,11 @@ class SenderDelta:
             for n in params:
                 out |= self._param_tensors[t.index].get(n, frozenset())
         return frozenset(out)
+
+
+class ChangedDuringSend(ValueError):
+    """Internal: a trainer's parameters changed while its send read them (`_check_unchanged`);
+    every trainer's send_weights raises ValueError with the message."""
 
 
 def _shown(kind: str, names) -> str:
