@@ -19,7 +19,10 @@ is a finding of issue 23 that used to tear or mislabel weights or wedge the grou
   into the rollouts (finding 5);
 - the delta contract was not checked: a trainer that changed "m" but passed changed=["w"]
   installed a stale "m" under the new label, and parameters changed during a send (an
-  optimizer step overlapping it) installed a silent mix (finding 6).
+  optimizer step overlapping it) installed a silent mix (finding 6);
+- found on the way: a trainer whose thread had not yet left send_weights(v) when trainer 0
+  asked for v + 1 was taken for a trainer sending another version (every trainer's
+  send_weights raised "sending different versions"; seen once in test_adapters under load).
 """
 
 import threading
@@ -75,14 +78,14 @@ def test_a_second_send_weights_on_one_trainer_while_one_runs_is_refused(mode):
     connect(trainers)
     (m0, t0), (m1, t1) = trainers
     inside, release = threading.Event(), threading.Event()
-    real = t1._delta_check  # the first step of send_weights, before anything is recorded
+    real = t1.changes.check  # the first step of send_weights, before anything is recorded
 
     def held(changed):
         if not inside.is_set():
             inside.set()
             release.wait(30)
         return real(changed)
-    t1._delta_check = held
+    t1.changes.check = held
     for m, _ in trainers:
         m.load_weights(checkpoint(1).items())
     first = threading.Thread(target=lambda: t1.send_weights(1), daemon=True)
@@ -395,3 +398,36 @@ def test_parameters_changed_during_a_send_fail_the_update_closed(mode):
     else:  # in the parameters already: no poll returns it
         for e in got[2:]:
             assert isinstance(e, TransferFailed) and "mixes two states" in str(e), got
+
+
+class SlowToLeave(SenderAdapter):
+    """Trainer 1: after its send_weights(1) finished, its thread leaves the call only once
+    trainer 0 asked it (READY) for the next version (a thread the scheduler runs late)."""
+
+    asked = threading.Event()
+
+    def on_ready(self):
+        answer = super().on_ready()
+        if self._sending == 1 and self._done >= 1:
+            self.asked.set()
+        return answer
+
+    def _await_rank0(self, predicate, what):
+        super()._await_rank0(predicate, what)
+        if self._done == 1:
+            self.asked.wait(30)
+
+
+def test_a_trainer_still_leaving_the_last_send_is_not_taken_for_another_version():
+    config = TransferConfig(timeout_s=5, receiver_staging=True)
+    SlowToLeave.asked = threading.Event()
+    control, trainers, rollouts = build(config, sender_cls=lambda rank: (
+        SlowToLeave if rank == 1 else SenderAdapter))
+    connect(trainers)
+    got = in_threads(*[lambda m=m, a=a: [(m.load_weights(checkpoint(v).items()),
+                                           a.send_weights(v)) for v in (1, 2)]
+                       for m, a in trainers])
+    assert all(isinstance(r, list) for r in got), got  # (before: "sending different versions")
+    assert SlowToLeave.asked.is_set()
+    assert [a.wait_for_version(2) for _, a in rollouts] == [2, 2]
+    assert all(m.holds(2) for m, _ in rollouts)
