@@ -121,8 +121,8 @@ def check_removable(engine, num_engines: int, out: Collection[int]) -> None:
     """Raise ValueError unless ``engine`` can leave: an engine number of the group, not out
     yet (``out``), not the last one in."""
     if isinstance(engine, bool) or not isinstance(engine, int) or not 0 <= engine < num_engines:
-        raise ValueError(f"engine must be an engine number (an int) in [0, {num_engines}), got "
-                         f"{engine!r}")
+        raise ValueError(f"engine must be an engine number in [0, {num_engines}), got "
+                         f"{engine!r} (an int; a bool or a float is not one)")
     if engine in out:
         raise ValueError(f"engine {engine} is already out of this group (out: {sorted(out)})")
     if len(out) + 1 == num_engines:
