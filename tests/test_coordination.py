@@ -206,3 +206,24 @@ def test_slots_of_a_replan_are_new_numbers_so_an_install_under_way_keeps_its_own
     assert new.begin(2) == {0: 2}
     new.complete(2)
     assert new.claim(0) == (2, 2) and new.begin(3) == {0: 3}
+
+
+def test_a_version_landed_before_a_replan_stays_claimable_and_one_landing_never_completes():
+    slots = StagingSlots(num_engines=2)
+    slots.begin(1)
+    slots.complete(1)
+    assert slots.claim(0) == (1, 0) and slots.claim(1) == (1, 0)
+    slots.begin(2)
+    slots.complete(2)  # version 2 in slot 1 of both engines; engine 1 has not claimed it
+    assert slots.claim(0) == (2, 1)
+    slots.replanned(first_slot=2)
+    assert slots.claim(1) == (2, 1)  # the landed version, in the slot it landed in
+    with pytest.raises(ValueError, match="a re-plan's slots are new numbers"):
+        slots.replanned(first_slot=2)  # a slot made anew would hold no landed bytes
+    assert slots.begin(3) == {0: 2, 1: 2}
+    slots.complete(3)
+    assert slots.claim(1) == (3, 2) and slots.landed(1, 1) is None  # superseded: forgotten
+    slots.begin(4)  # landing when the group is planned again: it never completes
+    slots.replanned(first_slot=4)
+    slots.complete(4)
+    assert slots.claim(0) == (3, 2) and slots.claim(1) == (3, 2)

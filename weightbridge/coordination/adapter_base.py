@@ -79,16 +79,22 @@ class AdapterWorker(TransferWorker):
         docs/integration.md, "Memory over many updates"). Between polls it waits on
         ``self.cond``, so a predicate on this worker's own state, which its handlers change
         under that lock with notify_all, ends the wait at once."""
-        end = time.monotonic() + self.config.timeout_s
-        first = getattr(self.control, "poll_interval_s", self.poll_interval_s)
-        interval = first
-        while not predicate():
-            if deadline and time.monotonic() > end:
-                raise TimeoutError(f"{self.worker}: {what() if callable(what) else what} "
-                                   f"within timeout_s={self.config.timeout_s}s")
-            with self.cond:
-                self.cond.wait(interval)
-            interval = min(interval * 1.5, first * POLL_BACKOFF)
+        poll_until(self, self.cond, predicate, what, deadline=deadline)
+
+
+def poll_until(who, cond, predicate, what, *, deadline: bool = True) -> None:
+    """`AdapterWorker._poll_until` for any holder of ``worker``, ``control`` and ``config``
+    (``who``), waiting on ``cond`` between polls."""
+    end = time.monotonic() + who.config.timeout_s
+    first = getattr(who.control, "poll_interval_s", AdapterWorker.poll_interval_s)
+    interval = first
+    while not predicate():
+        if deadline and time.monotonic() > end:
+            raise TimeoutError(f"{who.worker}: {what() if callable(what) else what} "
+                               f"within timeout_s={who.config.timeout_s}s")
+        with cond:
+            cond.wait(interval)
+        interval = min(interval * 1.5, first * POLL_BACKOFF)
 
 
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

@@ -27,8 +27,12 @@ rank 0 re-plans without it (docs/integration.md, "Failures").
 Delta updates (``send_weights(v, changed=...)``, sync and RS modes) move only the tensors the
 rollouts lack over a plan restricted to them: `sender_delta`, `delta`.
 
-Modules: `adapter_base` (shared worker state and waits), `sender` (with `sender_recovery` and
-`sender_delta`), `receiver`; the protocol itself is `coordination`.
+Modules: `adapter_base` (shared worker state and waits), `sender` (a trainer's worker; its
+parts are components: `sender_delta.TrainerDelta` (``changes``),
+`sender_membership.TrainerMembership` (``membership``) and, used on trainer 0,
+`rank0.GroupSequencer` (``rank0``: every transfer, `recovery`, the rank-0 half of
+`sender_delta`), whose `leader.GroupLeader` owns the group's state), `receiver`; the protocol
+itself is `protocol`.
 
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """

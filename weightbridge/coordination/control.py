@@ -41,6 +41,7 @@ class PeerCall(enum.Enum):
     CONNECT_FAILED = "connect_failed"
     READY = "ready"
     DELTA = "delta"
+    UNCHANGED = "unchanged"
     PENDING = "pending"
     STAGE_START = "stage_start"
     STAGE_CANCEL = "stage_cancel"

@@ -120,9 +120,9 @@ def leave_group(control: ControlPlane, group: ConnectedGroup, config: TransferCo
 def check_removable(engine, num_engines: int, out: Collection[int]) -> None:
     """Raise ValueError unless ``engine`` can leave: an engine number of the group, not out
     yet (``out``), not the last one in."""
-    if not isinstance(engine, int) or not 0 <= engine < num_engines:
+    if isinstance(engine, bool) or not isinstance(engine, int) or not 0 <= engine < num_engines:
         raise ValueError(f"engine must be an engine number in [0, {num_engines}), got "
-                         f"{engine!r}")
+                         f"{engine!r} (an int; a bool or a float is not one)")
     if engine in out:
         raise ValueError(f"engine {engine} is already out of this group (out: {sorted(out)})")
     if len(out) + 1 == num_engines:

@@ -30,7 +30,19 @@ Typical usage::
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+
+def check_version(version, call: str = "send_weights") -> int:
+    """``version`` as an int, or ValueError: versions are positive ints (a bool or a float is
+    refused, not rounded: ``True`` would be version 1 and ``1.5`` no version at all)."""
+    if (isinstance(version, bool) or not isinstance(version, numbers.Integral)
+            or version < 1):
+        raise ValueError(f"{call}: version must be a positive int (1, 2, ...: the number of "
+                         f"the update, increasing from one send_weights to the next), got "
+                         f"{version!r}")
+    return int(version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +185,19 @@ class StagingSlots:
         """Engines joined: they have nothing landed and nothing pinned yet."""
         self._pinned.extend([None] * (num_engines - len(self._pinned)))
 
+    def replanned(self, first_slot: int) -> None:
+        """The group was planned again: new transfers land in a new set of slots numbered from
+        ``first_slot`` (the receivers made them at set-up; a set's numbers are never reused).
+        A version that landed whole stays claimable where it is (the receivers keep the older
+        slots, laid out for their older plan, until they install from a newer one); a version
+        landing now never completes."""
+        if first_slot < self.slot_ids.stop:
+            raise ValueError(f"slots from {first_slot} after a set ending at "
+                             f"{self.slot_ids.stop - 1}: a re-plan's slots are new numbers "
+                             f"(its generation increases)")
+        self.slot_ids = range(first_slot, first_slot + self.num_slots)
+        self._writing = {}
+
     def begin(self, version: int) -> dict[int, int]:
         """Start landing ``version`` everywhere: the slot per engine to write into."""
         slots = {}
@@ -200,6 +225,9 @@ class StagingSlots:
             return None
         version, slot = max(held)
         self._pinned[engine] = slot
+        for v, s in held:  # superseded: the engine never installs them now
+            if s not in self.slot_ids and v < version:
+                del self._landed[(engine, s)]
         return version, slot
 
     def claimed(self, engine: int) -> int | None:

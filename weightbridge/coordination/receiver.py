@@ -14,12 +14,17 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
 from weightbridge.coordination.control import PeerCall, engine_workers
-from weightbridge.coordination.protocol import EngineCoordinator, Relay, WorkerVersions
+from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
+                                                check_version)
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
 SEQUENCER = WorkerId("trainer", 0)
 """The rank-0 sender: it sequences every transfer of an adapter group."""
+
+
+class _Out(Exception):
+    """Internal: this worker's engine is out of the group (the message says why)."""
 
 
 class ReceiverAdapter(AdapterWorker):
@@ -94,11 +99,13 @@ class ReceiverAdapter(AdapterWorker):
         self._check_failed()
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
-            claim = None
-            if self.config.receiver_staging:
-                claim = lambda: self._call_one(SEQUENCER, PeerCall.CLAIM, self.engine)  # noqa: E731
-            with self.cond:
-                relay = self.coordinator.decide(step, claim=claim)
+            claim = self._claim if self.config.receiver_staging else None
+            try:
+                with self.cond:
+                    relay = self.coordinator.decide(step, claim=claim)
+            except _Out as out:
+                self._fail_engine(str(out))
+                self._check_failed()
             if relay is not None:  # acked by every rank of the engine before this step runs
                 self.control.call(engine_workers(self.control, self.engine), PeerCall.RELAY,
                                   relay)
@@ -147,8 +154,15 @@ class ReceiverAdapter(AdapterWorker):
             left = self._call_one(SEQUENCER, PeerCall.LEAVE, self.worker)
         except Exception as e:  # noqa: BLE001  (trainer 0 unreachable: state unknown)
             left, why = False, f"; trainer 0 did not answer ({type(e).__name__}: {e})"
+            lost = self._sequencer_lost(e, due.version)
+            if lost is not None:
+                self._fail_engine(lost)
+                self._check_failed()
         else:
             why = ""
+        if isinstance(left, str):  # its engine was excluded while this worker stalled
+            self._fail_engine(left)
+            self._check_failed()
         if left:
             with self.cond:
                 self.versions.retry(due)
@@ -160,6 +174,12 @@ class ReceiverAdapter(AdapterWorker):
             if self.cond.wait_for(done, timeout=limit if not why else 0):
                 self._check_failed()
                 return self._session_done
+            # Part of the version may be in the parameters: no later poll may return as if
+            # they held a whole version.
+            self._failure = (f"a transfer of version {due.version} into this worker did not "
+                             f"finish, so its parameters may hold part of it; run no "
+                             f"inference step with them: restart the engine's workers and add "
+                             f"them as a new engine (add_engines())")
         raise TimeoutError(f"{self.worker}: the transfer of version {due.version} did not finish "
                            f"within {3 if why else 6} x timeout_s={limit / 3:g}s{why}; the "
                            f"parameters may hold part of it: run no inference step with them, "
@@ -178,6 +198,7 @@ class ReceiverAdapter(AdapterWorker):
                 group's ``timeout_s``).
             TransferFailed: as `poll_requests`.
         """
+        version = check_version(version, "wait_for_version")
         limit = 3 * self.config.timeout_s if timeout_s is None else timeout_s
         end = time.monotonic() + limit
         while self.version < version:
@@ -249,6 +270,44 @@ class ReceiverAdapter(AdapterWorker):
         with self.cond:
             self._failure = message
             self.cond.notify_all()
+
+    def _claim(self):
+        """RS: CLAIM the newest version landed for this engine at trainer 0 (for
+        `EngineCoordinator.decide`); raises `_Out` when the engine is out of the group or
+        trainer 0 is lost."""
+        try:
+            got = self._call_one(SEQUENCER, PeerCall.CLAIM, self.engine)
+        except Exception as e:
+            lost = self._sequencer_lost(e, None)
+            if lost is None:
+                raise
+            raise _Out(lost) from e
+        if isinstance(got, str):  # excluded while this worker did not answer
+            raise _Out(got)
+        return got
+
+    def _sequencer_lost(self, error: Exception, version: int | None) -> str | None:
+        """After a call on trainer 0 failed: why this engine can go on no more when trainer 0
+        does not answer a ping either (None: it does; the failure was the call's own)."""
+        try:
+            if self._call_one(SEQUENCER, PeerCall.PING) is True:
+                return None
+        except Exception:  # noqa: BLE001  (lost: said below)
+            pass
+        at = "" if version is None else f" while this worker waited for version {version}"
+        return (f"trainer 0, which sequences this transfer group, is lost ({type(error).__name__}"
+                f": {error}){at}; no version can reach this engine any more"
+                + ("" if version is None else ", and its parameters may hold part of one")
+                + ": build a new group (new adapters on every worker, connect()) to go on")
+
+    def _fail_engine(self, why: str) -> None:
+        """This engine is out of the group (it learned it itself): every poll of each of its
+        workers raises `TransferFailed` saying ``why``."""
+        with self.cond:
+            self._failure = self._failure or why
+            self.cond.notify_all()
+        others = [w for w in engine_workers(self.control, self.engine) if w != self.worker]
+        self.control.call(others, PeerCall.FAIL, why, return_errors=True)
 
     def _check_failed(self) -> None:
         if self._failure is not None:

@@ -1,7 +1,8 @@
 """Delta updates through the adapters: ``send_weights(version, changed=...)``.
 
-Mixed into `SenderAdapter`. Every trainer checks its ``changed`` argument before anything
-moves and keeps what it said for rank 0 (`on_delta`); rank 0, once every trainer is inside
+Every trainer checks its ``changed`` argument before anything moves and keeps what it said
+for rank 0 (`TrainerDelta`, answered with `PeerCall.DELTA`); rank 0 (`plan_delta`, run by its
+`weightbridge.coordination.rank0.GroupSequencer`), once every trainer is inside
 send_weights(version), gathers those answers, refuses a disagreement on every trainer, records
 the version's changes in a `weightbridge.coordination.delta.DeltaLog`, and re-plans restricted
 to the tensors the rollouts need (`plan_group(tensors=...)`, the one restricted plan of the
@@ -35,40 +36,36 @@ from weightbridge.coordination.worker import param_digest
 AUTO = "auto"
 
 
-class SenderDelta:
-    """``changed`` on every trainer (`_delta_check`, `_delta_begin`, `on_delta`) and the
-    restricted re-plan on rank 0 (`_plan_delta`)."""
+class TrainerDelta:
+    """One trainer's side of delta updates (its `SenderAdapter` holds one as ``changes``):
+    `check` a ``changed`` argument before anything moves, `begin` an accepted call (keeping
+    what rank 0 asks for with `PeerCall.DELTA`: ``pending``), and say which parameters
+    changed since a call (`unchanged`). No lock of its own: the adapter calls `begin` and
+    reads ``pending`` under its ``cond``."""
 
-    _tensors: frozenset[str] | None = None
-    """Rank 0: the checkpoint tensors the plan in force moves (None: all)."""
-    _delta_prev = 0
-    """The version of this trainer's previous send_weights call (sync, RS)."""
-    _delta: tuple | None = None
-    """(version, previous version, kind, names) of the send_weights call waiting now."""
-    _digests: tuple[int, tuple[int, ...]] | None = None
-    """(version, per-parameter checksums) at the last ``changed="auto"`` call."""
-    _delta_log: DeltaLog | None = None
-    _delta_claims: dict[int, int] | None = None
-    """Rank 0, RS: engine -> newest version it claimed (kept across re-plans' slots)."""
-    _param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
-    _delta_unplanned = False
-    """Rank 0: a re-plan for `_tensors` did not finish (the workers' plans may differ)."""
-    _delta_joined_at: int | None = None
-    """Rank 0, sync: `_done` when engines last joined (`add_engines`): they hold nothing
-    until a transfer after it finished."""
+    def __init__(self, params, spec, config):
+        self.params, self.spec, self.config = params, spec, config
+        self.prev = 0
+        """The version of this trainer's previous send_weights call (sync, RS)."""
+        self.pending: tuple | None = None
+        """(version, previous version, kind, names, undeclared) of the call waiting now:
+        names are checkpoint tensors ("set"), this trainer's changed parameters ("auto"; None
+        without checksums of the previous call) or None ("full"); undeclared, the parameters
+        that changed but load from no tensor named ("set", checksums on)."""
+        self.digests: tuple[int, tuple[int, ...]] | None = None
+        """(version, per-parameter checksums) at the last accepted call (``changed="auto"``,
+        or any call with checksums on: the contract checks)."""
 
-    # -- every trainer --------------------------------------------------------------------------
-
-    def _delta_check(self, changed) -> tuple:
-        """Check ``changed`` before anything moves; (kind, names or checksums) for
-        `_delta_begin`: kind "full", "set" or "auto".
+    def check(self, changed) -> tuple:
+        """Check ``changed`` before anything moves; (kind, value) for `begin`: kind "full",
+        "set" or "auto".
 
         Raises:
             ValueError: with sender staging; a string or a non-collection; names that are not
                 tensors of this trainer's checkpoint; a set before any full update.
         """
         if changed is None:
-            return "full", None
+            return "full", self._entry_digest()
         if self.config.sender_staging:
             raise ValueError(
                 "send_weights(changed=...) is not supported with sender_staging (SS and async "
@@ -89,101 +86,163 @@ class SenderDelta:
             raise ValueError(f"changed names {len(unknown)} tensors that are not in the "
                              f"checkpoint: {unknown[:4]}{' and more' if len(unknown) > 4 else ''}"
                              f"; name checkpoint tensors (e.g. {sorted(known)[:2]})")
-        if self._delta_prev == 0:
+        if self.prev == 0:
             raise ValueError("the first send_weights must be full (changed=None): the rollouts "
                              "hold no version of the trainers' weights yet")
-        return "set", frozenset(changed)
+        return "set", (frozenset(changed), self._entry_digest())
 
-    def _delta_begin(self, version: int, checked: tuple) -> None:
-        """This call is accepted (``self.cond`` held): keep what rank 0 asks for (`on_delta`)."""
+    def _entry_digest(self) -> tuple[int, ...] | None:
+        """With checksums on (sync, RS): per-parameter checksums of what this call sends, for
+        the delta contract (`_undeclared`) and `unchanged`; None otherwise."""
+        if self.config.checksums and not self.config.sender_staging:
+            return param_digest(self.params)
+        return None
+
+    def begin(self, version: int, checked: tuple, source_map) -> None:
+        """The call of ``version`` is accepted: keep what rank 0 asks for (``pending``).
+        ``source_map``: this trainer's (which tensors each parameter loads)."""
         kind, value = checked
-        names = value
+        names, digest = (value if kind == "set" else (None, value))
+        # Only against the previous call's own checksums: a parameter that changed and
+        # changed back since an older one would look unchanged.
+        last = self.digests if self.digests and self.digests[0] == self.prev else None
+        changed = (None if last is None or digest is None else
+                   frozenset(n for n, a, b in zip(sorted(self.params), last[1], digest)
+                             if a != b))
+        if digest is not None:
+            self.digests = (version, digest)
+        undeclared = ()
         if kind == "auto":
-            # Only against the previous call's own checksums: a parameter that changed and
-            # changed back since an older one would look unchanged.
-            last = self._digests
-            self._digests = (version, value)
-            names = None
-            if last is not None and last[0] == self._delta_prev:
-                order = sorted(self.params)
-                names = frozenset(n for n, a, b in zip(order, last[1], value) if a != b)
-        self._delta = (version, self._delta_prev, kind, names)
-        self._delta_prev = version
+            names = changed
+        elif kind == "set" and changed:
+            undeclared = _undeclared(source_map, changed, names)
+        self.pending = (version, self.prev, kind, names, undeclared)
+        self.prev = version
 
-    def on_delta(self):
-        """(version, previous version, kind, names) of the send_weights call waiting here:
-        names are checkpoint tensors ("set"), this trainer's changed parameters ("auto"; None
-        without checksums of the previous call) or None ("full")."""
-        with self.cond:
-            return self._delta
+    def unchanged(self, version: int) -> tuple[str, ...]:
+        """The parameters whose bytes differ now from when send_weights(``version``) was
+        called (checksums on, sync and RS): changed while the transfer read them."""
+        last = self.digests
+        if last is None or last[0] != version:
+            return ()
+        now = param_digest(self.params)
+        return tuple(n for n, a, b in zip(sorted(self.params), last[1], now) if a != b)
 
-    # -- rank 0 ---------------------------------------------------------------------------------
 
-    def _plan_delta(self, ts: list, version: int) -> None:
-        """Every trainer in ``ts`` is inside send_weights(version): agree on what changed,
-        record it, and put in force a plan of the tensors the rollouts need.
+def _undeclared(smap, changed: frozenset[str], names: frozenset[str]) -> tuple[str, ...]:
+    """The parameters in ``changed`` that load from none of the tensors ``names``: a
+    ``changed=`` that leaves them out would install their old bytes under the new label.
+    (Parameters with padding are left out: elements no checkpoint element lands in may change
+    freely.)"""
+    loads: dict[str, set[str]] = {}
+    for p in smap.pieces:
+        loads.setdefault(p.param, set()).add(p.region.tensor)
+    padded = {n for n, _ in smap.unsourced}
+    return tuple(sorted(n for n in changed if n in loads and n not in padded
+                        and not loads[n] & names))
 
-        Raises:
-            ValueError: the trainers passed different ``changed`` (nothing was sent).
-        """
-        answers = self.control.call(ts, PeerCall.DELTA)
-        kinds = {kind for _, _, kind, _ in answers}
-        if len(kinds) > 1 or ("set" in kinds and len({n for *_, n in answers}) > 1):
-            said = "; ".join(f"{t} changed={_shown(kind, names)}"
-                             for t, (_, _, kind, names) in zip(ts, answers))
-            raise ValueError(f"the trainers passed different changed= to send_weights({version}) "
-                             f"({said}); every trainer must pass the same changed (None, "
-                             f"\"auto\" or the same tensor names). Nothing was sent: call "
-                             f"send_weights again with one changed on every trainer")
-        kind = kinds.pop()
-        if kind == "set":
-            changed = answers[0][3]
-        elif kind == "auto" and all(names is not None for *_, names in answers):
-            changed = self._auto_tensors(ts, answers)
-        else:
-            changed = None
-        if self._delta_log is None:
-            self._delta_log = DeltaLog(p.region.tensor for m, _ in
-                                       self._maps.trainers + self._maps.rollouts
-                                       for p in m.pieces)
-        self._delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
-        tensors = self._delta_log.needed(self._delta_base())
-        if tensors != self._tensors or self._delta_unplanned:
-            self._tensors, self._delta_unplanned = tensors, True
-            # (SenderRecovery's: a new generation and staging slots, a plan of _tensors.) A
-            # re-plan that fails part-way leaves workers on different plans: plan again next
-            # time even for the same set.
-            self._replan()
-            self._delta_unplanned = False
 
-    def _delta_base(self) -> int:
-        """The version every live rollout's parameters hold when it installs this transfer,
-        or an older one (never newer: then a change would be missed)."""
-        if not self.config.receiver_staging:
-            # Sync: every live rollout took part in that transfer, unless it joined since.
-            joined = self._delta_joined_at
-            return 0 if joined is not None and self._done <= joined else self._done
-        claims = self._delta_claims = self._delta_claims or {}
-        live = sorted({w.index // self.control.engine_size for w in self._live()})
-        with self._slots_lock:
-            for e in live:
-                claims[e] = max(claims.get(e, 0), self.slots.claimed(e) or 0)
-        return min(claims.get(e, 0) for e in live)
+def plan_delta(seq, ts: list, version: int) -> None:
+    """Every trainer in ``ts`` is inside send_weights(version): agree on what changed,
+    record it, and put in force a plan of the tensors the rollouts need.
 
-    def _auto_tensors(self, ts: list, answers: list) -> frozenset[str]:
-        """The checkpoint tensors any of the trainers' changed parameters load from."""
-        if self._param_tensors is None:
-            self._param_tensors = {}
-            for i, (smap, _) in enumerate(self._maps.trainers):
-                by_param: dict[str, set] = {}
-                for p in smap.pieces:
-                    by_param.setdefault(p.param, set()).add(p.region.tensor)
-                self._param_tensors[i] = {n: frozenset(s) for n, s in by_param.items()}
-        out: set[str] = set()
-        for t, (*_, params) in zip(ts, answers):
-            for n in params:
-                out |= self._param_tensors[t.index].get(n, frozenset())
-        return frozenset(out)
+    Raises:
+        ValueError: the trainers passed different ``changed`` (nothing was sent).
+    """
+    answers = seq.control.call(ts, PeerCall.DELTA)
+    undeclared = [(t, u) for t, (*_, u) in zip(ts, answers) if u]
+    answers = [a[:4] for a in answers]
+    kinds = {kind for _, _, kind, _ in answers}
+    if len(kinds) > 1 or ("set" in kinds and len({n for *_, n in answers}) > 1):
+        said = "; ".join(f"{t} changed={_shown(kind, names)}"
+                         for t, (_, _, kind, names) in zip(ts, answers))
+        raise ValueError(f"the trainers passed different changed= to send_weights({version}) "
+                         f"({said}); every trainer must pass the same changed (None, "
+                         f"\"auto\" or the same tensor names). Nothing was sent: call "
+                         f"send_weights again with one changed on every trainer")
+    if undeclared:
+        said = "; ".join(f"{t}: {list(u[:4])}{' and more' if len(u) > 4 else ''}"
+                         for t, u in undeclared)
+        raise ValueError(
+            f"send_weights({version}, changed=...) leaves out parameters that changed "
+            f"since send_weights({answers[0][1]}) ({said}): the tensors they load are not "
+            f"in changed, so the rollouts would keep their old bytes under version "
+            f"{version}. Nothing was sent: name every tensor that changed in changed= "
+            f"(or pass changed=\"auto\", or None for a full update)")
+    kind = kinds.pop()
+    if kind == "set":
+        changed = answers[0][3]
+    elif kind == "auto" and all(names is not None for *_, names in answers):
+        changed = _auto_tensors(seq, ts, answers)
+    else:
+        changed = None
+    leader = seq.leader
+    if leader.delta_log is None:
+        leader.delta_log = DeltaLog(p.region.tensor for m, _ in
+                                    leader.maps.trainers + leader.maps.rollouts
+                                    for p in m.pieces)
+    leader.delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
+    leader.restrict(leader.delta_log.needed(_delta_base(seq)))
+
+def check_unchanged(seq, ts: list, version: int) -> None:
+    """After the rounds of ``version`` (sync, RS; checksums on): every trainer's parameters
+    still hold what send_weights(``version``) was called with. If not (an optimizer step
+    overlapped the send), what the rollouts received mixes two states: with receiver
+    staging it is never offered (the engines keep what they run); in sync mode it is in
+    the rollouts' parameters already, so the group fails closed (every poll raises).
+
+    Raises:
+        ChangedDuringSend: parameters changed (the message says which, and what to do).
+    """
+    if seq.config.sender_staging or not seq.config.checksums:
+        return
+    moved = [(t, names) for t, names in zip(ts, seq.control.call(
+        ts, PeerCall.UNCHANGED, version)) if names]
+    if not moved:
+        return
+    said = "; ".join(f"{t}: {list(n[:4])}{' and more' if len(n) > 4 else ''}"
+                     for t, n in moved)
+    what = (f"parameters changed while send_weights({version}) was sending them ({said}), "
+            f"so what the rollouts received mixes two states of them. Change no parameter "
+            f"until send_weights returns")
+    if seq.config.receiver_staging:
+        raise ChangedDuringSend(
+            f"{what}. Nothing of version {version} is installed (the engines keep the "
+            f"version they run): send again, a full update (changed=None) or a delta "
+            f"naming every tensor changed since the last version sent")
+    seq.broken = (f"{what}. The rollouts' parameters hold that mix (no poll returns it: "
+                    f"they raise); build a new group (new adapters, connect()) to go on")
+    seq.control.call(seq.live(), PeerCall.FAIL, seq.broken, return_errors=True)
+    raise ChangedDuringSend(seq.broken)
+
+def _delta_base(seq) -> int:
+    """The version every live rollout's parameters hold when it installs this transfer,
+    or an older one (never newer: then a change would be missed)."""
+    if not seq.config.receiver_staging:
+        # Sync: every live rollout took part in that transfer, unless it joined since.
+        joined = seq.leader.joined_at
+        return 0 if joined is not None and seq.done() <= joined else seq.done()
+    return min(seq.leader.claimed().values())
+
+def _auto_tensors(seq, ts: list, answers: list) -> frozenset[str]:
+    """The checkpoint tensors any of the trainers' changed parameters load from."""
+    if seq.param_tensors is None:
+        seq.param_tensors = {}
+        for i, (smap, _) in enumerate(seq.leader.maps.trainers):
+            by_param: dict[str, set] = {}
+            for p in smap.pieces:
+                by_param.setdefault(p.param, set()).add(p.region.tensor)
+            seq.param_tensors[i] = {n: frozenset(s) for n, s in by_param.items()}
+    out: set[str] = set()
+    for t, (*_, params) in zip(ts, answers):
+        for n in params:
+            out |= seq.param_tensors[t.index].get(n, frozenset())
+    return frozenset(out)
+
+
+class ChangedDuringSend(ValueError):
+    """Internal: a trainer's parameters changed while its send read them (`_check_unchanged`);
+    every trainer's send_weights raises ValueError with the message."""
 
 
 def _shown(kind: str, names) -> str:

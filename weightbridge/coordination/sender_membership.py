@@ -1,6 +1,7 @@
 """Engines joining and leaving a running adapter group: `add_engines`, `remove_engine`.
 
-Mixed into `SenderAdapter`. Both are collective over the trainers, called between
+`SenderAdapter.add_engines` and `remove_engine` hold one `TrainerMembership` (which change
+this trainer is inside, how trainer 0 said each went). Both are collective over the trainers, called between
 `send_weights` calls (as `send_weights` itself is collective): while every trainer is inside
 the call none of them stages a version, so the trainers' tables can change under rank 0,
 which does the work once every trainer is in (after the staged versions were transferred,
@@ -18,154 +19,62 @@ whole; the engines already in keep what they run and never see a partial version
 
 from __future__ import annotations
 
-from weightbridge.coordination.control import PeerCall, engine_workers, rollouts
-from weightbridge.coordination.elastic import check_removable, join_group, leave_group
-from weightbridge.errors import LayoutError
+import threading
+from typing import Callable
+
+from weightbridge.types import WorkerId
 
 
-class SenderMembership:
-    """`add_engines` and `remove_engine` of a `SenderAdapter` group."""
+class TrainerMembership:
+    """One trainer's side of a membership change: which change it is inside (trainer 0 asks,
+    `PeerCall.CHANGING`) and how trainer 0 said each went (`PeerCall.CHANGED`)."""
 
-    def _init_membership(self) -> None:
-        self._changing: tuple | None = None
-        """The membership change this trainer is inside (("add",), ("remove", engine)), None
-        outside."""
-        self._changed: dict[tuple, str | None] = {}
-        """Change -> None (done) or why it failed, as rank 0 told this trainer."""
+    def __init__(self, cond: threading.Condition, timeout_s: float):
+        self.cond, self.timeout_s = cond, timeout_s
+        self.changing: tuple | None = None
+        """The change this trainer is inside (("add",), ("remove", engine)), None outside."""
+        self.changed: dict[tuple, str | None] = {}
+        """Change -> None (done) or why it failed, as trainer 0 told this trainer."""
 
-    def add_engines(self, group=None) -> None:
-        """Collective over the trainers, between `send_weights` calls: plan in the rollout
-        engines added to the group since connect (or the last join) and go on with them.
-
-        ``group``: the grown `TransferGroup` that `TransferGroup.add_engines` returned (on
-        meshes; the joining engines' actors build their receivers with it); None with a
-        control plane that grows by itself (`LocalControl`). Only the new engines are
-        probed; the engines already in keep their tables and buffers. The new engines'
-        first `poll_requests` returns the next version sent, whole.
+    def run(self, worker: WorkerId, what: tuple, lead: Callable[[], None] | None) -> None:
+        """Be inside ``what`` until it is done: on trainer 0 ``lead()`` makes it (once every
+        trainer is in); elsewhere (``lead`` None) wait for trainer 0 to say how it went.
 
         Raises:
-            ValueError: no engine was added, or a joining worker is in the wrong engine.
-            LayoutError: a joining engine reads another checkpoint or needs what no trainer
-                holds (before any of its buffers exist; the group goes on without it).
+            TimeoutError: trainer 0 did not finish it within 3 x timeout_s.
+            RuntimeError: trainer 0's change failed (nothing changed).
         """
-        self._change(("add",), lambda: self._join(group), group)
-
-    def remove_engine(self, engine: int) -> None:
-        """Collective over the trainers, between `send_weights` calls: take rollout engine
-        ``engine`` out of the group (to retire or restart it). No byte is sent to or through
-        it afterwards; its workers' `poll_requests` raise `TransferFailed` saying it was
-        removed. An engine nothing depends on (mirrored in by a join) just loses its rows:
-        only the rollouts that forwarded to it take new writes. Otherwise the others are
-        re-planned from the kept source maps (no probe); they keep the whole version they hold
-        (a version landed in their staging but not installed yet is superseded by the next
-        one).
-
-        Raises:
-            ValueError: no such engine, it is out already, or it is the last one.
-        """
-        self._change(("remove", engine), lambda: self._leave(engine))
-
-    # -- every trainer ------------------------------------------------------------------------
-
-    def _change(self, what: tuple, change, group=None) -> None:
-        if self.executor is None:
-            raise RuntimeError("call connect() before add_engines() or remove_engine()")
-        use = getattr(self.control, "use", None)
-        if group is not None and use is not None:
-            use(group)  # (this trainer's calls go to the grown group too)
         with self.cond:
-            self._changing = what
-            self._changed.pop(what, None)
+            self.changing = what
+            self.changed.pop(what, None)
             self.cond.notify_all()
         try:
-            if self.worker.index == 0:
-                self._lead(what, change)
+            if lead is not None:
+                lead()
                 return
             with self.cond:
-                if not self.cond.wait_for(lambda: what in self._changed,
-                                          timeout=3 * self.config.timeout_s):
-                    raise TimeoutError(f"{self.worker}: trainer 0 did not finish the membership "
-                                       f"change within 3 x timeout_s={self.config.timeout_s}s; "
+                if not self.cond.wait_for(lambda: what in self.changed,
+                                          timeout=3 * self.timeout_s):
+                    raise TimeoutError(f"{worker}: trainer 0 did not finish the membership "
+                                       f"change within 3 x timeout_s={self.timeout_s}s; "
                                        f"every trainer must call it, trainer 0 included")
-                failure = self._changed.pop(what)
+                failure = self.changed.pop(what)
             if failure is not None:
-                raise RuntimeError(f"{self.worker}: trainer 0's membership change failed, "
+                raise RuntimeError(f"{worker}: trainer 0's membership change failed, "
                                    f"nothing changed for this trainer: {failure}")
         finally:
             with self.cond:
-                self._changing = None
+                self.changing = None
 
     def on_changing(self) -> tuple | None:
         with self.cond:
-            return self._changing
+            return self.changing
 
     def on_changed(self, what: tuple, failure: str | None) -> None:
         with self.cond:
-            self._changed[what] = failure
+            self.changed[what] = failure
             self.cond.notify_all()
 
-    # -- rank 0 ---------------------------------------------------------------------------------
 
-    def _lead(self, what: tuple, change) -> None:
-        """Wait until every other trainer is inside the same change (none stages meanwhile)
-        and every staged version was transferred; make the change between transfers; tell
-        the others how it went."""
-        others = self._live_trainers()[1:]
-        failure = None
-        try:
-            self._poll_until(lambda: all(
-                a == what for a in self.control.call(others, PeerCall.CHANGING)),
-                f"not every trainer called the same {_call(what)}")
-            if self.config.sender_staging:
-                self.wait_idle()
-            with self._session_lock:
-                change()
-        except Exception as e:
-            failure = f"{type(e).__name__}: {e}"
-            raise
-        finally:
-            self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
-
-    def _join(self, group) -> None:
-        size = self.control.engine_size
-        joining = range(len(self._maps.rollouts) // size, self.control.num_engines)
-        try:
-            self._maps, self.group, _ = join_group(
-                self.control, self._maps, self.group, self.config,
-                generation=self._generation, restricted=self._tensors is not None,
-                excluded=frozenset(w.index for w in rollouts(self.control)
-                                   if w.index // size in self.failed_engines),
-                excluded_trainers=frozenset(self.failed_trainers))
-        except Exception as e:
-            # The group goes on without them; they count as out (never waited for).
-            self.failed_engines.update(joining)
-            self.control.call([w for j in joining for w in engine_workers(self.control, j)],
-                              PeerCall.FAIL, f"engines {list(joining)} could not join this "
-                              f"transfer group ({type(e).__name__}: {e})", return_errors=True)
-            if not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
-                self._replan()
-            raise
-        self._tensors = None  # (a delta plan in force was replaced by a full one)
-        self.plan = self.group.plan
-        self._delta_joined_at = self._done  # (delta updates: the new engines hold nothing)
-        with self._slots_lock:
-            self.slots.grow(self.control.num_engines)
-
-    def _leave(self, engine: int) -> None:
-        check_removable(engine, self.control.num_engines, self.failed_engines)
-        self.failed_engines.add(engine)
-        self.control.call(engine_workers(self.control, engine), PeerCall.FAIL,
-                          f"engine {engine} was removed from this transfer group "
-                          f"(remove_engine({engine})): nothing more is sent to it; to use it "
-                          f"again, restart its workers and add them with add_engines()",
-                          return_errors=True)
-        shrunk = leave_group(self.control, self.group, self.config,
-                             engine_workers(self.control, engine))
-        if shrunk is None:  # others depend on it: plan again
-            self._replan()
-        else:
-            self.group, self.plan = shrunk, shrunk.plan
-
-
-def _call(what: tuple) -> str:
+def call_name(what: tuple) -> str:
     return "add_engines()" if what[0] == "add" else f"remove_engine({what[1]})"

@@ -61,9 +61,11 @@ class ConnectedGroup:
     depth: int
     live_trainers: tuple[WorkerId, ...] = ()
     """The trainers the plan sends from (all, unless lost ones were left out; empty: all)."""
-    replicas: tuple[tuple[int, ...], ...] = ()
-    """Trainers holding the same layout of the checkpoint (data-parallel replicas), compared
-    by `check_replicas` before each update; empty with checksums off."""
+    replicas: tuple[tuple[tuple[int, str], ...], ...] = ()
+    """Groups of (trainer, parameter) holding the same checkpoint elements in the same layout
+    on two or more trainers (data-parallel replicas; norms, biases, embeddings replicated
+    across tensor-parallel ranks), compared by `check_replicas` before each update; empty
+    with checksums off."""
     param_names: tuple[tuple[str | None, ...], ...] = ()
     """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer (None:
     not compared)."""
@@ -129,7 +131,8 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
                           # Replicas by their whole maps (a delta plan's are partial).
-                          replicas=(replica_sets(_emptied(maps.trainers, excluded_trainers))
+                          replicas=(replicated_params(_emptied(maps.trainers,
+                                                                       excluded_trainers))
                                     if config.checksums else ()),
                           param_names=tuple(_compared(smap) for smap, _ in maps.trainers),
                           handles=handles)
@@ -159,45 +162,61 @@ def _compared(smap: SourceMap) -> tuple[str | None, ...]:
     return tuple(None if n in padded else n for n in sorted(p.name for p in smap.params))
 
 
-def replica_sets(trainer_maps: Sequence[tuple[SourceMap, Placement]]
-                 ) -> tuple[tuple[int, ...], ...]:
-    """Trainers whose source maps are equal (same parameters, same pieces of the checkpoint):
-    data-parallel replicas, which must hold equal bytes. Sets of two or more, in rank order."""
-    sets: dict[tuple, list[int]] = {}
+def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
+                      ) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """Parameters of two or more trainers that hold the same checkpoint elements in the same
+    layout (equal parameter spec, equal pieces), which must hold equal bytes: every parameter
+    of data-parallel replicas, and a norm, bias or embedding replicated across
+    tensor-parallel ranks whose other parameters are sharded. Groups of (trainer, parameter
+    name), in rank order; parameters with padding (elements no checkpoint element lands in:
+    they may differ) are left out."""
+    groups: dict[tuple, list[tuple[int, str]]] = {}
     for i, (smap, _) in enumerate(trainer_maps):
-        if smap.pieces:  # (a trainer left out holds nothing)
-            sets.setdefault((smap.params, smap.pieces), []).append(i)
-    return tuple(tuple(s) for s in sets.values() if len(s) > 1)
+        padded = {n for n, _ in smap.unsourced}
+        pieces: dict[str, list] = {}
+        for p in smap.pieces:
+            pieces.setdefault(p.param, []).append(p)
+        for spec in smap.params:
+            if spec.name in pieces and spec.name not in padded:
+                groups.setdefault((spec, frozenset(pieces[spec.name])), []).append(
+                    (i, spec.name))
+    return tuple(tuple(g) for g in groups.values() if len({i for i, _ in g}) > 1)
 
 
 def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int) -> None:
-    """Compare the data-parallel replicas' per-parameter checksums of ``version``.
+    """Compare the per-parameter checksums of ``version`` of every parameter more than one
+    trainer holds (`replicated_params`).
 
-    The plan takes each element from one holder, so replicas that diverged would be blended
+    The plan takes each element from one holder, so holders that diverged would be blended
     element by element into the rollouts without this; it runs before any byte moves.
 
     Raises:
-        ReplicaMismatch: two replicas hold different bytes for a parameter.
+        ReplicaMismatch: two trainers hold different bytes for the same elements.
     """
     if not group.replicas:
         return
-    ranks = sorted({i for s in group.replicas for i in s})
-    digests = dict(zip(ranks, control.call([WorkerId("trainer", i) for i in ranks],
-                                           PeerCall.DIGEST, version)))
-    for s in group.replicas:
-        first, names = s[0], group.param_names[s[0]]
-        for other in s[1:]:
-            bad = [n for n, a, b in zip(names, digests[first], digests[other])
-                   if n is not None and a != b]
-            if bad:
-                more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-                raise ReplicaMismatch(
-                    f"trainers T{first} and T{other} hold the same layout of the checkpoint "
-                    f"(data-parallel replicas) but different bytes for version {version} in "
-                    f"{', '.join(map(repr, bad[:4]))}{more}: a replica diverged (a failed "
-                    f"or non-deterministic gradient reduction, a rank that skipped a step). "
-                    f"Nothing of version {version} was sent; resynchronize the replicas (e.g. "
-                    f"broadcast from one) and send again")
+    ranks = sorted({i for g in group.replicas for i, _ in g})
+    answers = control.call([WorkerId("trainer", i) for i in ranks], PeerCall.DIGEST, version)
+    digests = {i: dict(zip(group.param_names[i], d)) for i, d in zip(ranks, answers)}
+    bad: dict[tuple[int, int], list[str]] = {}
+    for g in group.replicas:
+        first, name = g[0]
+        for other, other_name in g[1:]:
+            if digests[first][name] != digests[other][other_name]:
+                bad.setdefault((first, other), []).append(name)
+    if not bad:
+        return
+    (first, other), names = min(bad.items())
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    raise ReplicaMismatch(
+        f"trainers T{first} and T{other} hold the same layout of the checkpoint in "
+        f"{len(names)} parameters (data-parallel replicas, or a norm, bias or embedding "
+        f"replicated across tensor-parallel ranks) but different bytes for version {version} "
+        f"in {', '.join(map(repr, names[:4]))}{more}"
+        + (f" (and {len(bad) - 1} more pairs of trainers differ)" if len(bad) > 1 else "")
+        + f": a replica diverged (a failed or non-deterministic gradient reduction, a rank "
+          f"that skipped a step). Nothing of version {version} was sent; resynchronize the "
+          f"replicas (e.g. broadcast from one) and send again")
 
 
 def connect_group(control: ControlPlane, config: TransferConfig, *,

@@ -1,0 +1,331 @@
+"""`GroupSequencer`: trainer 0's part of an adapter group, one object beside its worker.
+
+Trainer 0 sequences every transfer of the group: it waits until every trainer is inside
+``send_weights(v)`` (or holds ``v`` staged), agrees on a delta, compares replicas, gathers the
+rollouts that take part, runs the rounds, tells everyone how it went, recovers from a lost
+worker and makes membership changes between transfers. All of that is here; the group's state
+is its `GroupLeader` (``leader``), trainer 0's own version state stays on its `SenderAdapter`,
+which hands two views of it in (``done``, ``pending``) and forwards its peers' calls (JOIN,
+LEAVE, CLAIM) here.
+
+The mode is read once, at construction, as two strategies::
+
+    source     _LiveParams (sync, RS): every trainer waits inside send_weights(v); the delta
+               contract (`sender_delta`) before the rounds, "did the parameters change?" after
+               _Staged (SS, async): each trainer's staged copy of v; the SS drain thread
+    landing    _IntoParams (sync, SS): gather the rollouts (they poll), SESSION_DONE after
+               _IntoStaging (RS, async): a staging slot per engine (the leader's ledger), OFFER
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from typing import Callable
+
+from weightbridge.config import TransferConfig
+from weightbridge.coordination import recovery, sender_delta
+from weightbridge.coordination.adapter_base import TransferFailed, poll_until
+from weightbridge.coordination.control import ControlPlane, PeerCall
+from weightbridge.coordination.leader import GroupLeader
+from weightbridge.coordination.session import check_replicas, run_update
+from weightbridge.types import WorkerId
+
+TRAINER_0 = WorkerId("trainer", 0)
+
+
+class _Disagree(Exception):
+    """Internal: a trainer is inside send_weights with another version."""
+
+
+class GroupSequencer:
+    """Trainer 0's sequencing (module doc). ``done()``: the newest version whose transfer
+    finished on trainer 0; ``pending()``: the version trainer 0 holds staged, not yet read."""
+
+    def __init__(self, worker: WorkerId, control: ControlPlane, config: TransferConfig, *,
+                 done: Callable[[], int], pending: Callable[[], int | None]):
+        self.worker, self.control, self.config = worker, control, config
+        self.leader = GroupLeader(control, config)
+        self.source = _Staged() if config.sender_staging else _LiveParams()
+        self.landing = _IntoStaging() if config.receiver_staging else _IntoParams()
+        self.done, self.pending = done, pending
+        self.cond = threading.Condition()
+        """Guards ``joined``; notified when a rollout joins or leaves."""
+        self.joined: set[WorkerId] = set()
+        """Rollouts inside a poll that joins the next transfer (RS off)."""
+        self.session_joined: set[WorkerId] = set()
+        """Who had joined the transfer under way (or the last one)."""
+        self.session_lock = threading.Lock()
+        """One transfer or membership change at a time."""
+        self.broken: str | None = None
+        """Why the group can send no more (None while it can)."""
+        self.param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
+        """Per trainer, parameter -> the checkpoint tensors it loads (``changed="auto"``)."""
+        self.thread: threading.Thread | None = None  # the SS drain
+        self._kick_lock = threading.Lock()
+        self.error: BaseException | None = None
+        """What the SS drain failed with (raised by the next send_weights or wait_idle)."""
+
+    # -- who is in (the leader's) ---------------------------------------------------------------
+
+    def live(self) -> list[WorkerId]:
+        return self.leader.live_rollouts()
+
+    def live_trainers(self) -> list[WorkerId]:
+        return self.leader.live_trainers()
+
+    def poll_until(self, predicate, what, *, deadline: bool = True) -> None:
+        poll_until(self, self.cond, predicate, what, deadline=deadline)
+
+    def call_one(self, peer: WorkerId, call: PeerCall, *args):
+        return self.control.call([peer], call, *args)[0]
+
+    # -- one transfer ---------------------------------------------------------------------------
+
+    def run(self, version: int, *, release: bool = True) -> None:
+        """Move ``version`` end to end. A failure goes to `recovery.recover`, which raises
+        `TransferFailed` when a worker was lost (after re-planning without it) and re-raises
+        anything else."""
+        with self.session_lock:
+            moved = [False]
+            try:
+                self.session(version, moved, release)
+            except TransferFailed:
+                raise
+            except sender_delta.ChangedDuringSend as e:  # (rollouts told when they must be)
+                self.tell_trainers(version, str(e), "input")
+                raise ValueError(f"{self.worker}: {e}") from None
+            except Exception as e:  # noqa: BLE001  (classified, then raised again)
+                recovery.recover(self, version, e, moved[0])
+
+    def session(self, version: int, moved: list, release: bool) -> None:
+        self.leader.retell()  # (excluded workers that stalled when told: again, off-thread)
+        ts = self.live_trainers()
+        self.source.before(self, ts, version)
+        check_replicas(self.control, self.leader.group, version)  # (SS: staged copies)
+        slots = self.landing.before(self, version)
+        moved[0] = True
+        run_update(self.control, self.leader.group, slots=slots)  # the rounds
+        self.source.after(self, ts, version)
+        self.landing.after(self, ts, version, release)
+
+    def gather(self, version: int, *, deadline: bool = True) -> None:
+        """RS off: offer ``version`` to every engine and wait until every rollout joined."""
+        self.control.call(self.leader.live_rank0s(), PeerCall.OFFER, version)
+        want = set(self.live())
+        # The message is made at the timeout: it names the rollouts that had not polled then.
+        self.poll_until(lambda: want <= self.joined, lambda: (
+            f"rollout workers {sorted(str(w) for w in want - self.joined)} did not "
+            f"poll_requests() for version {version}; in sync and SS modes every rollout must "
+            f"poll between inference steps"), deadline=deadline)
+
+    def wait_for_trainers(self, ts: list[WorkerId], version: int) -> None:
+        """Non-SS: wait until every trainer is inside send_weights(version). A trainer inside
+        send_weights with another version fails the update on every trainer, before any
+        byte moves: rollouts would otherwise install a mix of two versions under one label."""
+        sending: list = []
+
+        def same() -> bool:
+            sending[:] = self.control.call(ts, PeerCall.READY)
+            if any(v is not None and v != version for v in sending):
+                raise _Disagree()
+            return all(v == version for v in sending)
+
+        try:
+            self.poll_until(same, f"not every trainer called send_weights({version})")
+        except _Disagree:
+            calls = ", ".join(f"{t} send_weights({version if t == TRAINER_0 else v})"
+                              for t, v in zip(ts, sending) if v is not None or t == TRAINER_0)
+            message = (f"the trainers are sending different versions ({calls}); every "
+                       f"trainer must call send_weights with the same version in each update. "
+                       f"Nothing was sent: call send_weights again with one version on every "
+                       f"trainer")
+            waiting = [(t, v) for t, v in zip(ts, sending) if v is not None and t != TRAINER_0]
+            self.control.call_each([t for t, _ in waiting], PeerCall.FAILED,
+                                   [(v, message, "input") for _, v in waiting],
+                                   return_errors=True)
+            raise ValueError(f"{self.worker}: {message}") from None
+
+    def tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
+        others = self.live_trainers()[1:]
+        self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
+
+    # -- the SS drain ---------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """A version was staged on trainer 0: make sure the drain thread runs."""
+        with self._kick_lock:  # drain clears ``thread`` under the same lock: no lost wake-up
+            if self.thread is None:
+                # In a copy of this thread's context: an actor's messaging context lives in
+                # contextvars, and calls on peers from the thread need it.
+                ctx = contextvars.copy_context()
+                self.thread = threading.Thread(target=ctx.run, args=(self._drain,),
+                                               daemon=True, name="weightbridge-sender")
+                self.thread.start()
+
+    def _drain(self) -> None:
+        """Transfer staged versions until none is pending.
+
+        Without RS the rollouts must join first; the staging buffers stay free meanwhile, so a
+        rollout that stops polling never blocks the trainers: they keep staging newer versions
+        (each superseding the last) and the transfer carries the newest one once all joined.
+        """
+        try:
+            while True:
+                ts = self.live_trainers()
+                with self._kick_lock:
+                    first = self.pending()
+                    if first is None:
+                        self.thread = None
+                        return
+                if not self.config.receiver_staging:
+                    self.gather(first, deadline=False)
+                # Every trainer stages each version (a newer one supersedes an older one):
+                # wait until they hold the same one.
+                held: list = []
+
+                def same() -> bool:
+                    held[:] = self.control.call(ts, PeerCall.PENDING)
+                    return len(set(held)) == 1
+
+                self.poll_until(same, lambda: (
+                    "the trainers hold different staged versions ("
+                    + ", ".join(f"{t} holds version {v}" for t, v in zip(ts, held))
+                    + "); every trainer must call send_weights with the same versions, so "
+                      "nothing was sent"))
+                version = self.pending()
+                # Pin every staging buffer on that version; if one moved on meanwhile, retry.
+                started = []
+                for t in ts:
+                    if not self.call_one(t, PeerCall.STAGE_START, version):
+                        break
+                    started.append(t)
+                if len(started) < len(ts):
+                    self.control.call(started, PeerCall.STAGE_CANCEL)
+                    continue
+                try:
+                    self.run(version)
+                finally:  # (a trainer lost in the session is not asked)
+                    self.control.call(self.live_trainers(), PeerCall.STAGE_FINISH)
+        except BaseException as e:  # surfaced by the next send_weights / wait_idle
+            self.error = e
+            with self._kick_lock:
+                self.thread = None
+
+    def raise_background_error(self) -> None:
+        if self.error is not None:
+            e, self.error = self.error, None
+            if isinstance(e, TransferFailed):
+                raise e
+            raise RuntimeError(f"{self.worker}: a background transfer failed: {e}") from e
+
+    def wait_idle(self) -> None:
+        """Wait until every staged version was transferred (SS modes)."""
+        # A lost rollout takes up to timeout_s to find, then a re-plan: 3 x, as send_weights.
+        end = time.monotonic() + 3 * self.config.timeout_s
+        while self.thread is not None:
+            if time.monotonic() > end:
+                raise TimeoutError(f"{self.worker}: staged versions were not all transferred "
+                                   f"within 3 x timeout_s={self.config.timeout_s}s")
+            time.sleep(getattr(self.control, "poll_interval_s", 0.0005))
+        self.raise_background_error()
+
+    # -- membership changes ---------------------------------------------------------------------
+
+    def change(self, what: tuple, change: Callable[[], None], name: str) -> None:
+        """Wait until every other trainer is inside the same change (none stages meanwhile)
+        and every staged version was transferred; make the change between transfers; tell
+        the others how it went."""
+        others = self.live_trainers()[1:]
+        failure = None
+        try:
+            self.poll_until(lambda: all(
+                a == what for a in self.control.call(others, PeerCall.CHANGING)),
+                f"not every trainer called the same {name}")
+            if self.config.sender_staging:
+                self.wait_idle()
+            with self.session_lock:
+                change()
+        except Exception as e:
+            failure = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
+
+    # -- the peers' calls -----------------------------------------------------------------------
+
+    def on_join(self, worker: WorkerId) -> None:
+        with self.cond:
+            self.joined.add(worker)
+            self.cond.notify_all()
+
+    def on_leave(self, worker: WorkerId) -> bool | str:
+        """A rollout that joined gives up waiting (its poll timed out): True when it is out
+        before any byte moved toward it; False when the running transfer already counts it
+        (its bytes are on their way: it must wait for the end of the transfer); why its
+        engine is out of the group when it is (excluded while it stalled: it was not told)."""
+        why = self.leader.why_out(worker.index // self.control.engine_size)
+        if why is not None:
+            return why
+        with self.cond:
+            if worker in self.joined:
+                self.joined.discard(worker)
+                return True
+            return False
+
+    def on_claim(self, engine: int):
+        """(version, slot) of the newest version landed for ``engine``, None, or why the
+        engine is out of the group (a string)."""
+        return self.leader.why_out(engine) or self.leader.claim(engine)
+
+
+class _LiveParams:
+    """Sync, RS: the trainers' parameters are read by the rounds themselves."""
+
+    def before(self, seq: GroupSequencer, ts: list, version: int) -> None:
+        seq.wait_for_trainers(ts, version)  # every trainer is inside send_weights(version)
+        sender_delta.plan_delta(seq, ts, version)  # the plan of the tensors rollouts need
+
+    def after(self, seq: GroupSequencer, ts: list, version: int) -> None:
+        sender_delta.check_unchanged(seq, ts, version)  # (an optimizer step overlapping)
+
+
+class _Staged:
+    """SS, async: the rounds read each trainer's staged copy (pinned by the drain)."""
+
+    def before(self, seq: GroupSequencer, ts: list, version: int) -> None:
+        pass
+
+    def after(self, seq: GroupSequencer, ts: list, version: int) -> None:
+        pass
+
+
+class _IntoParams:
+    """Sync, SS: the rollouts take part from inside their polls; bytes go into parameters."""
+
+    def before(self, seq: GroupSequencer, version: int) -> dict:
+        while True:  # a rollout may leave (its poll timed out) until the swap below
+            seq.gather(version, deadline=not seq.config.sender_staging)
+            with seq.cond:  # on_leave takes the same lock: out before, or in for good
+                if set(seq.live()) <= seq.joined:
+                    seq.session_joined, seq.joined = seq.joined, set()
+                    return {}
+
+    def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
+        seq.control.call(list(seq.leader.group.live_rollouts), PeerCall.SESSION_DONE, version)
+        if release:  # in every rollout's parameters
+            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+
+
+class _IntoStaging:
+    """RS, async: each engine lands the version in a staging slot and installs it later."""
+
+    def before(self, seq: GroupSequencer, version: int) -> dict:
+        return seq.leader.begin_landing(version)
+
+    def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
+        seq.leader.landed(version)
+        if release:  # landed: the trainers go on before any install
+            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+        seq.control.call(seq.leader.live_rank0s(), PeerCall.OFFER, version)

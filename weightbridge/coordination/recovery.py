@@ -1,0 +1,99 @@
+"""Trainer 0's failure policy: find the lost workers, plan them out, re-send, tell everyone.
+
+`recover` runs on trainer 0's `weightbridge.coordination.rank0.GroupSequencer` when a call of
+a transfer failed; the group's state changes only through its `GroupLeader` (``exclude``,
+``replan``). See docs/integration.md, "Failures", for the guarantees.
+"""
+
+from __future__ import annotations
+
+from weightbridge.coordination.adapter_base import TransferFailed
+from weightbridge.coordination.control import PeerCall, rollouts
+from weightbridge.coordination.session import unanswered
+from weightbridge.coordination.worker import ReplicaMismatch
+
+
+def recover(seq, version: int, error: Exception, moved: bool) -> None:
+    """A session call failed: find the workers that are gone (rollouts and trainers),
+    exclude the lost engines and trainers, re-plan over the others (a lost trainer's
+    regions from its replicas), re-send ``version`` where the trainers still hold it, tell
+    every trainer; raise `TransferFailed`. Anything else is raised unchanged (the group is
+    closed if bytes had moved: no engine's state is known)."""
+    control, mode = seq.control, seq.config.mode
+    live = seq.live()
+    gone = [w.index for w in unanswered(control, live)]
+    gone_t = [t.index for t in unanswered(control, seq.live_trainers()[1:])]
+    size = control.engine_size
+    cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if not gone and not gone_t:
+        # Every trainer waits in send_weights(version) (not SS): it fails the same way.
+        kind = ("timeout" if isinstance(error, TimeoutError) else
+                "replica" if isinstance(error, ReplicaMismatch) else
+                "input" if isinstance(error, ValueError) else "transfer")
+        seq.tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
+        if moved:
+            seq.broken = (f"the transfer of version {version} failed after bytes moved "
+                            f"({type(error).__name__}: {cause}) and every worker still "
+                            f"answers, so no engine's weights are known; build a new "
+                            f"group (new adapters, connect()) to go on")
+            # No engine may run a step on what it holds now: every poll raises.
+            control.call(live, PeerCall.FAIL, seq.broken, return_errors=True)
+        raise error
+    lost = sorted({j // size for j in gone})
+    survivors = sorted(set(seq.leader.live_engines()) - set(lost))
+    names = ([f"R{j} (engine {j // size})" for j in gone] + [f"T{i}" for i in gone_t])
+    what = (f"{'workers' if len(names) > 1 else 'worker'} {', '.join(names)} failed during "
+            f"the transfer of version {version} ({type(error).__name__}: {cause}).")
+    if lost:
+        what += (f" Engine{'s' if len(lost) > 1 else ''} {lost} "
+                 f"{'are' if len(lost) > 1 else 'is'} excluded from this transfer group: "
+                 f"nothing more is sent to it and its other workers' poll_requests() "
+                 f"raise. To use it again, restart its workers on new procs and add them "
+                 f"as a new engine (TransferGroup.add_engines, then add_engines() on every "
+                 f"trainer).")
+    if gone_t:
+        what += (f" Trainer{'s' if len(gone_t) > 1 else ''} {gone_t} "
+                 f"{'are' if len(gone_t) > 1 else 'is'} excluded: the trainers that hold "
+                 f"the same regions (data-parallel replicas) send them from now on, and "
+                 f"send_weights() is collective over the others.")
+    seq.leader.exclude(lost, gone_t, why=what,
+                       unreachable=[w for w in rollouts(control) if w.index in gone])
+    if not survivors:
+        seq.broken = what + " No engine is left."
+        seq.tell_trainers(version, seq.broken)
+        raise TransferFailed(seq.broken) from error
+    try:
+        seq.leader.replan()
+        if not mode.sender_staging:  # the trainers' parameters still hold this version
+            _rejoin(seq, moved)
+            seq.session(version, [False], release=False)
+            state = (f"Version {version} was re-sent to the surviving engines {survivors} "
+                     f"over a new plan: they "
+                     + ("install it at their next poll_requests()." if mode.receiver_staging
+                        else "installed it."))
+        else:
+            _rejoin(seq, moved)
+            state = (f"The surviving engines {survivors} never saw version {version}: "
+                     + ("they keep the version they run and install the next one you send."
+                        if mode.receiver_staging else
+                        "their poll_requests() wait (no inference step runs on a partial "
+                        "update) for the next version you send, within 3 x timeout_s."))
+    except Exception as e2:  # noqa: BLE001
+        seq.broken = (f"{what} Re-planning without it failed too ({type(e2).__name__}: "
+                        f"{e2}); build a new group (new adapters, connect()) to go on.")
+        seq.tell_trainers(version, seq.broken)
+        # No engine gets another version: each learns it at its next poll.
+        control.call(seq.live(), PeerCall.FAIL, seq.broken, return_errors=True)
+        raise TransferFailed(seq.broken) from e2
+    message = f"{what} {state} send_weights() goes on with the surviving workers."
+    seq.tell_trainers(version, message)
+    raise TransferFailed(message) from error
+
+def _rejoin(seq, moved: bool) -> None:
+    """RS off: the surviving rollouts that had joined the failed transfer still wait in
+    poll_requests() for a version; count them in for the next transfer."""
+    if seq.config.receiver_staging or not moved:
+        return  # before the bytes moved, ``seq.joined`` still holds who joined
+    live = set(seq.live())
+    with seq.cond:
+        seq.joined = seq.joined | (seq.session_joined & live)
