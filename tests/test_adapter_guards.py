@@ -41,6 +41,8 @@ def test_trainers_sending_different_versions_fail_everywhere_before_any_byte(mod
     control, trainers, rollouts = build(TransferConfig(sender_staging=ss, receiver_staging=rs,
                                                        timeout_s=5))
     connect(trainers)
+    for m, _ in rollouts:  # the probe left its values: no version yet
+        m.mark()
     moved = control.transport.bytes_written
     (m0, t0), (m1, t1) = trainers
     got = in_threads(lambda: (m0.load_weights(checkpoint(1).items()), t0.send_weights(1)),
@@ -50,7 +52,7 @@ def test_trainers_sending_different_versions_fail_everywhere_before_any_byte(mod
         assert "T0 send_weights(1), T1 send_weights(2)" in str(e) and "Nothing was sent" in str(e)
     assert control.transport.bytes_written == moved
     assert [a.poll_requests() for _, a in rollouts] == [None, None]
-    assert all(m.holds(0) and a.version == 0 for m, a in rollouts)
+    assert all(m.unchanged() and a.version == 0 for m, a in rollouts)
     # One version on both: the group goes on.
     got = in_threads(*send(trainers, 3, ss=ss), *[lambda a=a: a.wait_for_version(3)
                                                   for _, a in rollouts])
@@ -61,6 +63,8 @@ def test_trainers_sending_different_versions_fail_everywhere_before_any_byte(mod
 def test_trainers_staging_different_versions_never_reach_a_rollout():
     control, trainers, rollouts = build(TransferConfig(sender_staging=True, timeout_s=1))
     connect(trainers)
+    for m, _ in rollouts:  # the probe left its values: no version yet
+        m.mark()
     moved = control.transport.bytes_written
     (m0, t0), (m1, t1) = trainers
     m0.load_weights(checkpoint(1).items())
@@ -72,12 +76,14 @@ def test_trainers_staging_different_versions_never_reach_a_rollout():
         t0.wait_idle()
     assert all(isinstance(p, TimeoutError) for p in polls), polls
     assert control.transport.bytes_written == moved
-    assert all(m.holds(0) and a.version == 0 for m, a in rollouts)
+    assert all(m.unchanged() and a.version == 0 for m, a in rollouts)
 
 
 def test_a_timed_out_poll_takes_no_bytes_until_it_polls_again():
     _, trainers, rollouts = build(TransferConfig(timeout_s=0.5))
     connect(trainers)
+    for m, _ in rollouts:  # the probe left its values: no version yet
+        m.mark()
     (r0_model, r0), (r1_model, r1) = rollouts
 
     def r0_polls_late():
@@ -90,11 +96,11 @@ def test_a_timed_out_poll_takes_no_bytes_until_it_polls_again():
     assert all(isinstance(e, TimeoutError) for e in got), got
     assert "['R1'] did not poll_requests()" in str(got[0]), got[0]
     assert "nothing was written" in str(got[2]), got[2]
-    assert r0.version == 0 and r0_model.holds(0)
+    assert r0.version == 0 and r0_model.unchanged()
 
     def r0_polls_later():
         time.sleep(0.3)  # R1 polls and the trainers send meanwhile
-        untouched = r0_model.holds(0) and r0.version == 0
+        untouched = r0_model.unchanged() and r0.version == 0
         return untouched, r0.poll_requests()
 
     # Version 2: R1 polls at once, R0 only later: no byte may enter R0's parameters before.

@@ -3,8 +3,8 @@ each kind of violation it found (issue 23).
 
 The seeds here ran clean (three runs each) on the code they were picked on: a violation is a
 regression. Kills and stalls are left to the benchmark until issue 23's findings are fixed
-(the threads' timing decides whether a seed meets one). The reproductions marked ``xfail(strict=True)`` fail on purpose until issue 23's group leader
-lands; flip them then. `benchmarks/fuzz_protocol.py --seeds 500` runs the fuzz at length.
+(the threads' timing decides whether a seed meets one). The reproductions marked ``xfail(strict=True)`` still fail with the group leader merged
+(issue 23's remaining work: flip each as it is fixed). `benchmarks/fuzz_protocol.py --seeds 500` runs the fuzz at length.
 """
 
 import time
@@ -60,7 +60,6 @@ def _holds(model, versions: dict[str, int]) -> bool:
                            checkpoint(v)[n].view(torch.uint8)) for n, v in versions.items())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 23 finding 1")
 def test_a_landed_delta_installed_after_a_join_is_the_version_it_claims():
     """RS, two trainers, engines 0 and 1: version 2 (a delta of w) lands in both engines'
     staging, engine 0 installs it, engine 1 has not polled yet; an engine joins; engine 1

@@ -47,6 +47,15 @@ class Model:
         return all(torch.equal(p.view(torch.uint8), checkpoint(version)[n].view(torch.uint8))
                    for n, p in self.params.items())
 
+    def mark(self) -> None:
+        """Remember the bytes held now (after connect a rollout holds the probe's values)."""
+        self._marked = {n: p.clone() for n, p in self.params.items()}
+
+    def unchanged(self) -> bool:
+        """No byte changed since `mark`."""
+        return all(torch.equal(p.view(torch.uint8), self._marked[n].view(torch.uint8))
+                   for n, p in self.params.items())
+
 
 def build(config: TransferConfig, *, num_trainers: int = 2, num_engines: int = 2,
           sizes: tuple[int, ...] | None = None, transport=None, sender_cls=None):
