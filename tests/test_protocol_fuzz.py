@@ -3,8 +3,9 @@ each kind of violation it found (issue 23).
 
 The seeds here ran clean (three runs each) on the code they were picked on: a violation is a
 regression. Kills and stalls are left to the benchmark until issue 23's findings are fixed
-(the threads' timing decides whether a seed meets one). The reproductions marked ``xfail(strict=True)`` still fail with the group leader merged
-(issue 23's remaining work: flip each as it is fixed). `benchmarks/fuzz_protocol.py --seeds 500` runs the fuzz at length.
+(the threads' timing decides whether a seed meets one). The reproductions marked
+``xfail(strict=True)`` still fail with the group leader merged (issue 23's remaining work: flip
+each as it is fixed). `benchmarks/fuzz_protocol.py --seeds 500` runs the fuzz at length.
 """
 
 import time
