@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weightbridge import plan_transfer, simulate  # noqa: E402
+from weightbridge.planning.calibrate import golden_min  # noqa: E402
 from weightbridge.planning.timeline import Overheads  # noqa: E402
 from weightbridge.shapes import PAPER_CLUSTER, TABLE_2, workers  # noqa: E402
 
@@ -107,19 +108,7 @@ def fit_fanout(dep, top: float = 1e-3) -> float:
         est = simulate(plan, PAPER_CLUSTER, overheads=replace(H100, fanout_s=x), depth=DEPTH)
         return (est.ratio - want) ** 2
 
-    lo, hi, g = 0.0, top, (5 ** 0.5 - 1) / 2
-    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = loss(a), loss(b)
-    for _ in range(16):
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = hi - g * (hi - lo)
-            fa = loss(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + g * (hi - lo)
-            fb = loss(b)
-    return (a + b) / 2
+    return golden_min(loss, 0.0, top, iters=16)
 
 
 if __name__ == "__main__":

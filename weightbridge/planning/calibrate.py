@@ -236,6 +236,23 @@ def _queued_gaps(runs: Sequence[Run], two_hops: float) -> list[float]:
     return out
 
 
+def golden_min(loss, lo: float, hi: float, *, iters: int = 20) -> float:
+    """The x in [lo, hi] where the unimodal ``loss`` is least (golden-section search)."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(iters):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = loss(b)
+    return (a + b) / 2
+
+
 def _fit_by_ewtt(runs: Sequence[Run], oh: Overheads, field: str, top: float) -> float:
     """The value in [0, top] of ``field`` whose predicted EWTTs best match the measured ones
     of ``runs`` (least squares of the relative errors; golden section)."""
@@ -246,18 +263,5 @@ def _fit_by_ewtt(runs: Sequence[Run], oh: Overheads, field: str, top: float) -> 
         return sum((timeline_ewtt(r.plan, c, o, r.depth) / r.measured_s - 1) ** 2
                    for r, c in zip(runs, clusters))
 
-    lo, hi = 0.0, top
-    g = (math.sqrt(5) - 1) / 2
-    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = loss(a), loss(b)
-    for _ in range(20):
-        if fa <= fb:
-            hi, b, fb = b, a, fa
-            a = hi - g * (hi - lo)
-            fa = loss(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + g * (hi - lo)
-            fb = loss(b)
-    best = (a + b) / 2
+    best = golden_min(loss, 0.0, top, iters=20)
     return 0.0 if loss(0.0) <= loss(best) else best
