@@ -37,15 +37,15 @@ def _devices(params) -> set[str]:
     return {str(p.device) for p in params.values()}
 
 
-class DeviceTrainerActor(TrainerActor):
+class DeviceTrainerActor(TrainerActor):  # sync actors (Monarch refuses a mix)
     @endpoint
-    async def devices(self) -> set[str]:
+    def devices(self) -> set[str]:
         return _devices(self.parts.params)
 
 
 class DeviceRolloutActor(RolloutActor):
     @endpoint
-    async def devices(self) -> set[str]:
+    def devices(self) -> set[str]:
         return _devices(self.parts.params)
 
 

@@ -235,7 +235,9 @@ def test_descriptor_rows_hold_addresses_and_buffer_offsets():
     assert desc.num_tiles == 1 and desc.tensors[0] is w
 
 
-def test_default_kernels_on_cuda_is_triton():
+def test_default_kernels_on_cuda_is_triton(monkeypatch):
+    # Triton where torch drives CUDA; here (no GPU) pretend it does, as test_executor does.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert isinstance(default_kernels("cuda"), kernels.TritonKernels)
 
 
