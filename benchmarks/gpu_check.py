@@ -148,7 +148,7 @@ def _mesh() -> bool:
                              "--updates", "2"])
     if ok:
         exact = [ln for ln in text.splitlines() if "bit-identical" in ln]
-        backend = re.search(r"RDMA backend:? (\w+)", text)
+        backend = re.search(r"backend (\w+)", text)  # connect's "..., backend tcp"
         print(f"gpu-check: mesh: 1 trainer proc -> 1 rollout proc, CUDA parameters, "
               f"{len(exact)} verified updates, RDMA backend "
               f"{backend[1] if backend else _backend()}: {exact[-1].strip() if exact else ''}",
