@@ -150,7 +150,7 @@ def transfer_config(args) -> TransferConfig:
         try:
             TransferConfig(**{field: value})
         except ValueError as e:
-            raise ValueError(f"{flag} {value}: {e}") from None
+            raise ValueError(f"{flag} {value:g}: {e}") from None
     return TransferConfig(**{field: value for field, (_, value) in fields.items()})
 
 

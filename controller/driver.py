@@ -49,46 +49,26 @@ import threading
 import time
 from typing import Collection
 
-from monarch.actor import this_host
-
+from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
+                               WorkerMeshes, one as _one, resolve_workers)  # (re-exported)
 from controller.membership import Lost, Membership
 from controller.report import (InstallReport, TransferError, UpdateReport,  # noqa: F401
-                               WorkersLost)  # (users catch them here)
+                               WorkersLost, by_rank as _by_rank, mismatches)  # (re-exported)
 from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
 from controller.versions import VersionBook
-from meshes.actors import RolloutActor, TrainerActor, load_factory
+from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from meshes.workers import FACTORIES
 from weightbridge import TransferConfig, TransferPlan
 from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.sequencer import StepFailed
 from weightbridge.coordination.session import run_update, unanswered
 from weightbridge.mesh.control import MeshControl, TransferGroup
-from weightbridge.mesh.transport import backend, configure_transport, drop_all
+from weightbridge.mesh.transport import backend
 from weightbridge.planning.simulate import eq1
 from weightbridge.types import scaled_tensor
 
-PROBE_BYTES = 8 << 20
-"""Link probe write size: one 8 MB RDMA chunk."""
-PROBE_REPEATS = 3
-
-
-class ClosingContext:
-    """A context manager that runs ``self._start()`` on enter (and ``self.close()`` if that
-    fails, so what had started stops) and ``self.close()`` on exit."""
-
-    def __enter__(self):
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class MeshTransfer(ClosingContext, Membership):
@@ -134,16 +114,8 @@ class MeshTransfer(ClosingContext, Membership):
         workers = resolve_workers(workers, trainer, rollout)
         self.trainer_spec, self.rollout_spec, self.workers = trainer, rollout, workers
         self.config, self.mode = config, config.mode
-        self._given_procs = procs
-        self._actor_classes = (trainer_actor, rollout_actor)
-        self._owned: list = []
-        """Procs spawned here (stopping them stops everything on them)."""
-        self._actors: list = []
-        self._foreign: list = []
-        """Actor meshes on procs this object did not spawn (stopped one by one)."""
-        self._rollout_meshes: list[tuple[int, object]] = []
-        """(first flat rank, actor mesh) of the rollouts: the first mesh, then each joined
-        engine's (`add_engine`)."""
+        self.meshes = WorkerMeshes(trainer, rollout, workers, procs=procs,
+                                   actor_classes=(trainer_actor, rollout_actor))
         self.group: TransferGroup | None = None
         self.leader: GroupLeader | None = None
         """The group's state: maps, plan in force, who is out, staging slots (set at
@@ -185,29 +157,11 @@ class MeshTransfer(ClosingContext, Membership):
 
     def _start(self) -> None:
         t0 = time.perf_counter()
-        if self._given_procs is None:
-            configure_transport()  # before spawning: children read the config at start-up
-            host = this_host()
-            for side, spec in (("trainer", self.trainer_spec), ("rollout", self.rollout_spec)):
-                self._owned.append(host.spawn_procs(per_host={"worker": spec.num_workers},
-                                                    name=side))
-            tp, rp = self._owned
-        else:
-            tp, rp = self._given_procs
-        trainer_cls, rollout_cls = self._actor_classes
-        self.trainers = tp.spawn("trainer", trainer_cls, self.workers, self.trainer_spec)
-        self._actors.append(self.trainers)
-        self.rollouts = rp.spawn("rollout", rollout_cls, self.workers, self.rollout_spec)
-        self._actors.append(self.rollouts)
-        self._rollout_meshes = [(0, self.rollouts)]
-        if self._given_procs is not None:
-            self._foreign += self._actors
+        tp, rp = self.meshes.spawn()
         self.group = TransferGroup.spawn(tp, rp, engine_size=self.rollout_spec.workers_per_engine,
                                          config=self.config)
         self.control = MeshControl(self.group)
-        futures = [m.attach.call(self.group) for m in self._actors]
-        for f in futures:
-            f.get()
+        self.meshes.attach(self.group)
         self.spawn_s = time.perf_counter() - t0
 
     def close(self) -> None:
@@ -218,37 +172,32 @@ class MeshTransfer(ClosingContext, Membership):
             self._streaming.join(self._deadline())
         except Exception as e:  # noqa: BLE001  (closing: it is reported, the meshes still stop)
             errors.append(e)
-        if self.group is not None and self._foreign:
+        if self.group is not None and self.meshes.foreign:
             # Procs outlive this object: release the workers so the procs free their buffers.
             try:
                 self.group.close()
             except Exception as e:  # keep stopping the actors; re-raised below
                 errors.append(e)
         self.group = None
-        for mesh in self._foreign + self._owned:
-            try:
-                mesh.stop().get(timeout=60)
-            except Exception as e:  # keep stopping the others; re-raised below
-                errors.append(e)
-        self._owned, self._actors, self._foreign = [], [], []
+        errors += self.meshes.stop()
         if errors:
             raise RuntimeError(f"stopping the meshes failed: {errors}; look for leftover "
                                f"bootstrap_main processes with ps") from errors[0]
 
-    def _spawn_engine(self, procs, spec: RolloutSpec, first: int):
-        """(procs, actors) of one joining engine (flat ranks from ``first``): on ``procs``, or
-        on procs spawned on this host."""
-        owned = procs is None
-        if owned:
-            procs = this_host().spawn_procs(per_host={"worker": spec.workers_per_engine},
-                                            name=f"rollout-e{spec.engines - 1}")
-            self._owned.append(procs)
-        actors = procs.spawn("rollout", self._actor_classes[1], self.workers, spec, first)
-        if not owned:
-            self._foreign.append(actors)
-        self._actors.append(actors)
-        self._rollout_meshes.append((first, actors))
-        return procs, actors
+    @property
+    def trainers(self):
+        """The trainer actor mesh."""
+        return self.meshes.trainers
+
+    @property
+    def rollouts(self):
+        """The first rollout actor mesh (joined engines have their own)."""
+        return self.meshes.rollouts
+
+    def _live(self, side: str) -> list[tuple[int, object]]:
+        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side."""
+        lost = self.lost_trainers if side == "trainer" else self.lost_engines
+        return self.meshes.live(side, lost, self.rollout_spec.workers_per_engine)
 
     # -- connect --------------------------------------------------------------------------------
 
@@ -269,7 +218,7 @@ class MeshTransfer(ClosingContext, Membership):
         self.links = ({"configured": self.link_rate} if self.link_rate else {})
         self._use()
         if not self.link_rate:
-            self.links = self._probe_links()
+            self.links = self.meshes.probe_links()
             self._use()  # Eq. (1) from the probed links
         return self.plan
 
@@ -282,21 +231,6 @@ class MeshTransfer(ClosingContext, Membership):
             self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,
                                rollout_node_bandwidth=self.link_rate or self.links.get(
                                    "rollout->rollout", egress))
-
-    def _probe_links(self) -> dict[str, float]:
-        """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
-        (or the same engine if there is one), best of PROBE_REPEATS each: one stream per link."""
-        handle = _one(self.rollouts, 0).probe_buffer.call_one(PROBE_BYTES).get()
-        writers = {"trainer->rollout": _one(self.trainers, 0)}
-        spec = self.rollout_spec
-        peer = spec.workers_per_engine if spec.engines > 1 else 1
-        if peer < spec.num_workers:
-            writers["rollout->rollout"] = _one(self.rollouts, peer)
-        try:
-            return {link: PROBE_BYTES / mesh.probe_link.call_one(
-                handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
-        finally:
-            drop_all({0: handle})
 
     def summary(self) -> str:
         """The plan summary plus the link probe and the ideal EWTT it gives."""
@@ -313,10 +247,13 @@ class MeshTransfer(ClosingContext, Membership):
 
     # -- one update -----------------------------------------------------------------------------
 
-    def update(self, version: int, changed: Collection[str] | None = None) -> UpdateReport:
+    def update(self, version: int, changed: Collection[str] | None = None, *,
+               train: bool = True) -> UpdateReport:
         """Train step, then move ``version`` as the sync mode says; returns once the trainers
         may take their next step (the report's ``stall_s`` is how long that took after the
-        train step):
+        train step). ``train=False``: no train step here: the trainers' parameters already
+        hold ``version`` (the caller ran its own step on the trainer actors, e.g. to overlap
+        it with the previous version's transfer):
 
         - sync: every live rollout's parameters hold it, verified by checksum;
         - SS, async: each trainer's staged copy is taken; the rounds run on a thread of this
@@ -341,7 +278,8 @@ class MeshTransfer(ClosingContext, Membership):
         versions = self.book.next(version, changed)
         t0 = time.perf_counter()
         trained = version if changed is None else versions
-        for f in [mesh.train_step.call(trained) for _, mesh in self._live("trainer")]:
+        for f in ([mesh.train_step.call(trained) for _, mesh in self._live("trainer")]
+                  if train else []):
             f.get()
         t1 = time.perf_counter()
         self._streaming.join(self._deadline())  # (the previous version's rounds; its failure)
@@ -416,11 +354,14 @@ class MeshTransfer(ClosingContext, Membership):
                 num_params=report.num_params, mismatched=report.mismatched)
         self._streaming.raise_failure()
         with self._book_lock:
-            version = self.book.newest_landed()
-            if version is None:
-                return None
+            # The leader's ledger says what landed where (a newer landing may have overwritten
+            # a version never installed: superseded); every live engine lands every version.
             claims = {e: self.leader.claim(e) for e in self.leader.live_engines()}
-        assert all(c is not None and c[0] == version for c in claims.values()), claims
+            versions = {c[0] if c is not None else None for c in claims.values()}
+            assert len(versions) == 1, claims
+            version = versions.pop()
+            if version is None or version <= self.book.held_version:
+                return None
         t0 = time.perf_counter()
         live = self.leader.live_rollouts()
         size = self.control.engine_size
@@ -501,39 +442,3 @@ class MeshTransfer(ClosingContext, Membership):
             raise TransferError(
                 f"update {version} failed: {what}\nevery worker still answers; the meshes are "
                 f"in an unknown state: close this MeshTransfer and start again") from e
-
-
-def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
-    """The factory path of ``workers`` (a demo model name or ``module:name``), with a demo
-    model's specs validated; raises ValueError before anything spawns."""
-    if ":" not in workers:
-        if workers not in FACTORIES:
-            raise ValueError(f"unknown model {workers!r}: give a demo model "
-                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
-        from meshes.qwen3_moe import SIZES
-
-        trainer.validate(SIZES[workers])
-        rollout.validate(SIZES[workers])
-        workers = FACTORIES[workers]
-    load_factory(workers)  # fails here, before any proc spawns
-    return workers
-
-
-def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
-    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
-    (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
-    rollouts in rank order)."""
-    bad, count = [], 0
-    for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
-        count += len(want)
-        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
-    return count, tuple(bad)
-
-
-def _by_rank(values) -> list:
-    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
-
-
-def _one(mesh, rank: int):
-    """The actor of flat rank ``rank`` (any axis names)."""
-    return mesh.flatten("rank").slice(rank=rank)

@@ -58,7 +58,7 @@ class Membership:
         self._between_updates()  # every live engine holds the newest version sent
         t0 = time.perf_counter()
         grown = dataclasses.replace(spec, engines=engine + 1)
-        procs, actors = self._spawn_engine(procs, grown, first)
+        procs, actors = self.meshes.spawn_engine(procs, grown, first)
         group = self.group.add_engines(procs)
         actors.attach.call(group).get()
         self.group, self.rollout_spec = group, grown
@@ -189,32 +189,6 @@ class Membership:
                 self.book.landed(version)
             else:
                 self.book.installed(version)
-
-    def _live(self, side: str) -> list[tuple[int, object]]:
-        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side,
-        within each actor mesh (the first one and each joined engine's)."""
-        if side == "trainer":
-            meshes, size, lost = [(0, self.trainers)], 1, self.lost_trainers
-        else:
-            meshes = self._rollout_meshes
-            size, lost = self.rollout_spec.workers_per_engine, self.lost_engines
-        out = []
-        for first, mesh in meshes:
-            num = int(mesh.size())
-            runs: list[list[int]] = []
-            for unit in range(first // size, (first + num) // size):  # an engine, a trainer
-                if unit in lost:
-                    continue
-                if runs and runs[-1][1] == unit * size:
-                    runs[-1][1] += size
-                else:
-                    runs.append([unit * size, (unit + 1) * size])
-            if runs == [[first, first + num]]:
-                out.append((first, mesh))
-                continue
-            flat = mesh.flatten("rank")
-            out += [(a, flat.slice(rank=slice(a - first, b - first))) for a, b in runs]
-        return out
 
 
 class Lost(Exception):

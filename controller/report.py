@@ -141,3 +141,18 @@ class JoinReport:
                 f"{self.plan_s:.3f}s  catch-up {self.catch_up_s:.3f}s "
                 f"({self.rdma_bytes / 1e6:.2f} MB, rounds {self.num_rounds[0]} -> "
                 f"{self.num_rounds[1]})  | {verdict}")
+
+
+def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
+    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
+    (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
+    rollouts in rank order)."""
+    bad, count = [], 0
+    for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
+        count += len(want)
+        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+    return count, tuple(bad)
+
+
+def by_rank(values) -> list:
+    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]

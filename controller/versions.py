@@ -9,7 +9,7 @@ happened (sent, landed, installed)::
     book.sent(1, v1); book.installed(1)
     v2 = book.next(2, ["a"])           # {"a": 2, "b": 1}: a delta
     book.sent(2, v2); book.landed(2)   # receiver staging: in the slots, not installed yet
-    book.newest_landed() -> 2;  book.holds -> {"a": 1, "b": 1} until book.installed(2)
+    book.holds -> {"a": 1, "b": 1} until book.installed(2)
 
 Per tensor and not per update: after delta updates the tensors of one version carry the
 versions they last changed in, and the verification loads exactly those.
@@ -82,13 +82,9 @@ class VersionBook:
         return None if out == frozenset(self.tensors) else out
 
     def landed(self, version: int) -> None:
-        """Every byte of ``version`` is in the live engines' staging slots."""
+        """Every byte of ``version`` is in the live engines' staging slots (which slots, and
+        whether a newer landing overwrote it since, is the leader's ledger)."""
         self._landed[version] = dict(self.last_sent)
-
-    def newest_landed(self) -> int | None:
-        """The newest version landed and not installed (None: none)."""
-        newer = [v for v in self._landed if v > self.held_version]
-        return max(newer) if newer else None
 
     def installed(self, version: int) -> Versions:
         """The live rollouts' parameters hold ``version`` now; returns what each tensor holds."""

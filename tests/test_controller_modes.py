@@ -89,6 +89,27 @@ def test_receiver_staging_carries_the_deltas_of_a_version_never_installed(procs)
     assert count > 0 and not bad, bad[:4]
 
 
+def test_async_a_landed_version_overwritten_before_any_install_is_never_installed(procs):
+    """Async: v2 lands and is never installed; v3's rounds overwrite its slot (the slot the
+    engines installed v1 from stays pinned). A poll while v3 streams installs nothing (v2 is
+    gone, v1 is held: it once asserted on v2), the next one installs v3, bit-exact."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config("async"), procs=procs) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.wait()
+        assert mt.poll_requests().version == 1
+        mt.update(2)
+        mt.wait()  # landed, not installed
+        mt.update(3)  # staged; its rounds stream into v2's slot
+        during = mt.poll_requests()
+        mt.wait()
+        last = mt.poll_requests()
+        count, bad = _holds(mt, 3)
+    assert during is None or during.version == 3, during
+    assert (last or during).version == 3 and not (last or during).mismatched
+    assert count > 0 and not bad, bad[:4]
+
+
 class DiesInRound1(TransferWorker):
     """Rollout 1's process exits in round 1 (an OOM kill, say)."""
 
