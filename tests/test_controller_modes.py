@@ -143,3 +143,21 @@ def test_a_rollout_lost_while_a_version_streams_is_raised_once_and_the_group_goe
     assert lost.value.lost_engines == {1} and lost.value.report is None
     assert "was not re-sent" in str(lost.value), str(lost.value)
     assert count > 0 and not bad, bad[:4]
+
+
+def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
+    """RS: the trainers' parameters still hold version 1 when R1 dies in its rounds, so it is
+    re-sent over a new plan into engine 0's staging: `WorkersLost` carries that landed
+    report, and the next poll installs it, bit-exact."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      rollout_actor=DiesInRound1Rollout, config=_config("rs", timeout_s=5))
+    with mt:
+        mt.connect()
+        with pytest.raises(WorkersLost) as lost:
+            mt.update(1)
+        installed = mt.poll_requests()
+        count, bad = _holds(mt, 1)
+    assert lost.value.lost_engines == {1} and lost.value.report.state == "landed"
+    assert "poll_requests installs it" in str(lost.value), str(lost.value)
+    assert installed.version == 1 and not installed.mismatched
+    assert count > 0 and not bad, bad[:4]
