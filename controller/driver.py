@@ -214,7 +214,8 @@ class MeshTransfer(ClosingContext, Membership):
         maps = self.leader.maps.trainers + self.leader.maps.rollouts
         # (A block scale's virtual tensor is its tensor's: versioned with it.)
         self.book = VersionBook({scaled_tensor(p.region.tensor) or p.region.tensor
-                                 for m, _ in maps for p in m.pieces})
+                                 for m, _ in maps for p in m.pieces},
+                                [t.name for t in getattr(self.leader.maps.spec, "tensors", ())])
         self.links = ({"configured": self.link_rate} if self.link_rate else {})
         self._use()
         if not self.link_rate:

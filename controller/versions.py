@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Collection, Iterable
 
+from weightbridge.coordination.delta import check_changed
 from weightbridge.coordination.protocol import check_version
 
 Versions = dict[str, int]
@@ -28,8 +29,11 @@ Versions = dict[str, int]
 class VersionBook:
     """Sent, landed and installed versions of one controller-driven group (module doc)."""
 
-    def __init__(self, tensors: Iterable[str]):
+    def __init__(self, tensors: Iterable[str], checkpoint: Iterable[str] = ()):
         self.tensors = sorted(set(tensors))
+        """The checkpoint tensors some worker reads (what each version is tracked for)."""
+        self.known = frozenset(checkpoint) | set(self.tensors)
+        """Every name ``changed`` may use: the checkpoint's tensors."""
         self.last_sent: Versions | None = None
         """Per tensor, the version the newest update sent (None before the first)."""
         self.version = 0
@@ -47,8 +51,8 @@ class VersionBook:
 
         Raises:
             ValueError: a version that is not a positive int newer than the last one; a
-                ``changed`` that is a string, comes before any full update, or names tensors
-                no worker reads.
+                ``changed`` that is a string, names tensors not in the checkpoint, or comes
+                before any full update (`delta.check_changed`).
         """
         version = check_version(version, "update")
         if version <= self.version:
@@ -56,17 +60,8 @@ class VersionBook:
                              f"increase from one update to the next")
         if changed is None:
             return dict.fromkeys(self.tensors, version)
-        if isinstance(changed, str):
-            raise ValueError(f"changed must be a collection of tensor names, got the string "
-                             f"{changed!r}; pass [{changed!r}]")
-        if self.last_sent is None:
-            raise ValueError("the first update must be full (changed=None): the rollouts "
-                             "hold no version of the trainers' weights yet")
-        unknown = sorted(set(changed) - set(self.tensors))
-        if unknown:
-            raise ValueError(f"changed names {len(unknown)} tensors no worker reads: "
-                             f"{unknown[:4]}{' and more' if len(unknown) > 4 else ''}; name "
-                             f"checkpoint tensors (e.g. {self.tensors[:2]})")
+        changed = check_changed(changed, self.known, first=self.last_sent is None,
+                                call="update")
         return {t: version if t in changed else v for t, v in self.last_sent.items()}
 
     def sent(self, version: int, versions: Versions) -> None:

@@ -59,7 +59,7 @@ def test_bad_deltas_are_refused():
     book.sent(1, book.next(1, None))
     with pytest.raises(ValueError, match="got the string"):
         book.next(2, "a")
-    with pytest.raises(ValueError, match=r"no worker reads: \['z'\]"):
+    with pytest.raises(ValueError, match=r"not in the checkpoint: \['z'\]"):
         book.next(2, ["a", "z"])
 
 

@@ -23,7 +23,7 @@ trainers agreed, say), so this version counts as a full change: correct, if not 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Collection, Iterable
 
 
 class DeltaLog:
@@ -63,3 +63,26 @@ class DeltaLog:
         # A tensor never recorded (no full update yet) counts as changed: it must be sent.
         out = frozenset(t for t in self.tensors if self._changed_at.get(t, base + 1) > base)
         return None if out == self.tensors else out
+
+
+def check_changed(changed, known: Collection[str], *, first: bool, call: str) -> frozenset[str]:
+    """A delta update's ``changed`` argument, checked before anything moves (every path: the
+    adapters' `send_weights` and the controller's `update`): the checkpoint tensors it names.
+    ``known``: the checkpoint's tensor names; ``first``: no full update went before.
+
+    Raises:
+        ValueError: a string or a non-collection; names not in ``known``; a delta first.
+    """
+    if isinstance(changed, str) or not isinstance(changed, Collection):
+        raise ValueError(f"changed must be a collection of checkpoint tensor names, got "
+                         f"{'the string ' if isinstance(changed, str) else ''}{changed!r}"
+                         + (f"; pass [{changed!r}]" if isinstance(changed, str) else ""))
+    unknown = sorted(str(n) for n in changed if n not in known)
+    if unknown:
+        raise ValueError(f"changed names {len(unknown)} tensors that are not in the "
+                         f"checkpoint: {unknown[:4]}{' and more' if len(unknown) > 4 else ''}; "
+                         f"name checkpoint tensors (e.g. {sorted(known)[:2]})")
+    if first:
+        raise ValueError(f"the first {call} must be full (changed=None): the rollouts hold no "
+                         f"version of the trainers' weights yet")
+    return frozenset(changed)
