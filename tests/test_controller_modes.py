@@ -9,15 +9,13 @@ they must hold, known here independently of the controller's books.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
-from meshes.actors import RolloutActor
+from test_mesh_transfer import DiesInRound1Rollout
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig, TransferWorker
+from weightbridge import TransferConfig
 from weightbridge.config import Mode
 
 pytestmark = pytest.mark.mesh
@@ -108,19 +106,6 @@ def test_async_a_landed_version_overwritten_before_any_install_is_never_installe
     assert during is None or during.version == 3, during
     assert (last or during).version == 3 and not (last or during).mismatched
     assert count > 0 and not bad, bad[:4]
-
-
-class DiesInRound1(TransferWorker):
-    """Rollout 1's process exits in round 1 (an OOM kill, say)."""
-
-    def on_land(self, r, slots=None, expected=None):
-        if self.worker.index == 1 and r == 1:
-            os._exit(3)
-        super().on_land(r, slots, expected)
-
-
-class DiesInRound1Rollout(RolloutActor):
-    worker_class = DiesInRound1
 
 
 @pytest.mark.parametrize("mode", ["ss", "async"])
