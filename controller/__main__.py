@@ -37,8 +37,8 @@ import torch
 from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
 from controller.security import insecure_warning
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond, extract_source_map,
-                          plan_transfer, run_plan_locally)
+from weightbridge import (CpuCopyKernels, LayoutError, Placement, TransferConfig, correspond,
+                          extract_source_map, plan_transfer, run_plan_locally)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cluster is not None:
         raise SystemExit(cluster_run(args, run))
     if args.local:
-        local_demo(args)
+        local_demo(args, run.config)
     else:
         raise SystemExit(mesh_run(args, run))
 
@@ -172,8 +172,9 @@ def write_trace(path: str, timing, *, label: str) -> None:
         json.dump(chrome_trace(timing, label=label), f)
 
 
-def local_demo(args) -> None:
-    """Discover, plan, transfer (in one process) and verify, on fixed layouts."""
+def local_demo(args, transfer: TransferConfig) -> None:
+    """Discover, plan, transfer (in one process) and verify, on fixed layouts, with the rounds
+    of ``transfer`` (the flags' config: TransferConfig's default round unless --round-kib)."""
     config = SIZES[args.model]
     spec = checkpoint_spec(config)
     print(f"checkpoint: {len(spec)} tensors, {spec.numel:,} elements ({args.model} Qwen3-MoE)")
@@ -193,7 +194,7 @@ def local_demo(args) -> None:
     plan = plan_transfer([(m, Placement("trainer-node")) for m in maps[:4]],
                          [(m, Placement(f"rollout-node{i // 2}", engine=i // 2))
                           for i, m in enumerate(maps[4:])],
-                         round_bytes=(args.round_kib or 256) << 10)
+                         round_bytes=transfer.round_bytes)
     print(plan.summary())
 
     gen = torch.Generator().manual_seed(0)
@@ -202,7 +203,8 @@ def local_demo(args) -> None:
         trainer.load_weights(weights.items())
     received = [{n: torch.zeros_like(p) for n, p in w.params.items()} for _, w in workers[4:]]
     t0 = time.perf_counter()
-    run_plan_locally(plan, [w.params for _, w in workers[:4]], received, kernels=CpuCopyKernels())
+    run_plan_locally(plan, [w.params for _, w in workers[:4]], received, kernels=CpuCopyKernels(),
+                     depth=transfer.depth)
     elapsed = time.perf_counter() - t0
     mismatched = []
     for (label, rollout), got in zip(workers[4:], received):

@@ -29,6 +29,7 @@ class PeerCall(enum.Enum):
 
     # Any worker (`TransferWorker`): connect, the rounds of an update, staging (STAGE on
     # trainers, INSTALL on rollouts), and FAIL (a rollout's engine is out of the group).
+    CONFIG = "config"
     SOURCE_MAP = "source_map"
     PING = "ping"
     DIGEST = "digest"
