@@ -37,8 +37,9 @@ import torch
 from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
 from controller.security import insecure_warning
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, TransferConfig, correspond,
-                          extract_source_map, plan_transfer, run_plan_locally)
+from weightbridge import (ConfigMismatch, CpuCopyKernels, LayoutError, Placement, TransferConfig,
+                          correspond, extract_source_map, plan_transfer, run_plan_locally)
+from weightbridge.driver import surfaced
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,15 +87,17 @@ def mesh_run(args, run: Run) -> int:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
             t0 = time.perf_counter()
             try:
-                mt.connect()
-            except LayoutError as e:
+                with surfaced():  # a worker's own error, not Monarch's wrapper
+                    mt.connect()
+            except (LayoutError, ConfigMismatch) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return BAD_INPUT
             print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
                   f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
             print(mt.summary(), flush=True)
             for version in range(1, args.updates + 1):
-                report = mt.update(version)
+                with surfaced():
+                    report = mt.update(version)
                 print(report.line(), flush=True)
                 if mt.mode.sender_staging:  # the rounds streamed while update() had returned
                     report = mt.wait()

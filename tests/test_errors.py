@@ -232,3 +232,35 @@ def test_failures_told_to_peers_come_back_as_the_same_class(error, kind):
     assert type(back) is (type(error) if kind not in ("transfer",) else TransferFailed)
     assert failure_kind(_actor_error(error)) == kind
     assert type(from_kind("unknown", "m")) is TransferFailed
+
+
+def test_a_peer_calls_error_is_raised_as_the_library_error_chained_to_the_wrapper():
+    """`gathered` (every control plane's `call`): the mesh path's ActorError comes out as ours."""
+    from weightbridge.coordination.control import PeerFailed, gathered
+
+    wrapped = _actor_error(TransferFailed("R0: engine 0 was removed from the group"))
+    with pytest.raises(TransferFailed, match="^R0: engine 0 was removed") as info:
+        gathered([1, PeerFailed(wrapped)], return_errors=False)
+    assert info.value.__cause__ is wrapped
+    got = gathered([1, PeerFailed(wrapped), PeerFailed(KeyError("w"))], return_errors=True)
+    assert got[0] == 1 and type(got[1]) is TransferFailed and type(got[2]) is KeyError
+
+
+def test_surfaced_reraises_ours_and_leaves_the_rest():
+    from weightbridge.errors import surfaced
+
+    with pytest.raises(LayoutError, match="^experts.0 is held by no trainer"):
+        with surfaced():
+            raise _actor_error(LayoutError("experts.0 is held by no trainer"))
+    bug = _actor_error(KeyError("w"))
+    with pytest.raises(type(bug)) as info:
+        with surfaced():
+            raise bug
+    assert info.value is bug
+
+
+def test_describe_names_any_workers_own_error_out_of_monarchs_wrappers():
+    """(A step's message: a loader's OSError is named, though it stays wrapped when raised.)"""
+    wrapped = _actor_error(_actor_error(OSError("rollout 1: assemble kernel failed")))
+    assert describe(wrapped) == "OSError: rollout 1: assemble kernel failed"
+    assert library_error(wrapped) is wrapped

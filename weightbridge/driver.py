@@ -33,7 +33,8 @@ from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_
                                                run_update, unanswered)
 from weightbridge.coordination.worker import TransferWorker
 from weightbridge.discovery.replay import param_view, region_view
-from weightbridge.errors import StepFailed, describe, failure_kind, from_kind, library_error
+from weightbridge.errors import (StepFailed, describe, failure_kind, from_kind, library_error,
+                                 surfaced)
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.executor import default_kernels
 from weightbridge.planning.route import RECEIVE, STAGES
@@ -72,7 +73,7 @@ __all__ = [
     "CopyKernels", "DEFAULT_DEPTH", "Mode", "TransferConfig", "TransferWorker",
     "default_kernels",
     # errors across processes
-    "StepFailed", "describe", "failure_kind", "from_kind", "library_error",
+    "StepFailed", "describe", "failure_kind", "from_kind", "library_error", "surfaced",
     # mesh specs
     "RolloutSpec", "TrainerSpec",
     # plan values, tables and views

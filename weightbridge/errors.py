@@ -25,9 +25,13 @@ Typical usage::
         mesh.train_and_send.call(v).get()
     except Exception as e:
         raise library_error(e) from e     # TransferFailed("worker T1 ...") rather than ActorError
+    with surfaced():                      # the same, as a block
+        mesh.train_and_send.call(v).get()
 """
 
 from __future__ import annotations
+
+import contextlib
 
 
 class WeightBridgeError(Exception):
@@ -142,9 +146,27 @@ def library_error(exc: BaseException) -> BaseException:
     return exc
 
 
+@contextlib.contextmanager
+def surfaced():
+    """Re-raise what the block raises as its `library_error` (chained to the original), so
+    ``except TransferFailed`` (say) catches an update that failed on a remote worker."""
+    try:
+        yield
+    except Exception as e:
+        inner = library_error(e)
+        if inner is e:
+            raise
+        raise inner from e
+
+
 def describe(exc: BaseException) -> str:
-    """``Kind: message`` of `library_error` of ``exc``: one line to put in a wrapping error."""
-    inner = library_error(exc)
+    """``Kind: message`` of what a worker raised: one line to put in a wrapping error. Unlike
+    `library_error`, any kind is taken out of Monarch's wrappers (an ``OSError`` of a loader
+    too): only its text is used, so nothing is lost by leaving the traceback behind."""
+    inner, seen = exc, [exc]
+    while (nested := _wrapped(inner)) is not None and all(nested is not s for s in seen):
+        inner = nested
+        seen.append(inner)
     text = str(inner).strip()
     return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
