@@ -25,7 +25,7 @@ from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig
-from weightbridge.config import Mode
+from weightbridge.driver import Mode
 
 DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
 DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
@@ -152,7 +152,8 @@ def transfer_config(args) -> TransferConfig:
         try:
             TransferConfig(**{field: value})
         except ValueError as e:
-            raise ValueError(f"{flag} {value}: {e}") from None
+            shown = args.mode if flag == "--mode" else f"{value:g}"  # the flag as typed
+            raise ValueError(f"{flag} {shown}: {e}") from None
     return TransferConfig(**{field: value for field, (_, value) in fields.items()})
 
 

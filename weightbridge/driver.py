@@ -28,6 +28,7 @@ from weightbridge.coordination.control import (ControlPlane, PeerCall, Transport
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
+from weightbridge.coordination.protocol import check_version
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
                                                connect_group, plan_group, probe_group,
                                                run_update, unanswered)
@@ -65,8 +66,8 @@ __all__ = [
     "ControlPlane", "LocalControl", "MeshControl", "PeerCall", "Transport", "WorkerGone",
     "engine_workers", "rollouts", "trainers",
     # connect, plan, run an update; the group's owner
-    "ConnectedGroup", "GroupLeader", "GroupMaps", "check_configs", "connect_group",
-    "plan_group", "probe_group", "run_update", "unanswered",
+    "ConnectedGroup", "GroupLeader", "GroupMaps", "check_configs", "check_version",
+    "connect_group", "plan_group", "probe_group", "run_update", "unanswered",
     # membership
     "check_removable", "join_group", "leave_group",
     # the worker, its kernels, the config
