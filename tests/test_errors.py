@@ -227,14 +227,14 @@ def test_a_step_failure_names_the_workers_own_error_not_monarchs_wrapper():
 
 @pytest.mark.parametrize("error,kind", [
     (ValueError("x"), "input"), (TimeoutError("x"), "timeout"), (TransferFailed("x"), "transfer"),
-    (ReplicaMismatch("x"), "replica"), (ChecksumMismatch("x"), "checksum"),
+    (ReplicaMismatch("x"), "replica"), (ChecksumMismatch("x"), "transfer"),
     (LayoutError("x"), "layout"), (ConfigMismatch("x"), "config"), (KeyError("x"), "transfer"),
     (WorkersLost("x"), "transfer")])
 def test_failures_told_to_peers_come_back_as_the_same_class(error, kind):
     assert failure_kind(error) == kind
     back = from_kind(kind, "trainer 0: it failed")
     assert str(back) == "trainer 0: it failed"
-    assert type(back) is (type(error) if kind not in ("transfer",) else TransferFailed)
+    assert type(back) is (type(error) if kind != "transfer" else TransferFailed)
     assert failure_kind(_actor_error(error)) == kind
     assert type(from_kind("unknown", "m")) is TransferFailed
 

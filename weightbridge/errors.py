@@ -173,18 +173,19 @@ def describe(exc: BaseException) -> str:
 
 KINDS: dict[str, type[Exception]] = {
     "input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed,
-    "replica": ReplicaMismatch, "checksum": ChecksumMismatch, "layout": LayoutError,
-    "config": ConfigMismatch,
+    "replica": ReplicaMismatch, "layout": LayoutError, "config": ConfigMismatch,
 }
 """The wire names of the errors one worker tells others of (``PeerCall.FAILED``): the class
-to raise on the receiving side. Unknown names raise `TransferFailed`."""
+to raise on the receiving side. Unknown names raise `TransferFailed`. Each class is one the
+receiving call documents (``send_weights`` raises `TransferFailed` for a failed update, so a
+`ChecksumMismatch` travels as "transfer", its message naming it)."""
 
 
 def failure_kind(exc: BaseException) -> str:
     """The `KINDS` name of ``exc`` (after `library_error`): the most specific class it is an
     instance of; "transfer" for anything else."""
     inner = library_error(exc)
-    for name in ("replica", "checksum", "layout", "config", "transfer", "timeout", "input"):
+    for name in ("replica", "layout", "config", "transfer", "timeout", "input"):
         if isinstance(inner, KINDS[name]):
             return name
     return "transfer"
