@@ -44,7 +44,8 @@ def main() -> int:
     parser.add_argument("--rollout", default="engines=2,nodes=1,gpus=1")
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=list(SIZES_KIB),
                         help="round buffer sizes per worker, KiB")
-    parser.add_argument("--depth", type=int, default=2, help="round buffers per worker")
+    parser.add_argument("--depth", type=int, default=TransferConfig().depth,
+                        help="round buffers per worker (default: TransferConfig's)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured updates per size")
     parser.add_argument("--updates", type=int, default=7, help="measured updates per size")
     args = parser.parse_args()

@@ -37,8 +37,9 @@ import torch
 from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
 from controller.security import insecure_warning
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, correspond, extract_source_map,
-                          plan_transfer, run_plan_locally)
+from weightbridge import (ConfigMismatch, CpuCopyKernels, LayoutError, Placement, TransferConfig,
+                          correspond, extract_source_map, plan_transfer, run_plan_locally)
+from weightbridge.driver import surfaced
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cluster is not None:
         raise SystemExit(cluster_run(args, run))
     if args.local:
-        local_demo(args)
+        local_demo(args, run.config)
     else:
         raise SystemExit(mesh_run(args, run))
 
@@ -86,15 +87,17 @@ def mesh_run(args, run: Run) -> int:
             print(f"spawned meshes and actors in {mt.spawn_s:.2f}s", flush=True)
             t0 = time.perf_counter()
             try:
-                mt.connect()
-            except LayoutError as e:
+                with surfaced():  # a worker's own error, not Monarch's wrapper
+                    mt.connect()
+            except (LayoutError, ConfigMismatch) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return BAD_INPUT
             print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
                   f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
             print(mt.summary(), flush=True)
             for version in range(1, args.updates + 1):
-                report = mt.update(version)
+                with surfaced():
+                    report = mt.update(version)
                 print(report.line(), flush=True)
                 if mt.mode.sender_staging:  # the rounds streamed while update() had returned
                     report = mt.wait()
@@ -172,8 +175,9 @@ def write_trace(path: str, timing, *, label: str) -> None:
         json.dump(chrome_trace(timing, label=label), f)
 
 
-def local_demo(args) -> None:
-    """Discover, plan, transfer (in one process) and verify, on fixed layouts."""
+def local_demo(args, transfer: TransferConfig) -> None:
+    """Discover, plan, transfer (in one process) and verify, on fixed layouts, with the rounds
+    of ``transfer`` (the flags' config: TransferConfig's default round unless --round-kib)."""
     config = SIZES[args.model]
     spec = checkpoint_spec(config)
     print(f"checkpoint: {len(spec)} tensors, {spec.numel:,} elements ({args.model} Qwen3-MoE)")
@@ -193,7 +197,7 @@ def local_demo(args) -> None:
     plan = plan_transfer([(m, Placement("trainer-node")) for m in maps[:4]],
                          [(m, Placement(f"rollout-node{i // 2}", engine=i // 2))
                           for i, m in enumerate(maps[4:])],
-                         round_bytes=(args.round_kib or 256) << 10)
+                         round_bytes=transfer.round_bytes)
     print(plan.summary())
 
     gen = torch.Generator().manual_seed(0)
@@ -202,7 +206,8 @@ def local_demo(args) -> None:
         trainer.load_weights(weights.items())
     received = [{n: torch.zeros_like(p) for n, p in w.params.items()} for _, w in workers[4:]]
     t0 = time.perf_counter()
-    run_plan_locally(plan, [w.params for _, w in workers[:4]], received, kernels=CpuCopyKernels())
+    run_plan_locally(plan, [w.params for _, w in workers[:4]], received, kernels=CpuCopyKernels(),
+                     depth=transfer.depth)
     elapsed = time.perf_counter() - t0
     mismatched = []
     for (label, rollout), got in zip(workers[4:], received):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from monarch.actor import this_host
 
+from controller.ranks import actor_at
 from meshes.actors import load_factory
-from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
-from weightbridge.mesh.transport import configure_transport, drop_all
+from weightbridge.driver import (RolloutSpec, TrainerSpec, configure_transport,
+                                 drop_all)
 
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
@@ -136,22 +137,17 @@ class WorkerMeshes:
         """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
         (or the same engine if there is one), best of PROBE_REPEATS each: one stream per link;
         bytes/s per link."""
-        handle = one(self.rollouts, 0).probe_buffer.call_one(PROBE_BYTES).get()
-        writers = {"trainer->rollout": one(self.trainers, 0)}
+        handle = actor_at(self.rollouts, 0).probe_buffer.call_one(PROBE_BYTES).get()
+        writers = {"trainer->rollout": actor_at(self.trainers, 0)}
         spec = self.rollout_spec
         peer = spec.workers_per_engine if spec.engines > 1 else 1
         if peer < spec.num_workers:
-            writers["rollout->rollout"] = one(self.rollouts, peer)
+            writers["rollout->rollout"] = actor_at(self.rollouts, peer)
         try:
             return {link: PROBE_BYTES / mesh.probe_link.call_one(
                 handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
         finally:
             drop_all({0: handle})
-
-
-def one(mesh, rank: int):
-    """The actor of flat rank ``rank`` (any axis names)."""
-    return mesh.flatten("rank").slice(rank=rank)
 
 
 def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:

@@ -25,7 +25,7 @@ from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig
-from weightbridge.config import Mode
+from weightbridge.driver import Mode
 
 DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
 DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
@@ -74,13 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "factory(side, spec, rank) -> weightbridge.WorkerParts")
     parser.add_argument("--round-kib", type=int,
                         help=f"KiB per round buffer (default "
-                             f"{TransferConfig().round_bytes >> 10})")
+                             f"{TransferConfig().round_bytes >> 10}, TransferConfig's; --local "
+                             f"too: give --round-kib 256 to see the tiny model in several rounds)")
     parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SYNC.value,
                         help="sync mode: sync, ss (sender staging: the trainers go on once "
                              "their copy is staged), rs (receiver staging: the rollouts install "
                              "at their next step), async (both); docs/controller.md")
-    parser.add_argument("--depth", type=int, default=2,
-                        help="round arenas per worker (3 hides slow control messages)")
+    parser.add_argument("--depth", type=int, default=TransferConfig().depth,
+                        help=f"round arenas per worker (default {TransferConfig().depth}; 3 "
+                             f"hides slow control messages)")
     parser.add_argument("--timeout", type=float, default=TransferConfig().timeout_s,
                         help="seconds within which a lost or stalled worker fails an update")
     parser.add_argument("--trace", metavar="PATH",
@@ -150,7 +152,8 @@ def transfer_config(args) -> TransferConfig:
         try:
             TransferConfig(**{field: value})
         except ValueError as e:
-            raise ValueError(f"{flag} {value:g}: {e}") from None
+            shown = args.mode if flag == "--mode" else f"{value:g}"  # the flag as typed
+            raise ValueError(f"{flag} {shown}: {e}") from None
     return TransferConfig(**{field: value for field, (_, value) in fields.items()})
 
 

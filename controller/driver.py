@@ -50,24 +50,19 @@ import time
 from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
-                               WorkerMeshes, one as _one, resolve_workers)  # (re-exported)
+                               WorkerMeshes, resolve_workers)  # (re-exported)
 from controller.membership import Lost, Membership
+from controller.ranks import by_rank
 from controller.report import (InstallReport, TransferError, UpdateReport,  # noqa: F401
-                               WorkersLost, by_rank as _by_rank, mismatches)  # (re-exported)
+                               WorkersLost, mismatches)  # (re-exported)
 from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
 from controller.versions import VersionBook
 from meshes.actors import RolloutActor, TrainerActor
-from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig, TransferPlan
-from weightbridge.coordination.control import PeerCall
-from weightbridge.coordination.leader import GroupLeader
-from weightbridge.coordination.sequencer import StepFailed
-from weightbridge.coordination.session import run_update, unanswered
-from weightbridge.mesh.control import MeshControl, TransferGroup
-from weightbridge.mesh.transport import backend
-from weightbridge.planning.simulate import eq1
-from weightbridge.types import scaled_tensor
+from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
+                                 TrainerSpec, TransferGroup, backend, eq1, run_update,
+                                 scaled_tensor, unanswered)
 
 
 
@@ -412,7 +407,7 @@ class MeshTransfer(ClosingContext, Membership):
         """(parameters compared, mismatches) of the rollouts in ``runs`` ((first rank, actor
         mesh) pairs) against their own load_weights of ``versions``."""
         futures = futures or [mesh.checksums.call(versions) for _, mesh in runs]
-        results = [r for f in futures for r in _by_rank(f.get())]
+        results = [r for f in futures for r in by_rank(f.get())]
         ranks = [first + i for first, mesh in runs for i in range(int(mesh.size()))]
         return mismatches(results, ranks)
 

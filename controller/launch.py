@@ -67,7 +67,7 @@ def attach_procs(addresses: list[str], *, gpus: int, name: str,
         probe_workers(addresses, security.credentials)
     from monarch.actor import attach_to_workers
 
-    from weightbridge.mesh.transport import configure_transport
+    from weightbridge.driver import configure_transport
 
     configure_transport()  # before the procs start: they read the RDMA config at start-up
     # Monarch 0.7.0 raises NotImplementedError for any other ca=; on tls:// addresses the

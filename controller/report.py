@@ -2,8 +2,10 @@
 
 `UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
 timing of every worker), `InstallReport` what `MeshTransfer.poll_requests` does (receiver
-staging), `JoinReport` what `MeshTransfer.add_engine` does; `TransferError` what it raises when an update fails, and
-`WorkersLost` when workers were lost and left out while the surviving engines hold the version.
+staging), `JoinReport` what `MeshTransfer.add_engine` does. An update that fails raises
+`weightbridge.TransferFailed` (`TransferError` here is its deprecated alias, the same class),
+and `weightbridge.WorkersLost` when workers were lost and left out while the surviving engines
+hold the version (both defined in `weightbridge.errors`, importable here as before).
 """
 
 from __future__ import annotations
@@ -11,30 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.timing import UpdateTiming
+from weightbridge import TransferFailed, WorkersLost  # noqa: F401 (importable here as before)
 
 
-class TransferError(RuntimeError):
-    """An update failed on some worker (a write timed out, a peer died or raised); the message
-    names the failed round and step and what happened."""
+def __getattr__(name: str):
+    if name == "TransferError":  # the same class as TransferFailed: catching either catches both
+        import warnings
 
-
-class WorkersLost(TransferError):
-    """Workers were lost during an update and left out: trainers whose regions their replicas
-    also hold, rollout engines. The surviving engines hold the version whole (re-sent over a
-    new plan) and the `MeshTransfer` goes on with them.
-
-    Attributes:
-        lost_engines: Every rollout engine excluded so far.
-        lost_trainers: Every trainer excluded so far.
-        report: The re-sent update's `UpdateReport` (verified on the surviving engines; in
-            staging state "landed" with receiver staging), or None with sender staging (the
-            version was not re-sent: the message says what the survivors hold).
-    """
-
-    def __init__(self, message: str, lost_engines: frozenset[int],
-                 lost_trainers: frozenset[int], report: "UpdateReport | None"):
-        super().__init__(message)
-        self.lost_engines, self.lost_trainers, self.report = lost_engines, lost_trainers, report
+        warnings.warn("controller.report.TransferError is deprecated: catch "
+                      "weightbridge.TransferFailed (the same class)", DeprecationWarning,
+                      stacklevel=2)
+        return TransferFailed
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,7 +142,3 @@ def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tupl
         count += len(want)
         bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
     return count, tuple(bad)
-
-
-def by_rank(values) -> list:
-    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]

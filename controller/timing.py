@@ -133,7 +133,7 @@ def update_timing(spans: Mapping[Worker, Iterable[Span]], dests: Dests) -> Updat
 def write_dests(plan) -> dict[tuple[str, int, int, str], frozenset[int]]:
     """(side, rank, round, stage) -> rollout ranks written, from a `TransferPlan`'s tables: the
     peers of its workers' `BufferWrite`s, without building their `WorkerPlan`s."""
-    from weightbridge.planning.route import STAGES
+    from weightbridge.driver import STAGES
 
     t = plan.tables
     num_trainers, num_rounds = len(plan.trainers), plan.num_rounds

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from typing import Collection, Iterable
 
-from weightbridge.coordination.delta import check_changed
-from weightbridge.coordination.protocol import check_version
+from weightbridge.driver import check_changed, check_version
 
 Versions = dict[str, int]
 """Checkpoint tensor -> the version it holds."""

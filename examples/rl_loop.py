@@ -66,6 +66,8 @@ def run_loop(mode: str, procs, *, num_versions: int = 3, model: str = "tiny",
              generate_after_training: bool = False) -> LoopReport:
     """One RL run in ``mode`` on (trainer procs, rollout procs): a fresh transfer group and
     fresh actors, closed and stopped after (the procs stay the caller's; any axis names).
+    The 256 KiB rounds and 30 s timeout suit the tiny demo model (a few rounds per update); a
+    real model keeps `TransferConfig`'s defaults (8 MiB rounds, 60 s).
 
     ``generate_after_training``: the engines start polling only once every send_weights has
     returned (a rollout that stops polling; sync mode then times out).

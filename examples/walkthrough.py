@@ -18,6 +18,7 @@ from weightbridge import TransferConfig
 
 trainer = TrainerSpec.parse("nodes=1,gpus=2,tp=2")  # a Megatron-like TP2 trainer
 rollout = RolloutSpec.parse("engines=2,nodes=1,gpus=1,tp=1")  # two single-GPU engines
+# 128 KiB rounds: a few rounds of the tiny model; a real model keeps the 8 MiB default.
 mt = MeshTransfer(trainer, rollout, "tiny", config=TransferConfig(round_bytes=128 << 10))
 mt.__enter__()  # spawns procs, actors and the group's agents; `mt.close()` in the last cell
 atexit.register(mt.close)  # stops them if a cell fails (close() is idempotent)

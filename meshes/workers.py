@@ -22,7 +22,7 @@ import torch
 from meshes.device import bind_local_device
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
-from meshes.spec import RolloutSpec, TrainerSpec
+from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
 from weightbridge import WorkerParts
 
 
@@ -51,7 +51,7 @@ def qwen3_moe(size: str, side: str, spec: TrainerSpec | RolloutSpec, rank: int, 
     spec.validate(config)
     device = bind_local_device() if device is None else device
     if side == "trainer":
-        shard = spec.shard(config, rank, dtype=trainer_dtype, device=device)
+        shard = trainer_shard(spec, config, rank, dtype=trainer_dtype, device=device)
     elif fp8_block is not None:
         c = spec.coords(rank)
         shard = Fp8RolloutShard(config, spec.tp, c["tp"], spec.ep, c["ep"], block=fp8_block,

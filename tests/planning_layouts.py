@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from weightbridge import ParamSpec, Piece, Region, SourceMap, replay
+from weightbridge import SourceMap, replay
+from weightbridge.types import ParamSpec, Piece, Region
 
 SHAPES = {
     "attn.w": ((12, 8), "bfloat16"),

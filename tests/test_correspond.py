@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from planning_layouts import SHAPES, Builder, fsdp_trainer, fused_rollout, tp_trainer
-from weightbridge import LayoutError, ParamSpec, Piece, Region, SourceMap, correspond
+from weightbridge import LayoutError, SourceMap, correspond
+from weightbridge.types import ParamSpec, Piece, Region
 
 
 def _elements(region: Region) -> set[tuple[int, ...]]:

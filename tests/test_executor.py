@@ -11,7 +11,8 @@ import weightbridge.execution.executor as executor_module
 from meshes.actors import checksums
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from meshes.workers import checkpoint
-from weightbridge import CpuCopyKernels, Placement, Stage, extract_source_map, plan_transfer
+from weightbridge import CpuCopyKernels, Placement, extract_source_map, plan_transfer
+from weightbridge.types import Stage
 from weightbridge.execution.executor import WorkerExecutor, incoming_ranges
 
 CONFIG = SIZES["tiny"]
@@ -74,7 +75,7 @@ def test_the_copy_kernels_follow_the_parameters_device(monkeypatch):
     Triton implementation for a CUDA device that torch can drive; the emulated device, where
     it cannot, keeps the torch path: tests/test_emulated_cuda.py)."""
     from kernels import TritonKernels
-    from weightbridge import default_kernels
+    from weightbridge.driver import default_kernels
 
     seen = []
     real = executor_module.default_kernels

@@ -12,7 +12,8 @@ import torch
 from test_plan import check_invariants
 
 from planning_layouts import checkpoint, fused_rollout, loaded, params_of, same_bytes, tp_trainer
-from weightbridge import LayoutError, Placement, WorkerId, plan_transfer, run_plan_locally
+from weightbridge import LayoutError, Placement, plan_transfer, run_plan_locally
+from weightbridge.types import WorkerId
 from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 
 TRAINERS = [(tp_trainer(r % 2, 2), Placement(f"t{r // 2}")) for r in range(4)]

@@ -169,6 +169,7 @@ def test_setup_probes_collective_loaders_at_once():
     barrier = threading.Barrier(TRAINER_TP, timeout=20)
     calls = [0] * TRAINER_TP
     trainers = []
+    config = TransferConfig(round_bytes=96 << 10, timeout_s=30)  # every worker's (connect checks)
     for i in range(TRAINER_TP):
         shard = TrainerShard(CONFIG, TRAINER_TP, i, 1, 0)
 
@@ -179,12 +180,12 @@ def test_setup_probes_collective_loaders_at_once():
 
         trainers.append((shard, control.add(SenderAdapter(
             shard.params, load, SPEC, rank=i, control=control, transport=control.transport,
-            config=TransferConfig(round_bytes=96 << 10, timeout_s=30)))))
+            config=config))))
     for j in range(ENGINE_TP):
         shard = RolloutShard(CONFIG, ENGINE_TP, j, 1, 0)
         control.add(ReceiverAdapter(shard.params, shard.load_weights, SPEC, rank=j, engine=0,
                                     engine_rank=j, engine_size=ENGINE_TP, control=control,
-                                    transport=control.transport))
+                                    transport=control.transport, config=config))
     # Probed alone, a rank waits at the barrier for a partner that never comes.
     alone = threading.Barrier(TRAINER_TP, timeout=0.5)
     barrier_saved, barrier = barrier, alone

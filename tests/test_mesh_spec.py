@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from meshes.qwen3_moe import SIZES
-from meshes.spec import RolloutSpec, TrainerSpec
+from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
 
 MODEL = SIZES["tiny"]
 
@@ -47,9 +47,9 @@ def test_trainer_tp_must_divide_the_unpadded_vocabulary():
 
 
 def test_trainer_spec_builds_pipeline_stage_and_fsdp_shards():
-    stage = TrainerSpec.parse("gpus=4,tp=2,pp=2").shard(MODEL, 3)  # tp 1 of stage 1
+    stage = trainer_shard(TrainerSpec.parse("gpus=4,tp=2,pp=2"), MODEL, 3)  # tp 1 of stage 1
     assert (stage.tp_rank, stage.first_layer, stage.is_last_stage) == (1, 1, True)
-    flat = TrainerSpec.parse("gpus=4,fsdp=1").shard(MODEL, 2)
+    flat = trainer_shard(TrainerSpec.parse("gpus=4,fsdp=1"), MODEL, 2)
     assert list(flat.params) == ["flat_param"] and flat.shard_start == 2 * flat.shard_numel
 
 

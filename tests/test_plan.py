@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from planning_layouts import Builder, checkpoint, fsdp_trainer, fused_rollout, loaded, params_of
 from planning_layouts import same_bytes, tp_trainer
-from weightbridge import (LayoutError, ParamSpec, Piece, Placement, Region, SourceMap, Stage,
-                          WorkerId, plan_transfer, run_plan_locally)
+from weightbridge import LayoutError, Placement, SourceMap, plan_transfer, run_plan_locally
+from weightbridge.types import ParamSpec, Piece, Region, Stage, WorkerId
 from weightbridge.planning.route import STAGES
 
 

@@ -15,7 +15,7 @@ import torch
 from meshes.actors import checksums
 from meshes.workers import checkpoint
 from meshes.qwen3_moe import SIZES, FsdpTrainerShard, RolloutShard, checkpoint_spec
-from meshes.spec import RolloutSpec, TrainerSpec
+from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
 from weightbridge import (CheckpointSpec, Placement, extract_source_map, plan_transfer,
                           run_plan_locally)
 from zoo.oracle import piece_sources
@@ -30,7 +30,7 @@ def _maps(trainer: str) -> tuple:
     spec.validate(MODEL)
     maps = []
     for w in range(spec.num_workers):
-        shard = spec.shard(MODEL, w)
+        shard = trainer_shard(spec, MODEL, w)
         maps.append(extract_source_map(shard.params, shard.load_weights, SPEC))
     return tuple(maps)
 
@@ -73,7 +73,7 @@ def test_union_over_ranks_holds_each_checkpoint_element_as_often_as_the_layout_s
 
 def test_pipeline_stages_renumber_layers_and_split_embedding_from_head():
     spec = TrainerSpec.parse("gpus=2,pp=2")
-    first, last = (spec.shard(MODEL, w) for w in (0, 1))
+    first, last = (trainer_shard(spec, MODEL, w) for w in (0, 1))
     assert "embedding.word_embeddings.weight" in first.params
     assert "output_layer.weight" not in first.params
     assert {"output_layer.weight", "decoder.final_layernorm.weight"} <= set(last.params)
@@ -97,7 +97,7 @@ def test_fsdp_shards_cross_tensor_boundaries_and_pad_the_last_rank():
 def test_fsdp_trainer_to_tp2_rollouts_run_locally_is_bit_exact():
     trainer = TrainerSpec.parse("gpus=4,fsdp=1")
     rollout = RolloutSpec.parse("engines=2,gpus=2,tp=2")
-    tshards = [trainer.shard(MODEL, w) for w in range(trainer.num_workers)]
+    tshards = [trainer_shard(trainer, MODEL, w) for w in range(trainer.num_workers)]
     rshards = [_rollout_shard(rollout, w) for w in range(rollout.num_workers)]
     # Engines are replicas: probe one engine's ranks and reuse the maps for the other.
     rmaps = [extract_source_map(s.params, s.load_weights, SPEC)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from weightbridge import Cluster, ParamSpec, Piece, Placement, Region, SourceMap, plan_transfer
+from weightbridge import Cluster, Placement, SourceMap, plan_transfer
+from weightbridge.types import ParamSpec, Piece, Region
 from weightbridge import simulate
 
 CLUSTER = Cluster(gpus_per_node=1, inter_node_bandwidth=100.0, intra_node_bandwidth=1000.0)

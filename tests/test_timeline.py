@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from weightbridge import Cluster, ParamSpec, Piece, Placement, Region, SourceMap, plan_transfer
+from weightbridge import Cluster, Placement, SourceMap, plan_transfer
+from weightbridge.types import ParamSpec, Piece, Region
 from weightbridge import simulate
 from weightbridge.planning.calibrate import Run, _line, fit_overheads, point_cluster
 from weightbridge.planning.timeline import Overheads

@@ -88,7 +88,8 @@ def test_eq1_takes_the_slower_of_trainer_egress_and_rollout_ingress():
 
 
 def test_eq1_counts_what_each_rollout_node_needs():
-    from weightbridge import ParamSpec, Piece, Region, SourceMap, plan_transfer
+    from weightbridge import SourceMap, plan_transfer
+    from weightbridge.types import ParamSpec, Piece, Region
 
     def smap(rows):  # rows [lo, hi) of a 256 x 64 float32 tensor
         reg = Region("w", (rows[0], 0), (rows[1] - rows[0], 64), (1, 1))

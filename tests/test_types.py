@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge import CheckpointSpec, Piece, Region, TensorSpec, read_checkpoint_spec
+from weightbridge import CheckpointSpec, TensorSpec, read_checkpoint_spec
+from weightbridge.types import Piece, Region
 
 
 def elements(r: Region) -> set:

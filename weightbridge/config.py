@@ -8,10 +8,13 @@ Typical usage::
 
     config = TransferConfig(round_bytes=8 << 20, depth=2, timeout_s=60,
                             sender_staging=True, receiver_staging=False)
+    config.wait_s                      # 180.0: how long a whole transfer may be waited for
+    config.differences(other)          # the fields two configs disagree on (checked at connect)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -19,6 +22,11 @@ DEFAULT_ROUND_BYTES = 8 << 20
 """Chosen from `benchmarks/round_size.py` (docs/performance.md, "Round size"): per-round fixed
 costs (a control message per step, one pack and one assemble launch) dominate rounds under a
 few MB; much bigger rounds only lengthen the pipeline fill and the round buffers."""
+DEFAULT_DEPTH = 2
+"""Round buffers per worker unless told otherwise (the paper's double buffering): the default of
+`TransferConfig.depth` and of every function that takes a ``depth``."""
+WAIT_TIMEOUTS = 3
+"""`TransferConfig.wait_s` in units of ``timeout_s``."""
 ARENAS = ("device", "host")
 """`TransferConfig.arenas` choices."""
 PEER_SHARE = 0.8
@@ -77,7 +85,7 @@ class TransferConfig:
 
     round_bytes: int = DEFAULT_ROUND_BYTES
     """Round buffer capacity per worker (the planner packs at most this much per link end)."""
-    depth: int = 2
+    depth: int = DEFAULT_DEPTH
     """Round buffers per worker: round r uses buffer r % depth, so round r + depth may enter a
     worker only once round r was assembled there (2 in the paper; 3 hides a control round
     trip per round where control messages are slow against a round)."""
@@ -138,3 +146,19 @@ class TransferConfig:
         that timed out is followed by one round of these, so a stall still surfaces, with the
         lost worker named, within ``timeout_s``; the other half is left for re-planning."""
         return (1 - PEER_SHARE) / 2 * self.timeout_s
+
+    @property
+    def wait_s(self) -> float:
+        """How long a caller waits for a whole transfer it joined or started (`send_weights`
+        for rank 0's sequencing, a poll for the transfer to start, `wait_for_version`,
+        `wait_idle`, a membership change): ``WAIT_TIMEOUTS`` (3) x ``timeout_s``. A lost peer
+        takes up to ``timeout_s`` to find, then a re-plan and a re-send, so a transfer that
+        lost a worker still finishes within it."""
+        return WAIT_TIMEOUTS * self.timeout_s
+
+    def differences(self, other: "TransferConfig") -> list[str]:
+        """``field: mine != theirs`` for every field ``other`` sets differently (empty when
+        equal): what connect names when workers of one group were given different configs."""
+        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)]

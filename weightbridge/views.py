@@ -13,6 +13,14 @@ from __future__ import annotations
 import torch
 
 
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The same elements as raw integers of their width (uint8, int16, int32, int64): for
+    bit-exact copies and compares, and for flip, which torch does not implement for every
+    float dtype."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                   8: torch.int64}[t.element_size()])
+
+
 def memory_order(t: torch.Tensor) -> torch.Tensor:
     """``t`` if contiguous; else the permutation of ``t`` that is contiguous, if one is (a
     transpose or permute of a contiguous tensor); else ``t`` itself, for the caller to refuse."""

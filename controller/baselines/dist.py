@@ -38,7 +38,8 @@ import time
 
 from controller.baselines.members import DistRollout, DistTrainer
 from controller.baselines.plans import DistPlan, plan_dist
-from controller.driver import ClosingContext, UpdateReport, _by_rank, _one, mismatches, resolve_workers
+from controller.driver import ClosingContext, UpdateReport, mismatches, resolve_workers
+from controller.ranks import actor_at, by_rank
 from controller.timing import update_timing
 from meshes.spec import RolloutSpec, TrainerSpec
 
@@ -82,7 +83,7 @@ class _DistBaseline(ClosingContext):
         self.rollouts = self._rp.spawn("dist_rollout", DistRollout, self.workers,
                                        self.rollout_spec)
         maps = [self.trainers.source_map.call(), self.rollouts.source_map.call()]
-        tmaps, rmaps = (_by_rank(f.get()) for f in maps)
+        tmaps, rmaps = (by_rank(f.get()) for f in maps)
         specs = {spec for _, spec in tmaps + rmaps}
         if len(specs) != 1:
             raise ValueError("the workers' factories describe different checkpoints; both "
@@ -91,7 +92,7 @@ class _DistBaseline(ClosingContext):
                               specs.pop(), bucket_bytes=self.bucket_bytes,
                               broadcast=self.broadcast, ring=self.ring)
         t, world = len(tmaps), len(tmaps) + len(rmaps)
-        addr, port = _one(self.trainers, 0).rendezvous.call_one(controller_address()).get()
+        addr, port = actor_at(self.trainers, 0).rendezvous.call_one(controller_address()).get()
         self._joined = True
         joins = [m.join_group.call(addr, port, t, world, self.timeout_s)
                  for m in (self.trainers, self.rollouts)]
@@ -138,7 +139,7 @@ class _DistBaseline(ClosingContext):
         spans = {(side, p.rank): s for side, mesh in (("trainer", self.trainers),
                                                        ("rollout", self.rollouts))
                  for p, s in mesh.timings.call().get().items()}
-        count, bad = mismatches(_by_rank(self.rollouts.checksums.call(version).get()))
+        count, bad = mismatches(by_rank(self.rollouts.checksums.call(version).get()))
         t3 = time.perf_counter()
         return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=self.plan.delivered_bytes(),

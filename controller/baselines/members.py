@@ -32,9 +32,8 @@ from monarch.actor import endpoint
 from controller.baselines.plans import Bucket, DistPlan, aligned, aligned_total
 from meshes.actors import RolloutActor, TrainerActor
 from weightbridge import extract_source_map
-from weightbridge.discovery.replay import _bits, param_view, region_view
-from weightbridge.types import CheckpointSpec, Piece, SourceMap
-from weightbridge.views import memory_order
+from weightbridge.driver import (CheckpointSpec, Piece, SourceMap, as_bits, memory_order,
+                                 param_view, region_view)
 
 SIOCGIFADDR = 0x8915
 
@@ -198,10 +197,10 @@ class DistTrainer(GlooMember, TrainerActor):
             flat = flats[piece.param] = \
                 memory_order(self.parts.params[piece.param].detach()).contiguous().view(-1)
         view, flipped = param_view(flat, piece)
-        return _bits(view).flip(flipped) if flipped else _bits(view)
+        return as_bits(view).flip(flipped) if flipped else as_bits(view)
 
     def _place(self, piece: Piece, bits: torch.Tensor) -> None:
-        _bits(region_view(self.full[piece.region.tensor], piece.region)).copy_(bits)
+        as_bits(region_view(self.full[piece.region.tensor], piece.region)).copy_(bits)
 
     def _pack_pieces(self, pieces, flats) -> torch.Tensor:
         parts = [self._read(p, flats).contiguous().view(-1).view(torch.uint8) for p in pieces]
@@ -215,7 +214,7 @@ class DistTrainer(GlooMember, TrainerActor):
     def _unpack_pieces(self, pieces, buf: torch.Tensor) -> None:
         pos = 0
         for p in pieces:
-            target = _bits(region_view(self.full[p.region.tensor], p.region))
+            target = as_bits(region_view(self.full[p.region.tensor], p.region))
             n = target.numel() * target.element_size()
             target.copy_(buf[pos:pos + n].view(target.dtype).view(target.shape))
             pos = aligned(pos + n)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from weightbridge.types import CheckpointSpec, Piece, SourceMap, dtype_itemsize
+from weightbridge.driver import CheckpointSpec, Piece, SourceMap, dtype_itemsize
 
 @dataclass(frozen=True, slots=True)
 class PieceMessage:

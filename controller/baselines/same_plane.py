@@ -39,15 +39,14 @@ import torch
 from monarch.actor import endpoint
 
 from controller.baselines.members import Standalone
-from controller.driver import (ClosingContext, MeshTransfer, UpdateReport, _by_rank, mismatches,
+from controller.driver import (ClosingContext, MeshTransfer, UpdateReport, mismatches,
                                resolve_workers)
+from controller.ranks import by_rank
 from controller.timing import update_timing
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig, WorkerParts
-from weightbridge.mesh.transport import configure_transport, register_ranges, wait_all, write
-from weightbridge.planning.plan import TransferPlan
-from weightbridge.planning.route import RECEIVE
+from weightbridge import TransferConfig, TransferPlan, WorkerParts
+from weightbridge.driver import RECEIVE, configure_transport, register_ranges, wait_all, write
 
 HEAD_SPEC = RolloutSpec.parse("engines=1,nodes=1,gpus=1")
 """The gather's receiver: one actor holding the whole checkpoint."""
@@ -171,7 +170,7 @@ class Broadcast(ClosingContext):
         self.head = self.gather.rollouts
         self.rollouts = self._rp.spawn("bcast_rollout", BroadcastRollout,
                                        self.gather.workers, self.rollout_spec)
-        self._handles = _by_rank(self.rollouts.full_buffer.call().get())
+        self._handles = by_rank(self.rollouts.full_buffer.call().get())
 
     def close(self) -> None:
         errors = []
@@ -216,7 +215,7 @@ class Broadcast(ClosingContext):
                       for p, s in self.rollouts.timings.call().get().items()})
         n = self.rollout_spec.num_workers
         timing = update_timing(spans, {("trainer", 0, 0, "broadcast"): frozenset(range(n))})
-        count, bad = mismatches(_by_rank(self.rollouts.checksums.call(version).get()))
+        count, bad = mismatches(by_rank(self.rollouts.checksums.call(version).get()))
         t3 = time.perf_counter()
         plan = self.gather.plan
         gathered = int(plan.stage_bytes()[0].sum())

@@ -19,7 +19,8 @@ from typing import Callable, Mapping
 
 import torch
 
-from weightbridge import CheckpointSpec, Piece, SourceMap, replay
+from weightbridge import CheckpointSpec, SourceMap, replay
+from weightbridge.types import Piece
 from weightbridge.views import memory_order
 
 from .common import INT_VIEW, Worker

@@ -13,21 +13,14 @@ from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
 from weightbridge.coordination.staging import host_buffer  # noqa: F401 (its old home)
 from weightbridge.coordination.worker import TransferWorker
+# Defined in weightbridge.errors (one hierarchy); importable from here as before.
+from weightbridge.errors import TransferFailed  # noqa: F401
 
 POLL_BACKOFF = 10
 """`AdapterWorker._poll_until`'s longest interval, in units of the first."""
 ADAPTER_SPANS = 1 << 12
 """Spans an adapter worker keeps (nothing reads them per update, as the controller does with
 `TransferWorker.take_spans`): the steps of the last few hundred updates, about 0.5 MB."""
-
-
-class TransferFailed(RuntimeError):
-    """A rollout worker was lost during a transfer (its process died or stopped answering).
-
-    The message names the worker, its engine and the version, says which engines were excluded
-    and what the surviving engines hold, and how to bring the lost engine back (restart it and
-    add it as a new engine: `SenderAdapter.add_engines`).
-    """
 
 
 class AdapterWorker(TransferWorker):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Mapping, Protocol, Sequence
 
+from weightbridge.errors import library_error
 from weightbridge.types import Range, WorkerId
 
 
@@ -29,6 +30,7 @@ class PeerCall(enum.Enum):
 
     # Any worker (`TransferWorker`): connect, the rounds of an update, staging (STAGE on
     # trainers, INSTALL on rollouts), and FAIL (a rollout's engine is out of the group).
+    CONFIG = "config"
     SOURCE_MAP = "source_map"
     PING = "ping"
     DIGEST = "digest"
@@ -162,9 +164,14 @@ class PeerFailed:
 
 def gathered(out: list, return_errors: bool) -> list:
     """`ControlPlane.call`'s results in peer order: raise the first peer's error, or, with
-    ``return_errors``, return the errors in place of results."""
+    ``return_errors``, return the errors in place of results. A peer's error is its
+    `library_error` (the library's own exception out of a Monarch ``ActorError``), chained
+    to what the control plane caught."""
     if not return_errors:
         for r in out:
             if isinstance(r, PeerFailed):
-                raise r.error
-    return [r.error if isinstance(r, PeerFailed) else r for r in out]
+                inner = library_error(r.error)
+                if inner is r.error:
+                    raise inner
+                raise inner from r.error
+    return [library_error(r.error) if isinstance(r, PeerFailed) else r for r in out]

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from weightbridge.config import TransferConfig
+from weightbridge.config import DEFAULT_DEPTH, TransferConfig
 from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.sequencer import active_steps
@@ -33,7 +33,7 @@ from weightbridge.views import memory_order
 
 def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, torch.Tensor]],
                      rollout_params: Sequence[Mapping[str, torch.Tensor]], *,
-                     kernels: CopyKernels | None = None, depth: int = 2) -> None:
+                     kernels: CopyKernels | None = None, depth: int = DEFAULT_DEPTH) -> None:
     """Move the trainers' parameter bytes into the rollouts' parameters as ``plan`` says.
 
     Args:

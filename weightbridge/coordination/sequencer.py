@@ -25,14 +25,11 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable, Protocol
 
+from weightbridge.errors import StepFailed, describe
 from weightbridge.types import Stage, WorkerPlan
 
 FORWARD_STAGES = (Stage.EXTERNAL, Stage.INTERNAL)
 LAND = "land"
-
-
-class StepFailed(RuntimeError):
-    """A step of the sequencer failed on some worker; the message names the round and step."""
 
 
 class RoundSteps(Protocol):
@@ -74,8 +71,7 @@ async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, dept
         try:
             await coro
         except Exception as e:
-            cause = getattr(e, "exception", None) or e  # a Monarch error wraps the actor's
-            text = " ".join(f"{type(cause).__name__}: {cause}".split())
+            text = " ".join(describe(e).split())  # the worker's own error, not Monarch's wrapper
             raise StepFailed(f"round {r}, {what}: {text[:600]}") from e
 
     async def run(r: int) -> None:

@@ -2,6 +2,7 @@
 any driver of a `ControlPlane`.
 
     connect_group(control, config)
+        every worker at once: CONFIG -> equal to the leader's? (ConfigMismatch otherwise)
         every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec)
         same checkpoint everywhere? (LayoutError otherwise, before any buffer exists)
         plan_transfer -> WorkerPlans -> incoming ranges per receiver
@@ -29,8 +30,7 @@ from typing import Callable, Mapping, Sequence
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
 from weightbridge.coordination.sequencer import active_steps, run_rounds
-from weightbridge.coordination.worker import ReplicaMismatch
-from weightbridge.errors import LayoutError
+from weightbridge.errors import ConfigMismatch, LayoutError, ReplicaMismatch
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, scaled_tensor
@@ -222,7 +222,14 @@ def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int) -
 def connect_group(control: ControlPlane, config: TransferConfig, *,
                   reroute: Callable[[TransferPlan], TransferPlan] | None = None
                   ) -> tuple[GroupMaps, ConnectedGroup]:
-    """Probe every worker, plan once, set everyone up. Moves no weights."""
+    """Check every worker was given ``config``, probe every worker, plan once, set everyone
+    up. Moves no weights.
+
+    Raises:
+        ConfigMismatch: a worker's config differs from ``config`` (before anything else).
+        LayoutError: the workers' layouts do not fit (before any buffer exists).
+    """
+    check_configs(control, config)
     maps = probe_group(control)
     return maps, plan_group(control, maps, config, reroute=reroute)
 
@@ -283,6 +290,27 @@ def unanswered(control: ControlPlane, workers: Sequence[WorkerId]) -> list[Worke
     stalled or cut off. Asked after a step failed, to name who is lost."""
     answers = control.call(list(workers), PeerCall.PING, return_errors=True)
     return [w for w, a in zip(workers, answers) if a is not True]
+
+
+def check_configs(control: ControlPlane, config: TransferConfig,
+                  workers: Sequence[WorkerId] | None = None) -> None:
+    """Every worker of a group must run on an equal `TransferConfig` (round size and depth
+    size its buffers and ranges; the mode and timeouts, its waits): ask each of ``workers``
+    (default: all) for its own (`PeerCall.CONFIG`) and compare with ``config``, the leader's.
+
+    Raises:
+        ConfigMismatch: a ValueError naming the first worker whose config differs, the
+            fields and both values; nothing was probed or allocated yet.
+    """
+    workers = list(workers) if workers is not None else trainers(control) + rollouts(control)
+    for worker, theirs in zip(workers, control.call(workers, PeerCall.CONFIG)):
+        diff = config.differences(theirs)
+        if diff:
+            raise ConfigMismatch(
+                f"{worker} was given a different TransferConfig than the group's leader "
+                f"({'; '.join(diff)}, leader's value first). Give every worker of the group "
+                f"the same TransferConfig (one object, e.g. built once and passed to every "
+                f"adapter or the TransferGroup)")
 
 
 def check_engines(control: ControlPlane, placements: Sequence[Placement], *,

@@ -32,6 +32,8 @@ import torch
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
+# Defined in weightbridge.errors (one hierarchy); importable from here as before.
+from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
@@ -54,15 +56,6 @@ by `WorkerId`, and the sums ride on every round's control messages."""
 RECORD = 5
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
-
-
-class ChecksumMismatch(RuntimeError):
-    """Bytes that arrived in a round buffer differ from what their writer sent."""
-
-
-class ReplicaMismatch(RuntimeError):
-    """Data-parallel trainer replicas (the same layout of the checkpoint) hold different bytes
-    for a parameter; raised before any byte of the update moves."""
 
 
 class UnsourcedParameter(UserWarning):
@@ -194,6 +187,11 @@ class TransferWorker:
         return out
 
     # -- connect ------------------------------------------------------------------------------
+
+    def on_config(self) -> TransferConfig:
+        """The `TransferConfig` this worker was given: connect checks it equals the leader's
+        (`weightbridge.coordination.session.check_configs`)."""
+        return self.config
 
     def on_source_map(self) -> tuple[SourceMap, Placement, CheckpointSpec]:
         """Probe this worker's own load_weights.

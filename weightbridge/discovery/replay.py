@@ -14,7 +14,7 @@ import torch
 
 from weightbridge.discovery.quantized import expected_source
 from weightbridge.types import Piece, Region, SourceMap, pieces_by_param, scaled_tensor
-from weightbridge.views import memory_order
+from weightbridge.views import as_bits, memory_order
 
 
 def region_view(tensor: torch.Tensor, region: Region) -> torch.Tensor:
@@ -82,10 +82,8 @@ def _source(piece: Piece, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return view if piece.cast_from is None else view.to(dtype)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same elements as raw integers: bit-exact copies and compares, and flip, which
-    torch does not implement for every float dtype."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+_bits = as_bits
+"""The old private name of `weightbridge.views.as_bits`."""
 
 
 def _check_inputs(smap: SourceMap, params: Mapping[str, torch.Tensor],

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from weightbridge.config import DEFAULT_DEPTH
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.types import Range, Stage, WorkerId, WorkerPlan
@@ -52,7 +53,8 @@ def default_kernels(device: torch.device | str) -> CopyKernels:
     return CpuCopyKernels()
 
 
-def incoming_ranges(plans: Iterable[WorkerPlan], depth: int = 2) -> dict[WorkerId, set[Range]]:
+def incoming_ranges(plans: Iterable[WorkerPlan], depth: int = DEFAULT_DEPTH
+                    ) -> dict[WorkerId, set[Range]]:
     """Per receiving worker, every distinct (arena r % depth, offset, nbytes) some peer writes
     into, over all rounds."""
     out: dict[WorkerId, set[Range]] = {}
@@ -63,7 +65,8 @@ def incoming_ranges(plans: Iterable[WorkerPlan], depth: int = 2) -> dict[WorkerI
     return out
 
 
-def outgoing_ranges(plan: WorkerPlan, depth: int = 2) -> set[tuple[WorkerId, Range]]:
+def outgoing_ranges(plan: WorkerPlan, depth: int = DEFAULT_DEPTH
+                    ) -> set[tuple[WorkerId, Range]]:
     """(peer, range) of every write of one worker: the handles it needs."""
     return {(w.peer, (r.index % depth, w.peer_offset, w.nbytes))
             for r in plan.rounds for w in r.writes}
@@ -77,7 +80,7 @@ class WorkerExecutor:
     """
 
     def __init__(self, plan: WorkerPlan, params: Mapping[str, torch.Tensor],
-                 kernels: CopyKernels | None = None, *, depth: int = 2,
+                 kernels: CopyKernels | None = None, *, depth: int = DEFAULT_DEPTH,
                  host_arenas: bool = False):
         assert depth >= 2, depth  # TransferConfig validates it
         self.plan, self.depth = plan, depth

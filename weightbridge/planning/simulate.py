@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weightbridge.config import DEFAULT_DEPTH
 from weightbridge.planning.plan import TransferPlan
 from weightbridge.planning.route import INTERNAL
 from weightbridge.planning.timeline import Overheads, timeline_ewtt
@@ -94,7 +95,7 @@ class Estimate:
 
 
 def simulate(plan: TransferPlan, cluster: Cluster, *, overheads: Overheads | None = None,
-             depth: int = 2) -> Estimate:
+             depth: int = DEFAULT_DEPTH) -> Estimate:
     """Simulated EWTT of ``plan`` on ``cluster``, with the ideal and the two baselines.
 
     Keyword Args:
