@@ -10,8 +10,6 @@ async endpoints, so the library could not add an endpoint to it).
 from __future__ import annotations
 
 import contextvars
-from concurrent.futures import ThreadPoolExecutor
-
 from monarch.actor import Actor, ActorError, endpoint
 
 from weightbridge.coordination.control import PeerCall
@@ -30,28 +28,19 @@ class TransferAgent(Actor):
 
     def __init__(self):
         monarch_api.check()
-        self._senders: dict[str, ThreadPoolExecutor] = {}
-        self._pool: ThreadPoolExecutor | None = None
+        self._groups: set[str] = set()
 
     @endpoint(explicit_response_port=True)
     def serve(self, port, group: str, call: PeerCall, *args) -> None:
-        """Run ``call`` on this proc's worker of ``group``, in a thread: a worker serves its
-        peers while its own thread is inside send_weights or poll_requests. A trainer's sends
-        run one at a time in arrival order (one thread), so a queued send starts the moment
-        the previous one's writes landed."""
+        """Run ``call`` on this proc's worker of ``group``, on the group's threads
+        (`registry.submit`): a worker serves its peers while its own thread is inside
+        send_weights or poll_requests."""
         registry.calls["served", call.value] += 1
         try:
-            if call is PeerCall.SEND_ROUND:
-                pool = self._senders.get(group)
-                if pool is None:
-                    pool = self._senders[group] = ThreadPoolExecutor(1, "weightbridge-send")
-            else:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(thread_name_prefix="weightbridge-agent")
-                pool = self._pool
+            self._groups.add(group)
             # The thread needs this actor's context (Monarch's current actor, in contextvars).
             context = contextvars.copy_context()
-            future = pool.submit(context.run, _serve, group, call, args)
+            future = registry.submit(group, call, context.run, _serve, group, call, args)
         except Exception as e:  # noqa: BLE001  (an explicit port's caller only hears the port)
             _fail(port, e, call)
             return
@@ -70,14 +59,13 @@ class TransferAgent(Actor):
         release = getattr(getattr(worker, "transport", None), "release", None)
         if release is not None:
             release()
+        self._groups.add(group)
         self._shutdown()
 
     def _shutdown(self) -> None:
-        pools = [self._pool, *self._senders.values()]
-        self._pool, self._senders = None, {}
-        for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=False)
+        groups, self._groups = self._groups, set()
+        for group in groups:
+            registry.shutdown(group)
 
     def __cleanup__(self, exc) -> None:
         self._shutdown()  # stopped without release (an actor that failed)

@@ -2,8 +2,9 @@
 workers, over the group's agent meshes (`weightbridge.mesh.agent.TransferAgent`).
 
 Every `PeerCall` a worker makes becomes a call of the ``serve`` endpoint of the agent in the
-peer's proc; calls to a run of consecutive ranks go as one message to the run's agents (Monarch
-keeps state for every message: docs/integration.md, "Memory over many updates").
+peer's proc; calls to a run of consecutive ranks go as one message to the run's agents, and a
+worker's calls on itself run in its process without a message (Monarch keeps state for every
+message: docs/integration.md, "Memory over many updates").
 
 The Monarch integration's modules, by job:
 
@@ -21,9 +22,13 @@ working (re-exported).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import TYPE_CHECKING, Sequence
 
+from monarch.actor import ActorError
+
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
+from weightbridge.mesh import registry
 from weightbridge.mesh.agent import TransferAgent
 from weightbridge.mesh.registry import REGISTER_WAIT_S, calls
 from weightbridge.mesh.transport import MeshTransport
@@ -124,6 +129,20 @@ class MeshControl:
         config = self.group.config
         return config.notice_timeout_s if call.notice else config.peer_timeout_s
 
+    def _me(self, peers: Sequence[WorkerId]) -> WorkerId | None:
+        """This process's worker of the group when it is among ``peers`` (its calls on itself
+        run here, on the group's threads, as the agent would run them: no message)."""
+        worker = registry.local(self.group.name)
+        me = getattr(worker, "worker", None)
+        return me if me in peers else None
+
+    def _local(self, call: PeerCall, args: tuple):
+        """Run ``call`` on this process's worker as its agent would (`registry.submit`)."""
+        calls["local", call.value] += 1
+        context = contextvars.copy_context()
+        return _Local(registry.submit(self.group.name, call, context.run, _serve_local,
+                                      self.group.name, call, args))
+
     def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
         calls["sent", call.value] += 1
         return self._agent(peer).serve.call_one(self.group.name, call, *args)
@@ -135,7 +154,9 @@ class MeshControl:
 
     def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
                   *, return_errors: bool = False) -> list:
-        futures = [self._issue(p, call, a) for p, a in zip(peers, args)]
+        me = self._me(peers)
+        futures = [self._local(call, a) if p == me else self._issue(p, call, a)
+                   for p, a in zip(peers, args)]
         out, timeout = [], self._timeout(call)
         for peer, f in zip(peers, futures):
             try:
@@ -152,6 +173,16 @@ class MeshControl:
         peers (as `call_async`), unless ``return_errors`` asks for each peer's own outcome.
         Then the first error is raised as soon as Monarch has it, not once every peer
         answered."""
+        me = None if return_errors else self._me(peers)
+        if me is not None:  # this worker here, the others as below
+            mine = self._local(call, args)
+            rest = [p for p in peers if p != me]
+            out = self.call(rest, call, *args) if rest else []
+            try:
+                out.insert(list(peers).index(me), mine.get(timeout=self._timeout(call)))
+            except TimeoutError:
+                raise _timed_out(call, [me], self._timeout(call)) from None
+            return out
         run = None if return_errors else self._run(peers)
         if run is None:
             return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
@@ -167,12 +198,16 @@ class MeshControl:
         away in the caller (docs/integration.md, "Memory over many updates"), so one call
         for all costs the sequencing trainer a few times less than one call per peer."""
         timeout = self._timeout(call)
+        me = self._me(peers)
         pieces = []  # all issued before any wait: one message per run of consecutive ranks
-        for run in self._runs(peers):
+        if me is not None:  # (its answer goes back to its place below)
+            pieces.append(_one_value(asyncio.wrap_future(self._local(call, args).future)))
+        for run in self._runs([p for p in peers if p != me]):
             mesh = self._run(run)
             pieces.append(_values(self._issue_run(mesh, call, args))
                           if mesh is not None else _one_value(self._issue(run[0], call, args)))
-        answers = asyncio.ensure_future(_flattened(pieces))
+        answers = asyncio.ensure_future(_flattened(pieces, None if me is None else
+                                                   list(peers).index(me)))
         if call is PeerCall.SEND_ROUND:
             # A trainer serves its sends in order, so this one's clock starts once the one
             # before it answered (bounded itself): a stalled trainer surfaces within one peer
@@ -196,8 +231,31 @@ async def _one_value(future) -> list:
     return [await future]
 
 
-async def _flattened(pieces) -> list:
-    return [a for answers in await asyncio.gather(*pieces) for a in answers]
+async def _flattened(pieces, local_at: int | None = None) -> list:
+    """The answers of ``pieces`` in order; with ``local_at``, the first piece is the local
+    worker's answer, which goes at that index."""
+    out = [a for answers in await asyncio.gather(*pieces) for a in answers]
+    if local_at is not None:
+        out.insert(local_at, out.pop(0))
+    return out
+
+
+class _Local:
+    """A local call's future with a Monarch future's ``get``."""
+
+    def __init__(self, future):
+        self.future = future
+
+    def get(self, timeout: float | None = None):
+        return self.future.result(timeout)
+
+
+def _serve_local(group: str, call: PeerCall, args: tuple):
+    """Run ``call`` on this process's worker; its error as a served call's (`ActorError`)."""
+    try:
+        return call.serve(registry.lookup(group, 0), *args)
+    except Exception as e:  # noqa: BLE001  (the same error a call through the agent raises)
+        raise ActorError(e, f"Actor call TransferAgent.serve({call.value}) failed.") from e
 
 
 async def _values(future) -> list:
