@@ -26,7 +26,7 @@ checkpoint tensors each update (rotating: every update re-plans). Printed per mo
 process's RSS growth per update (least squares over the samples), the largest of the
 rollouts' and the trainers', and the fds at the start and end of the mode; then, per trainer and
 rollout rank 0 and 1 (of the first engine), the peer calls per update it sent (Monarch
-messages) and served (`weightbridge.mesh.registry.calls`): Monarch keeps state for every
+messages), served, and made on itself (no message; `weightbridge.mesh.registry.calls`): Monarch keeps state for every
 message (benchmarks/message_memory.py measures how much). ``--trim`` runs ``malloc_trim(0)``
 in every process before each sample (what stays is live memory); ``--trace`` runs tracemalloc
 in every process and prints the Python allocations that grew most in trainer 0 and rollout 0.
@@ -352,9 +352,11 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                 for rank in (0, 1):
                     sent = sum(counted[(side, rank)]["sent"].values()) / n
                     served = sum(counted[(side, rank)]["served"].values()) / n
+                    local = sum(counted[(side, rank)]["local"].values()) / n
                     top = counted[(side, rank)]["sent"].most_common(3)
                     lines.append(f"{'':>12}{name}{rank} peer calls/update: sent {sent:.1f} "
-                                 f"(messages), served {served:.1f}; most sent: "
+                                 f"(messages), served {served:.1f}, on itself {local:.1f} (no "
+                                 f"message); most sent: "
                                  + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
             for who, grew in heap.items():
                 lines += [f"{'':>12}{who} heap: {g}" for g in grew]
@@ -373,12 +375,12 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
 
 
 def _calls(trainers, rollouts) -> dict:
-    """(side, rank) -> {"sent" | "served": Counter of PeerCall value}."""
+    """(side, rank) -> {"sent" | "served" | "local": Counter of PeerCall value}."""
     out = {}
     for side, mesh in (("trainer", trainers), ("rollout", rollouts)):
         for p, counts in mesh.calls.call().get().items():
-            by = out[(side, p.rank)] = {"sent": collections.Counter(),
-                                        "served": collections.Counter()}
+            by = out[(side, p.rank)] = {kind: collections.Counter()
+                                        for kind in ("sent", "served", "local")}
             for (kind, call), k in counts.items():
                 by[kind][call] += k
     return out
