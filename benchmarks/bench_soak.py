@@ -24,11 +24,12 @@ measures memory per mode instead: one group per mode on the same procs, one afte
 ``--warmup``, then closed. The delta modes send ``changed=`` a different third of the
 checkpoint tensors each update (rotating: every update re-plans). Printed per mode: each
 process's RSS growth per update (least squares over the samples), the largest of the
-rollouts' and the trainers', and the fds at the start and end of the mode; then, per trainer and
-rollout rank 0 and 1 (of the first engine), the peer calls per update it sent (Monarch
-messages), served, and made on itself (no message; `weightbridge.mesh.registry.calls`): Monarch keeps state for every
-message (benchmarks/message_memory.py measures how much). ``--trim`` runs ``malloc_trim(0)``
-in every process before each sample (what stays is live memory); ``--trace`` runs tracemalloc
+rollouts' and the trainers', and the fds at the start and end of the mode; then, per
+trainer and rollout rank 0 and 1 (of the first engine), the peer calls per update it sent
+(Monarch messages), served, and made on itself (no message), from
+`weightbridge.mesh.registry.calls`: Monarch keeps state for every message
+(benchmarks/message_memory.py measures how much). ``--trim`` runs ``malloc_trim(0)`` in every
+process before each sample (what stays is live memory); ``--trace`` runs tracemalloc
 in every process and prints the Python allocations that grew most in trainer 0 and rollout 0.
 """
 
