@@ -354,10 +354,11 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                     sent = sum(counted[(side, rank)]["sent"].values()) / n
                     served = sum(counted[(side, rank)]["served"].values()) / n
                     local = sum(counted[(side, rank)]["local"].values()) / n
+                    writes = sum(counted[(side, rank)]["write"].values()) / n
                     top = counted[(side, rank)]["sent"].most_common(3)
                     lines.append(f"{'':>12}{name}{rank} peer calls/update: sent {sent:.1f} "
                                  f"(messages), served {served:.1f}, on itself {local:.1f} (no "
-                                 f"message); most sent: "
+                                 f"message); RDMA writes started {writes:.1f}; most sent: "
                                  + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
             for who, grew in heap.items():
                 lines += [f"{'':>12}{who} heap: {g}" for g in grew]
@@ -376,12 +377,12 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
 
 
 def _calls(trainers, rollouts) -> dict:
-    """(side, rank) -> {"sent" | "served" | "local": Counter of PeerCall value}."""
+    """(side, rank) -> {"sent" | "served" | "local" | "write": Counter (`registry.calls`)}."""
     out = {}
     for side, mesh in (("trainer", trainers), ("rollout", rollouts)):
         for p, counts in mesh.calls.call().get().items():
             by = out[(side, p.rank)] = {kind: collections.Counter()
-                                        for kind in ("sent", "served", "local")}
+                                        for kind in ("sent", "served", "local", "write")}
             for (kind, call), k in counts.items():
                 by[kind][call] += k
     return out

@@ -31,6 +31,15 @@ class Echo(Actor):
     def rss_kb(self) -> int:
         return _rss_kb()
 
+    @endpoint
+    def buffer(self, nbytes: int):
+        """A registered RDMA buffer of ``nbytes`` in this process, for `Caller.run` "write"."""
+        import torch
+        from monarch.rdma import RDMABuffer
+
+        self._arena = torch.zeros(nbytes, dtype=torch.uint8)
+        return RDMABuffer(self._arena)
+
 
 class Caller(Actor):
     """Calls an `Echo` from inside a proc (as one worker calls another), ``n`` times."""
@@ -44,6 +53,12 @@ class Caller(Actor):
         if how == "call":
             for r in range(n):
                 echo.serve.call_one(r).get()
+        elif how == "write":  # ``echo`` is a registered buffer (`Echo.buffer`)
+            import torch
+
+            src = torch.ones(echo.size(), dtype=torch.uint8)
+            for _ in range(n):
+                echo.write_from(src, timeout=60).get()
         else:  # "port": fire-and-forget calls, answered through one port opened once
             if not hasattr(self, "_reply"):
                 self._reply = Channel.open()

@@ -8,7 +8,9 @@ calls one after another, ``--reps`` times, each way:
 - ``call``: an endpoint call with its own reply port (``call_one(...).get()``), answered from a
   pool thread through the call's response port: what `MeshControl` did for every peer call;
 - ``port``: a fire-and-forget message (``broadcast``) carrying a reply port the caller opened
-  once, answered through that port.
+  once, answered through that port;
+- ``write``: an RDMA write (``write_from``, 4 KiB) into a buffer the callee registered, as a
+  round's writes (over the TCP fallback where there is no RDMA NIC).
 
 Printed per way: each process's RSS growth per message (least squares over the reps, after
 one warm-up rep).
@@ -40,15 +42,16 @@ def main() -> int:
     from weightbridge.mesh.transport import configure_transport
 
     configure_transport()
-    for how in ("call", "port"):
+    for how in ("call", "port", "write"):
         procs = [this_host().spawn_procs(per_host={"p": 1}, name=n) for n in ("caller", "echo")]
         try:
             caller = procs[0].spawn("caller", Caller)
             echo = procs[1].spawn("echo", Echo)
-            caller.run.call_one(echo, how, args.calls).get()  # warm-up
+            target = echo.buffer.call_one(4096).get() if how == "write" else echo
+            caller.run.call_one(target, how, args.calls).get()  # warm-up
             xs, mine, theirs = [], [], []
             for rep in range(1, args.reps + 1):
-                mine.append(caller.run.call_one(echo, how, args.calls).get())
+                mine.append(caller.run.call_one(target, how, args.calls).get())
                 theirs.append(echo.rss_kb.call_one().get())
                 xs.append(rep * args.calls)
             print(f"{how:>5}: RSS per message: caller {1024 * slope(xs, mine):+.0f} B, callee "

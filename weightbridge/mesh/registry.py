@@ -29,8 +29,10 @@ _registry: dict[str, object] = {}
 _registered = threading.Condition()
 
 calls: collections.Counter = collections.Counter()
-"""("issued" | "served" | "messages", call value) -> count, in this process: "messages" counts
-the Monarch messages issued (one per run of consecutive peers, `MeshControl`)."""
+"""(kind, what) -> count, in this process: ("sent", call value) the Monarch messages
+`MeshControl` sent (one per run of consecutive peers), ("served", call value) the calls the
+agent served, ("local", call value) the calls a worker made on itself (no message),
+("write", side) the RDMA writes `MeshTransport` started into peers of that side."""
 
 
 def register(group: str, worker) -> None:
