@@ -24,21 +24,31 @@ measures memory per mode instead: one group per mode on the same procs, one afte
 ``--warmup``, then closed. The delta modes send ``changed=`` a different third of the
 checkpoint tensors each update (rotating: every update re-plans). Printed per mode: each
 process's RSS growth per update (least squares over the samples), the largest of the
-rollouts' and the trainers', and the fds at the start and end of the mode.
+rollouts' and the trainers', and the fds at the start and end of the mode; then, per
+trainer and rollout rank 0 and 1 (of the first engine), the peer calls per update it sent
+(Monarch messages), served, and made on itself (no message), from
+`weightbridge.mesh.registry.calls`: Monarch keeps state for every message
+(benchmarks/message_memory.py measures how much). ``--trim`` runs ``malloc_trim(0)`` in every
+process before each sample (what stays is live memory); ``--trace`` runs tracemalloc
+in every process and prints the Python allocations that grew most in trainer 0 and rollout 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
 import os
 import statistics
 import time
+import tracemalloc
 
 import torch
 from monarch.actor import Actor, current_rank, endpoint, this_host
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import TransferConfig, TransferGroup
+from weightbridge.mesh import registry
 from weightbridge.mesh.transport import configure_transport
 
 TRAINER_TP, ENGINES, ENGINE_TP = 2, 2, 2
@@ -51,14 +61,47 @@ def checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
 
 
 def usage() -> tuple[float, int]:
-    """(resident MB, open file descriptors) of this process."""
+    """(resident MB, open file descriptors) of this process; with ``WB_SOAK_TRIM`` set
+    (``--trim``), after glibc's ``malloc_trim(0)``: what stays is live memory, not free heap
+    memory glibc kept."""
+    if os.environ.get("WB_SOAK_TRIM"):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/status") as f:
         rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return rss_kb / 1024, len(os.listdir("/proc/self/fd"))
 
 
-class SoakTrainer(Actor):
+class Probe:
+    """Endpoints both soak actors have: this process's peer-call counts and, with
+    ``WB_SOAK_TRACE`` set (``--trace``), the Python heap's growth between two marks."""
+
+    def _trace_start(self) -> None:
+        if os.environ.get("WB_SOAK_TRACE") and not tracemalloc.is_tracing():
+            tracemalloc.start(8)
+
+    @endpoint
+    def calls(self) -> dict:
+        """("sent" | "served", PeerCall value) -> count in this process (`registry.calls`)."""
+        return dict(registry.calls)
+
+    @endpoint
+    def heap_mark(self) -> None:
+        self._mark = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+
+    @endpoint
+    def heap_growth(self, top: int = 6) -> list[str]:
+        """The Python allocations that grew most since `heap_mark`, by traceback."""
+        if getattr(self, "_mark", None) is None:
+            return []
+        diff = tracemalloc.take_snapshot().compare_to(self._mark, "traceback")
+        return [f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at "
+                + " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}"
+                              for f in list(d.traceback)[::-1][:5]) for d in diff[:top]]
+
+
+class SoakTrainer(Actor, Probe):
     def __init__(self, model: str):
+        self._trace_start()
         torch.set_num_threads(1)
         self.model = model
         self.senders = {}
@@ -101,8 +144,9 @@ class SoakTrainer(Actor):
         return usage()
 
 
-class SoakRollout(Actor):
+class SoakRollout(Actor, Probe):
     def __init__(self, model: str):
+        self._trace_start()
         torch.set_num_threads(1)
         self.model = model
         self.receivers, self.shards = {}, {}
@@ -157,7 +201,16 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--round-kib", type=int, default=256)
     parser.add_argument("--modes", help=f"memory per mode: a comma list of {MODES} or 'all'")
+    parser.add_argument("--trim", action="store_true",
+                        help="malloc_trim(0) in each process before each memory sample")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --modes: print the Python heap's largest growth per mode "
+                             "(tracemalloc in every process; slower)")
     args = parser.parse_args()
+    if args.trim:
+        os.environ["WB_SOAK_TRIM"] = "1"  # (the procs inherit it)
+    if args.trace:
+        os.environ["WB_SOAK_TRACE"] = "1"
     if min(args.updates, args.sample_every, args.check_every) < 1 or args.warmup < 0 \
             or args.updates <= args.warmup:
         parser.error("--updates > --warmup >= 0, and --sample-every, --check-every >= 1")
@@ -269,8 +322,17 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                     if v > args.warmup and ((v - args.warmup) % args.sample_every == 0
                                            or v == args.warmup + 1):
                         samples.append((v, _usage(trainers, rollouts)))
+                        if len(samples) == 1:
+                            counted = _calls(trainers, rollouts)
+                            trainers.heap_mark.call().get()
+                            rollouts.heap_mark.call().get()
                 trainers.wait_idle.call(mode).get()
                 wall = time.perf_counter() - t0
+                counted = {k: _minus(c, counted[k]) for k, c in
+                           _calls(trainers, rollouts).items()}
+                heap = ({"t0": trainers.heap_growth.call().get().item(gpus=0),
+                         "r0": rollouts.heap_growth.call().get().item(replica=0, gpus=0)}
+                        if args.trace else {})
             finally:
                 group.close()
                 trainers.drop.call(mode).get()
@@ -286,7 +348,21 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                          f"{worst[(mode, 'rollout')]:+.1f}, max trainer "
                          f"{worst[(mode, 'trainer')]:+.1f}  ({per}); fds {sum(fds[:half])} -> "
                          f"{sum(fds[half:])} over all procs; {wall:.0f}s")
-            print(lines[-1], flush=True)
+            n = xs[-1] - xs[0]
+            for side, name in (("trainer", "t"), ("rollout", "r")):
+                for rank in (0, 1):
+                    sent = sum(counted[(side, rank)]["sent"].values()) / n
+                    served = sum(counted[(side, rank)]["served"].values()) / n
+                    local = sum(counted[(side, rank)]["local"].values()) / n
+                    writes = sum(counted[(side, rank)]["write"].values()) / n
+                    top = counted[(side, rank)]["sent"].most_common(3)
+                    lines.append(f"{'':>12}{name}{rank} peer calls/update: sent {sent:.1f} "
+                                 f"(messages), served {served:.1f}, on itself {local:.1f} (no "
+                                 f"message); RDMA writes started {writes:.1f}; most sent: "
+                                 + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
+            for who, grew in heap.items():
+                lines += [f"{'':>12}{who} heap: {g}" for g in grew]
+            print("\n".join(lines[-4 - sum(map(len, heap.values())) - 1:]), flush=True)
     finally:
         rp.stop().get(timeout=60)
         tp.stop().get(timeout=60)
@@ -298,6 +374,22 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
           f" KB/update, trainer {max(g for (m, s), g in worst.items() if s == 'trainer'):+.1f}"
           f" KB/update (issue 23's target: <= 20)")
     return 1 if bad else 0
+
+
+def _calls(trainers, rollouts) -> dict:
+    """(side, rank) -> {"sent" | "served" | "local" | "write": Counter (`registry.calls`)}."""
+    out = {}
+    for side, mesh in (("trainer", trainers), ("rollout", rollouts)):
+        for p, counts in mesh.calls.call().get().items():
+            by = out[(side, p.rank)] = {kind: collections.Counter()
+                                        for kind in ("sent", "served", "local", "write")}
+            for (kind, call), k in counts.items():
+                by[kind][call] += k
+    return out
+
+
+def _minus(now: dict, then: dict) -> dict:
+    return {kind: now[kind] - then[kind] for kind in now}
 
 
 def _usage(trainers, rollouts) -> dict:

@@ -20,3 +20,55 @@ class Echo(Actor):
     @endpoint(explicit_response_port=True)
     def serve(self, port, r: int) -> None:
         self._pool.submit(port._resolve_and_send_blocking, r)
+
+    @endpoint
+    def serve_to(self, reply, r: int) -> None:
+        """Answer ``r`` through ``reply``, a port the caller opened once (no reply port per
+        call: ``benchmarks/message_memory.py``)."""
+        self._pool.submit(reply.send, r)
+
+    @endpoint
+    def rss_kb(self) -> int:
+        return _rss_kb()
+
+    @endpoint
+    def buffer(self, nbytes: int):
+        """A registered RDMA buffer of ``nbytes`` in this process, for `Caller.run` "write"."""
+        import torch
+        from monarch.rdma import RDMABuffer
+
+        self._arena = torch.zeros(nbytes, dtype=torch.uint8)
+        return RDMABuffer(self._arena)
+
+
+class Caller(Actor):
+    """Calls an `Echo` from inside a proc (as one worker calls another), ``n`` times."""
+
+    @endpoint
+    def run(self, echo, how: str, n: int) -> int:
+        """Issue ``n`` calls one after another, each waited for; this process's RSS (KB)
+        after."""
+        from monarch.actor import Channel
+
+        if how == "call":
+            for r in range(n):
+                echo.serve.call_one(r).get()
+        elif how == "write":  # ``echo`` is a registered buffer (`Echo.buffer`)
+            import torch
+
+            src = torch.ones(echo.size(), dtype=torch.uint8)
+            for _ in range(n):
+                echo.write_from(src, timeout=60).get()
+        else:  # "port": fire-and-forget calls, answered through one port opened once
+            if not hasattr(self, "_reply"):
+                self._reply = Channel.open()
+            port, receiver = self._reply
+            for r in range(n):
+                echo.serve_to.broadcast(port, r)
+                assert receiver.recv().get() == r
+        return _rss_kb()
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))

@@ -1,4 +1,4 @@
-"""Monarch RDMA for round buffers: the only core module that imports ``monarch``.
+"""Monarch RDMA for round buffers (`MeshTransport`, a worker's `Transport` on a mesh).
 
 Monarch 0.7.0's `RDMABuffer` is 1-D and has no offset writes (``write_from`` fills the prefix of
 the remote buffer), so a receiver registers one buffer per byte range that some peer writes into,
@@ -24,6 +24,8 @@ from typing import Iterable, Mapping, Sequence
 import monarch
 import torch
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
+
+from weightbridge.mesh.registry import calls
 
 Range = tuple[int, int, int]
 """(arena parity, byte offset, nbytes): a range of one of a receiver's two round arenas."""
@@ -106,3 +108,34 @@ def wait_all(futures: Sequence) -> None:
 def drop_all(handles: Mapping[object, RDMABuffer]) -> None:
     """Deregister buffers (the arenas stay pinned until then)."""
     wait_all([h.drop() for h in handles.values()])
+
+
+class MeshTransport:
+    """Monarch RDMA behind the `weightbridge.coordination.control.Transport` calls."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = max(1, int(timeout_s))
+        self.peers: dict = {}
+        self.registered: dict = {}
+
+    def register(self, arenas, ranges) -> dict:
+        """Register this worker's incoming ranges; after a re-plan, deregister the old plan's
+        (its arenas are no longer written: the failed transfer's writes ended or timed out)."""
+        self.release()
+        self.registered = register_ranges(arenas, ranges)
+        return self.registered
+
+    def release(self) -> None:
+        if self.registered:
+            drop_all(self.registered)
+        self.registered = {}
+
+    def set_peers(self, handles: dict) -> None:
+        self.peers = handles
+
+    def write(self, peer, key, src):
+        calls["write", peer.side] += 1  # (the receiver keeps state for each: registry.calls)
+        return write(self.peers[(peer, key)], src, timeout_s=self.timeout_s)
+
+    def wait(self, futures) -> None:
+        wait_all(futures)

@@ -1,0 +1,79 @@
+"""`TransferGroup.close()` on real Monarch meshes: safe on any handle, any number of times, and
+it releases rollouts waiting for a version.
+
+A trainer and a TP1 engine (`meshes.adapter_actors`); the handle from before `add_engines` and
+the grown one are closed in either order, twice; a rollout blocked in ``wait_for_version``
+when the group closes returns with `TransferFailed` saying so (long before its own
+3 x ``timeout_s``). Everything spawned is stopped, even on failure.
+"""
+
+import pytest
+from monarch.actor import this_host
+
+from meshes.adapter_actors import RLRollout, RLTrainer
+from meshprocs import proc_pair
+from weightbridge import TransferConfig, TransferGroup
+
+pytestmark = pytest.mark.mesh
+
+WAIT_S = 60.0
+"""The rollouts' own wait: 3 x timeout_s = 180 s, far beyond how long a close may take."""
+
+
+def _stopped(agents) -> bool:
+    try:
+        agents.release.call("no-such-group").get(timeout=30)
+    except Exception:  # noqa: BLE001  (a stopped actor mesh refuses every call)
+        return True
+    return False
+
+
+def test_close_is_idempotent_on_every_handle():
+    joining = this_host().spawn_procs(per_host={"worker": 1}, name="joining")
+    try:
+        with proc_pair(1, 1) as (tprocs, rprocs):
+            group = TransferGroup.spawn(tprocs, rprocs, engine_size=1,
+                                        config=TransferConfig(timeout_s=WAIT_S))
+            grown = group.add_engines(joining)
+            try:
+                grown.close()
+                group.close()  # the handle from before add_engines: nothing left to stop
+                grown.close()
+                group.close()
+                assert all(_stopped(agents) for agents in grown.spawned)
+                other = TransferGroup.spawn(tprocs, rprocs, engine_size=1)
+                grown2 = other.add_engines(joining)
+                other.close()  # the old handle first: it stops the engines added later too
+                assert all(_stopped(agents) for agents in grown2.spawned)
+                grown2.close()
+            finally:
+                group.close()
+    finally:
+        joining.stop().get(timeout=60)
+
+
+@pytest.mark.parametrize("rs", [False, True], ids=["sync", "rs"])
+def test_close_releases_a_rollout_waiting_for_a_version(rs):
+    config = TransferConfig(timeout_s=WAIT_S, receiver_staging=rs, round_bytes=64 << 10)
+    with proc_pair(1, 1) as (tprocs, rprocs):
+        group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
+        actors = []
+        try:
+            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", 1)
+            actors.append(trainers)
+            rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
+            actors.append(rollouts)
+            trainers.setup.call(group).get(timeout=120)
+            rollouts.setup.call(group).get(timeout=120)
+            trainers.connect.call().get(timeout=120)
+            waiting = rollouts.wait_version.call(1, {1: None})  # nothing will send version 1
+            group.close()
+            with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
+                waiting.get(timeout=WAIT_S)
+            assert "TransferFailed" in str(e.value), e.value
+        finally:
+            try:
+                group.close()
+            finally:
+                for mesh in actors:
+                    mesh.stop().get(timeout=60)

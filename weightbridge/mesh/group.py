@@ -1,0 +1,236 @@
+"""`TransferGroup`: the picklable handle on one transfer group's agents.
+
+The controller spawns the group (`TransferGroup.spawn`: a `TransferAgent` on every proc of the
+trainer and rollout meshes), grows it (`add_engines`) and closes it (`close`); inside each
+user actor the handle builds that rank's worker (`sender`, `receiver`, `worker`), which
+registers it where the agent of its process serves it (`weightbridge.mesh.registry`).
+
+    controller (your RL loop)                          each trainer / rollout proc
+    -------------------------                          ---------------------------
+    group = TransferGroup.spawn(tprocs, rprocs,        TransferAgent (the library's)
+                                engine_size=2, config=...)
+    trainers.setup.call(group)  --------------------->  self.wb = group.sender(params, load, spec)
+    trainers.connect.call()     --------------------->  self.wb.connect()
+    per step: trainers.step.call(v) ----------------->  ...; self.wb.send_weights(v)
+    rollouts.generate.call()    --------------------->  self.wb.poll_requests(); ...
+    group.close()
+
+No mesh axis needs a particular name: the agents' meshes are flattened, and worker i is the
+proc of flat rank i (engines added later with `add_engines` run on procs of their own: their
+ranks go on after the group's, one more segment of the rollout side).
+
+Typical usage: docs/integration.md; `tests/test_monarch_integration.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from dataclasses import dataclass
+
+from monarch.actor import current_rank
+
+from weightbridge.config import TransferConfig
+from weightbridge.mesh import monarch_api
+from weightbridge.mesh.agent import TransferAgent
+from weightbridge.mesh.control import AXIS, MeshControl, _size
+from weightbridge.mesh.registry import register
+from weightbridge.mesh.transport import MeshTransport
+from weightbridge.types import Placement
+
+CLOSE_TIMEOUT_S = 60.0
+"""How long `TransferGroup.close` waits for each agent mesh to release and to stop."""
+
+
+class _Lifecycle:
+    """What every handle of one group shares in a process: the agent meshes spawned so far
+    (`TransferGroup.add_engines` adds to them) and whether the group was closed, so that
+    closing any handle, any number of times, stops each agent mesh once."""
+
+    def __init__(self, spawned: tuple = ()):
+        self.lock = threading.Lock()
+        self.spawned = list(spawned)
+        self.closed = False
+
+    def __getstate__(self) -> dict:
+        return {"spawned": self.spawned, "closed": self.closed}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["spawned"])
+        self.closed = state["closed"]
+
+
+@dataclass(frozen=True)
+class TransferGroup:
+    """A picklable handle on one transfer group's agents: pass it to your actors.
+
+    Build it with `TransferGroup.spawn` in the controller; inside each actor, build that
+    rank's worker with `sender` / `receiver` (adapters) or `worker` (controller-driven).
+    """
+
+    name: str
+    trainer_agents: object
+    rollout_agents: object
+    num_trainers: int
+    num_engines: int
+    engine_size: int
+    config: TransferConfig
+    spawned: tuple = ()
+    """The agent actor meshes of this handle as spawned (`close` stops those of every handle
+    of the group)."""
+    joined: tuple = ()
+    """(first flat rollout rank, flattened agents) of each run of engines `add_engines`
+    added, after ``rollout_agents``' ranks."""
+    rollout_base: int = 0
+    """Flat rollout rank of the first proc of the mesh this handle's rollout actors run on:
+    the handle `add_engines` returns builds the joining engines' workers."""
+    _life: _Lifecycle = dataclasses.field(default=None, compare=False, repr=False)
+    """Shared by this handle and the ones `add_engines` made from it (`close`)."""
+
+    def __post_init__(self):
+        if self._life is None:
+            object.__setattr__(self, "_life", _Lifecycle(self.spawned))
+
+    @classmethod
+    def spawn(cls, trainer_procs, rollout_procs, *, engine_size: int,
+              config: TransferConfig = TransferConfig(), name: str | None = None
+              ) -> "TransferGroup":
+        """Spawn the agents on every proc of both meshes (any axis names: each mesh is taken
+        in its flat rank order). Rollout proc j is rank ``j % engine_size`` of engine
+        ``j // engine_size``.
+
+        Raises:
+            ValueError: an engine size that does not divide the rollout procs, or a config
+                that is not a `TransferConfig`.
+        """
+        monarch_api.check()
+        if not isinstance(config, TransferConfig):
+            raise ValueError(f"config must be a weightbridge.TransferConfig, got "
+                             f"{type(config).__name__}")
+        num_rollouts = _size(rollout_procs)
+        if engine_size < 1 or num_rollouts % engine_size:
+            raise ValueError(f"engine_size={engine_size} must divide the {num_rollouts} rollout "
+                             f"procs (engines are consecutive runs of ranks)")
+        name = name or f"wb-{uuid.uuid4().hex[:8]}"
+        spawned = tuple(procs.spawn(f"{name}-{side}", TransferAgent) for side, procs in
+                        (("trainer", trainer_procs), ("rollout", rollout_procs)))
+        return cls(name=name, trainer_agents=spawned[0].flatten(AXIS),
+                   rollout_agents=spawned[1].flatten(AXIS), num_trainers=_size(trainer_procs),
+                   num_engines=num_rollouts // engine_size, engine_size=engine_size,
+                   config=config, spawned=spawned)
+
+    def add_engines(self, rollout_procs) -> "TransferGroup":
+        """Spawn agents on ``rollout_procs`` (whole engines of ``engine_size`` procs, any axis
+        names) and return the grown group: its rollout ranks go on after this group's, engine
+        numbers after its engines. Pass the returned handle to the joining engines' actors
+        (their workers take their ranks from it) and to whoever drives the group
+        (`controller.MeshTransfer.add_engine` or the trainers' `SenderAdapter.add_engines`),
+        which plans them in. This handle stays valid for the workers built from it.
+
+        Raises:
+            ValueError: ``engine_size`` does not divide the new procs, or the group was
+                closed.
+        """
+        if self._life.closed:
+            raise ValueError(f"transfer group {self.name} was closed (TransferGroup.close()); "
+                             f"spawn a new group to add engines to")
+        count = _size(rollout_procs)
+        if count < 1 or count % self.engine_size:
+            raise ValueError(f"add_engines got {count} rollout procs; give whole engines: a "
+                             f"multiple of engine_size={self.engine_size}")
+        first = self.num_engines * self.engine_size
+        agents = rollout_procs.spawn(f"{self.name}-rollout-{first}", TransferAgent)
+        with self._life.lock:
+            self._life.spawned.append(agents)
+        return dataclasses.replace(
+            self, joined=self.joined + ((first, agents.flatten(AXIS)),),
+            num_engines=self.num_engines + count // self.engine_size, rollout_base=first,
+            spawned=self.spawned + (agents,))
+
+    def close(self) -> None:
+        """Release every worker of the group (RDMA buffers, references to parameters) and
+        stop the agents, those of engines added later included. The procs and your actors
+        stay. Safe on any handle of the group (from before or after `add_engines`), any
+        number of times: the first call closes, later ones return.
+
+        Rollouts waiting in ``poll_requests`` or ``wait_for_version`` return at once: their
+        call, and every later one, raises `TransferFailed` saying the group was closed.
+
+        Raises:
+            Exception: an agent mesh that did not release or stop (its proc died); every
+                other one was still released and stopped.
+        """
+        life = self._life
+        with life.lock:
+            if life.closed:
+                return
+            life.closed = True
+            spawned = list(life.spawned)
+        why = (f"transfer group {self.name} was closed (TransferGroup.close()); nothing more "
+               f"reaches these parameters: spawn a new group to go on receiving versions")
+        errors = []
+        # Released first, everywhere (rollouts' waits end, buffers are dropped), then stopped:
+        # no worker calls into an agent already stopped.
+        released = [agents.release.call(self.name, why) for agents in spawned]
+        for future in released:
+            _collect(errors, lambda: future.get(timeout=CLOSE_TIMEOUT_S))
+        for agents in spawned:
+            _collect(errors, lambda: agents.stop().get(timeout=CLOSE_TIMEOUT_S))
+        if errors:
+            raise errors[0]
+
+    # -- inside an actor: this rank's worker ---------------------------------------------------
+
+    def _wiring(self) -> dict:
+        return {"control": MeshControl(self),
+                "transport": MeshTransport(self.config.peer_timeout_s), "config": self.config}
+
+    def sender(self, params, load_weights, spec, *, placement: Placement | None = None,
+               kernels=None, cls=None):
+        """This trainer rank's `SenderAdapter` (or ``cls``, a subclass); its rank is this
+        actor's flat rank in its mesh."""
+        from weightbridge.coordination.sender import SenderAdapter
+
+        worker = (cls or SenderAdapter)(params, load_weights, spec, rank=current_rank().rank,
+                               placement=placement, kernels=kernels, **self._wiring())
+        register(self.name, worker)
+        return worker
+
+    def receiver(self, params, load_weights, spec, *, placement: Placement | None = None,
+                 before_update_hook=None, kernels=None, cls=None):
+        """This rollout rank's `ReceiverAdapter` (or ``cls``, a subclass); its engine and
+        engine rank follow from its flat rank and ``engine_size``."""
+        from weightbridge.coordination.receiver import ReceiverAdapter
+
+        rank = current_rank().rank + self.rollout_base
+        worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,
+                                 engine=rank // self.engine_size,
+                                 engine_rank=rank % self.engine_size,
+                                 engine_size=self.engine_size, placement=placement,
+                                 before_update_hook=before_update_hook, kernels=kernels,
+                                 **self._wiring())
+        register(self.name, worker)
+        return worker
+
+    def worker(self, side: str, params, load_weights, spec, *, placement: Placement,
+               kernels=None, cls=None):
+        """This rank's plain `TransferWorker` (or ``cls``, a subclass), for a group a
+        controller drives (`controller.MeshTransfer`)."""
+        from weightbridge.coordination.worker import TransferWorker
+
+        wiring = self._wiring()
+        del wiring["control"]
+        rank = current_rank().rank + (self.rollout_base if side == "rollout" else 0)
+        worker = (cls or TransferWorker)(side, params, load_weights, spec,
+                                         rank=rank, placement=placement,
+                                         kernels=kernels, **wiring)
+        register(self.name, worker)
+        return worker
+
+
+def _collect(errors: list, step) -> None:
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001  (raised once every agent mesh was handled)
+        errors.append(e)

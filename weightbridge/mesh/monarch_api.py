@@ -1,0 +1,61 @@
+"""The private Monarch calls WeightBridge makes, in one place, checked once against the install.
+
+`TransferAgent` answers its calls from its own threads (a sync actor that serves many calls at
+once), which takes Monarch's private ``Port._resolve_and_send_blocking``: what Monarch itself
+does with a sync endpoint's result. Private names can vanish in any release, so `check` looks
+for each of them once and fails with the installed version, the supported one and what to do,
+instead of an ``AttributeError`` deep inside a peer call.
+
+Typical usage::
+
+    check()                       # TransferGroup.spawn and each agent, before any call
+    answer(port, result)          # an agent thread, for a call served off the actor's thread
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+SUPPORTED = "0.7"
+"""The torchmonarch release (major.minor) whose private API this module was written against."""
+
+_PRIVATE = (("monarch._src.actor.actor_mesh", "Port", "_resolve_and_send_blocking"),)
+"""(module, class, attribute) of every private Monarch name the library uses."""
+
+
+def installed_version() -> str:
+    try:
+        return metadata.version("torchmonarch")
+    except metadata.PackageNotFoundError:
+        return "unknown (no torchmonarch distribution found)"
+
+
+@functools.cache
+def check() -> None:
+    """Raise ImportError, once per process, when a private Monarch name the library uses is
+    missing from the installed torchmonarch."""
+    import importlib
+
+    missing = []
+    for module, cls, attr in _PRIVATE:
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{cls}")
+            continue
+        if not hasattr(owner, attr):
+            missing.append(f"{module}.{cls}.{attr}")
+    if missing:
+        raise ImportError(
+            f"weightbridge's Monarch transfer groups need torchmonarch {SUPPORTED}.x, but the "
+            f"installed torchmonarch {installed_version()} lacks {', '.join(missing)} (a private "
+            f"Monarch API the agents answer calls with): install torchmonarch=={SUPPORTED}.* "
+            f"(pip install 'torchmonarch=={SUPPORTED}.*'), or update weightbridge/mesh/"
+            f"monarch_api.py for this release")
+
+
+def answer(port, result) -> None:
+    """Send ``result`` to the caller of an explicit-response-port endpoint from any thread,
+    as Monarch answers a sync endpoint (mesh references in ``result`` resolved first)."""
+    port._resolve_and_send_blocking(result)

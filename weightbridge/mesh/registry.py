@@ -1,0 +1,92 @@
+"""The workers of this process, by transfer group: where a `TransferAgent` finds the worker a
+peer call is for.
+
+A user's actor builds its worker through the group handle (`TransferGroup.sender`, ...), which
+registers it here; the agent of the same process looks it up for every call it serves, and
+forgets it when the group closes (`take`). One worker per process and group.
+
+The calls on a worker run on its group's threads here (`submit`): those the agent serves and
+those the worker makes on itself, which `MeshControl` runs here without a Monarch message. A
+trainer's `PeerCall.SEND_ROUND`s run on one thread, in order.
+
+`calls` counts the peer calls this process issued and served, per `PeerCall`: Monarch keeps
+state for every message (docs/integration.md, "Memory over many updates"), so the counts are
+what a soak divides its memory growth by (benchmarks/bench_soak.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from weightbridge.coordination.control import PeerCall
+
+REGISTER_WAIT_S = 600.0
+"""How long an agent waits for its proc's worker to be built (a peer may probe first)."""
+
+_registry: dict[str, object] = {}
+_registered = threading.Condition()
+
+calls: collections.Counter = collections.Counter()
+"""(kind, what) -> count, in this process: ("sent", call value) the Monarch messages
+`MeshControl` sent (one per run of consecutive peers), ("served", call value) the calls the
+agent served, ("local", call value) the calls a worker made on itself (no message),
+("write", side) the RDMA writes `MeshTransport` started into peers of that side."""
+
+
+def register(group: str, worker) -> None:
+    with _registered:
+        if group in _registry:
+            raise ValueError(f"this process already has a worker in transfer group {group!r}: "
+                             f"build one worker per process and group (group.sender() or "
+                             f"group.receiver() once per rank)")
+        _registry[group] = worker
+        _registered.notify_all()
+
+
+def lookup(group: str, timeout_s: float = REGISTER_WAIT_S):
+    with _registered:
+        if not _registered.wait_for(lambda: group in _registry, timeout=timeout_s):
+            raise TimeoutError(f"no worker of transfer group {group!r} was built in this "
+                               f"process within {timeout_s:g}s: every rank must call "
+                               f"group.sender(...) or group.receiver(...)")
+        return _registry[group]
+
+
+def local(group: str):
+    """This process's worker of ``group``, or None (not built yet, or another process)."""
+    with _registered:
+        return _registry.get(group)
+
+
+_pools: dict[str, dict[bool, ThreadPoolExecutor]] = {}
+_pools_lock = threading.Lock()
+
+
+def submit(group: str, call: PeerCall, fn, *args) -> Future:
+    """Run ``fn(*args)`` on ``group``'s threads for ``call``: one thread for the sends, in
+    arrival order (a queued send starts the moment the previous one's writes landed), a pool
+    for every other call."""
+    send = call is PeerCall.SEND_ROUND
+    with _pools_lock:
+        pools = _pools.setdefault(group, {})
+        pool = pools.get(send)
+        if pool is None:
+            pool = pools[send] = (ThreadPoolExecutor(1, "weightbridge-send") if send else
+                                  ThreadPoolExecutor(thread_name_prefix="weightbridge-agent"))
+    return pool.submit(fn, *args)
+
+
+def shutdown(group: str) -> None:
+    """End ``group``'s threads (those running finish their call)."""
+    with _pools_lock:
+        pools = _pools.pop(group, {})
+    for pool in pools.values():
+        pool.shutdown(wait=False)
+
+
+def take(group: str):
+    """Forget this process's worker of ``group`` and return it (None: none was built)."""
+    with _registered:
+        return _registry.pop(group, None)
