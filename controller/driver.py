@@ -28,7 +28,7 @@ Handles travel on the control plane (endpoint arguments); bytes only through RDM
 step is issued the moment its inputs are done: a trainer serves its sends one at a time in the
 order issued, so round r + 1's send already waits in the trainer's queue when round r's writes
 land; the rollouts forward and land concurrently. Every wait is bounded and a failure becomes
-one `TransferError` naming the round and the step. The group's state (maps, the plan in force
+one `TransferFailed` naming the round and the step. The group's state (maps, the plan in force
 and its generation, who is out, the staging-slot ledger) is its `GroupLeader`, as on the
 adapters' rank 0; what was sent and what the rollouts hold is a `VersionBook`.
 
@@ -53,13 +53,13 @@ from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # no
                                WorkerMeshes, resolve_workers)  # (re-exported)
 from controller.membership import Lost, Membership
 from controller.ranks import by_rank
-from controller.report import (InstallReport, TransferError, UpdateReport,  # noqa: F401
-                               WorkersLost, mismatches)  # (re-exported)
+from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
+                               mismatches)  # (re-exported)
 from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
 from controller.versions import VersionBook
 from meshes.actors import RolloutActor, TrainerActor
-from weightbridge import TransferConfig, TransferPlan
+from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
                                  TrainerSpec, TransferGroup, backend, eq1, run_update,
                                  scaled_tensor, unanswered)
@@ -266,7 +266,7 @@ class MeshTransfer(ClosingContext, Membership):
         Raises:
             ValueError: a version not newer than the last one; ``changed`` names tensors the
                 workers do not read, or comes before any full update (before anything moves).
-            TransferError: a worker failed, died or stalled during the transfer (with
+            TransferFailed: a worker failed, died or stalled during the transfer (with
                 staging: perhaps the previous version's, raised here once).
             WorkersLost: workers were lost and left out; the group goes on without them.
         """
@@ -325,7 +325,7 @@ class MeshTransfer(ClosingContext, Membership):
         report (verified in SS; async: landed in staging). None: no transfer was streaming.
 
         Raises:
-            TransferError, WorkersLost: that transfer failed (raised once).
+            TransferFailed, WorkersLost: that transfer failed (raised once).
         """
         return self._streaming.join(self._deadline())
 
@@ -339,7 +339,7 @@ class MeshTransfer(ClosingContext, Membership):
         nothing newer).
 
         Raises:
-            TransferError: an installed parameter differs from its own load_weights, or the
+            TransferFailed: an installed parameter differs from its own load_weights, or the
                 streaming transfer failed (SS, async: raised once).
         """
         self._connected("poll_requests")
@@ -371,7 +371,7 @@ class MeshTransfer(ClosingContext, Membership):
                                verify_s=time.perf_counter() - t1, num_params=count,
                                mismatched=bad)
         if bad:
-            raise TransferError(f"{report.line()}: {list(bad[:4])}")
+            raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
 
     def _deadline(self) -> float:
@@ -418,7 +418,7 @@ class MeshTransfer(ClosingContext, Membership):
 
         Raises:
             Lost: some worker does not answer any more (`_recover` handles it).
-            TransferError: some worker failed or never finished and every worker answers.
+            TransferFailed: some worker failed or never finished and every worker answers.
         """
         group = self.leader.group
         # Each write is bounded by the peer timeout on the workers and Monarch reports a dead
@@ -435,6 +435,14 @@ class MeshTransfer(ClosingContext, Membership):
                                   f"{', '.join(str(w) for w in lost)} did not answer a ping "
                                   f"within {self.config.notice_timeout_s:g}s (dead or "
                                   f"stalled)") from e
-            raise TransferError(
+            raise TransferFailed(
                 f"update {version} failed: {what}\nevery worker still answers; the meshes are "
                 f"in an unknown state: close this MeshTransfer and start again") from e
+
+
+def __getattr__(name: str):
+    if name == "TransferError":  # (deprecated: `controller.report` warns and names the new one)
+        from controller import report
+
+        return report.TransferError
+    raise AttributeError(f"module 'controller.driver' has no attribute {name!r}")

@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from controller.report import JoinReport, TransferError, WorkersLost
+from controller.report import JoinReport, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import TransferPlan
+from weightbridge import TransferFailed, TransferPlan
 
 
 class Membership:
@@ -46,7 +46,7 @@ class Membership:
             ValueError: ``procs`` of another size than an engine.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
-            TransferError: the catch-up transfer failed or did not verify.
+            TransferFailed: the catch-up transfer failed or did not verify.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before add_engine()")
@@ -78,7 +78,7 @@ class Membership:
             try:
                 self._transfer(self.book.held_version, first_round=start)
             except Exception as e:  # noqa: BLE001  (the others' bytes are their version's)
-                raise TransferError(f"engine {engine} joined the plan but moving the current "
+                raise TransferFailed(f"engine {engine} joined the plan but moving the current "
                                     f"weights into it failed ({type(e).__name__}: {e}); the "
                                     f"other engines hold their version (the catch-up writes "
                                     f"them the same bytes): remove_engine({engine}) and try "
@@ -93,7 +93,7 @@ class Membership:
                             rdma_bytes=moved, num_params=count, mismatched=bad,
                             num_rounds=(before, self.plan.num_rounds))
         if bad:
-            raise TransferError(f"{report.line()}: {list(bad[:4])}")
+            raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
 
     def _between_updates(self) -> None:
@@ -136,7 +136,7 @@ class Membership:
         regions then come from its replicas). Where the trainers' parameters still hold
         ``version`` (no sender staging) re-send it and verify it; raise `WorkersLost`. If no
         trainer holds what the rollouts need, no engine is left, or the re-send fails too,
-        raise `TransferError`."""
+        raise `TransferFailed`."""
         size = self.control.engine_size
         engines = sorted({w.index // size for w in lost if w.side == "rollout"})
         trainers_ = sorted(w.index for w in lost if w.side == "trainer")
@@ -147,7 +147,7 @@ class Membership:
                               ("engine", self.leader.out_engines | set(engines))) if ids)
         self.leader.exclude(engines, trainers_, why=what, unreachable=lost)
         if not survivors:
-            raise TransferError(f"{what}; no engine is left: close this MeshTransfer")
+            raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
         for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
         t1 = time.perf_counter()
@@ -157,7 +157,7 @@ class Membership:
             if not self.mode.sender_staging:  # the trainers' parameters still hold it
                 self._send_again(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
-            raise TransferError(f"{what}; re-sending version {version} to the surviving "
+            raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
                                 f"engines {survivors} failed too ({type(e).__name__}: {e}): "
                                 f"close this MeshTransfer and start again") from e
         out = (frozenset(self.leader.out_engines), frozenset(self.leader.out_trainers))

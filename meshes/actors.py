@@ -25,7 +25,8 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshes.device import bind_local_device
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import Placement, TransferWorker, WorkerParts
+from weightbridge import Placement, WorkerParts
+from weightbridge.driver import TransferWorker
 from weightbridge.mesh.transport import register_ranges, write
 
 PROBE_TIMEOUT_S = 60

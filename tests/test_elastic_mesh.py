@@ -17,7 +17,8 @@ from monarch.actor import this_host
 from controller.driver import MeshTransfer, WorkersLost
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig, TransferWorker
+from weightbridge import TransferConfig
+from weightbridge.driver import TransferWorker
 
 pytestmark = pytest.mark.mesh
 

@@ -21,7 +21,8 @@ from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import qwen3_moe
-from weightbridge import LayoutError, TransferConfig, TransferWorker
+from weightbridge import LayoutError, TransferConfig
+from weightbridge.driver import TransferWorker
 
 pytestmark = pytest.mark.mesh
 
