@@ -11,8 +11,6 @@ from __future__ import annotations
 from monarch.actor import this_host
 
 from controller.ranks import actor_at
-from meshes.actors import load_factory
-from meshes.workers import FACTORIES
 from weightbridge.driver import (RolloutSpec, TrainerSpec, configure_transport,
                                  drop_all)
 
@@ -148,19 +146,3 @@ class WorkerMeshes:
                 handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
         finally:
             drop_all({0: handle})
-
-
-def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
-    """The factory path of ``workers`` (a demo model name or ``module:name``), with a demo
-    model's specs validated; raises ValueError before anything spawns."""
-    if ":" not in workers:
-        if workers not in FACTORIES:
-            raise ValueError(f"unknown model {workers!r}: give a demo model "
-                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
-        from meshes.qwen3_moe import SIZES
-
-        trainer.validate(SIZES[workers])
-        rollout.validate(SIZES[workers])
-        workers = FACTORIES[workers]
-    load_factory(workers)  # fails here, before any proc spawns
-    return workers

@@ -14,16 +14,15 @@ Typical usage (``python -m controller``, controller/__main__.py)::
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import sys
 from typing import NamedTuple
 
 from controller.security import Credentials, Security, add_flags, check_files, resolve
+from meshes.factories import resolve_workers
 from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
-from meshes.workers import FACTORIES
 from weightbridge import TransferConfig
 from weightbridge.driver import Mode
 
@@ -201,21 +200,7 @@ def check_workers(args, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
         raise ValueError(f"--model {args.model} sizes the demo model, but --workers "
                          f"{args.workers} replaces it: drop one of them")
     workers = args.workers or args.model
-    if ":" not in workers:
-        if workers not in FACTORIES:
-            raise ValueError(f"unknown model {workers!r}: give a demo model "
-                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
-        trainer.validate(SIZES[workers])
-        rollout.validate(SIZES[workers])
-        return workers
-    module_name, _, name = workers.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module's own error (a SyntaxError, ...)
-        raise ValueError(f"worker factory {workers!r}: module {module_name!r} does not import "
-                         f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from None
-    if not callable(getattr(module, name, None)):
-        raise ValueError(f"worker factory {workers!r}: {module_name} has no callable {name!r}")
+    resolve_workers(workers, trainer, rollout)  # (imports it: a typo fails here)
     return workers
 
 

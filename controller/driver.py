@@ -50,7 +50,7 @@ import time
 from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
-                               WorkerMeshes, resolve_workers)  # (re-exported)
+                               WorkerMeshes)  # (ClosingContext re-exported)
 from controller.membership import Lost, Membership
 from controller.ranks import by_rank
 from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
@@ -59,6 +59,7 @@ from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
 from controller.versions import VersionBook
 from meshes.actors import RolloutActor, TrainerActor
+from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
                                  TrainerSpec, TransferGroup, backend, eq1, run_update,

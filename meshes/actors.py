@@ -15,7 +15,6 @@ Typical usage (see controller/driver.py)::
 from __future__ import annotations
 
 import hashlib
-import importlib
 import itertools
 import time
 from typing import Mapping
@@ -24,34 +23,13 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from meshes.device import bind_local_device
+from meshes.factories import load_factory
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import Placement, WorkerParts
 from weightbridge.driver import TransferWorker
 from weightbridge.mesh.transport import register_ranges, write
 
 PROBE_TIMEOUT_S = 60
-
-
-def load_factory(path: str):
-    """The worker factory at ``path`` ("package.module:name").
-
-    Raises:
-        ValueError: a path without ``:``, a module that does not import, a missing or
-            non-callable name.
-    """
-    module_name, _, name = path.partition(":")
-    if not module_name or not name:
-        raise ValueError(f"worker factory {path!r}: give it as module:name, e.g. "
-                         f"meshes.workers:tiny")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"worker factory {path!r}: module {module_name!r} does not import "
-                         f"({e}); is it on PYTHONPATH?") from e
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise ValueError(f"worker factory {path!r}: {module_name} has no callable {name!r}")
-    return factory
 
 
 def checksums(params: Mapping[str, torch.Tensor]) -> dict[str, str]:
