@@ -22,7 +22,8 @@ the baselines' traffic patterns (broadcast's head in one more proc on the first 
 Defaults: the ``medium`` model (18 MB per replica, 36 rounds of up to 512 KiB, so pipeline
 fill and drain are a few percent, as for a real model) and 3 round arenas per worker
 (``--depth``): a control message costs 5-10 ms here against 80 ms rounds, and the third arena
-hides that latency (two suffice where it costs microseconds; docs/performance.md). ``--rollout-procs 2`` makes every rollout node a TP2
+hides that latency (two suffice where it costs microseconds; docs/performance.md).
+``--rollout-procs 2`` makes every rollout node a TP2
 engine of two procs on its host, so the INTERNAL stage (inside a node, unshaped loopback) runs
 too; ``--fifo-links`` queues control messages behind bulk data (controller/cluster.py: control
 priority).

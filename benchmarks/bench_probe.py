@@ -77,13 +77,17 @@ def main() -> None:
           f"rank (tp 1, ep 1): {len(worker.params)} params, {param_bytes / 2**20:.1f} MiB")
 
     torch.set_num_threads(torch.get_num_threads())
-    probe = (lambda: extract_source_map(worker.params, worker.load_weights, spec))
+    def probe():
+        return extract_source_map(worker.params, worker.load_weights, spec)
+
     if emulated:  # as a trainer of a group probes: restoring its weights afterwards
         group_worker = TransferWorker("trainer", worker.params, worker.load_weights, spec,
                                       rank=0, placement=Placement("trainer"),
                                       transport=LocalControl().transport,
                                       config=TransferConfig())
-        probe = (lambda: group_worker.on_source_map()[0])
+        def probe():  # noqa: F811 (this path probes as a group's trainer)
+            return group_worker.on_source_map()[0]
+
         device_base = emulated_cuda.memory.current
         emulated_cuda.memory.reset_peak()
     base = PeakRss.now()

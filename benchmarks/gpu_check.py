@@ -189,7 +189,8 @@ def _checksum_step(args) -> int:
         dst = torch.empty_like(src)
         copy_ms = _timed_ms(lambda: dst.copy_(src))
         sum_ms = _timed_ms(lambda: device_checksum(src))
-        print(f"gpu-check: checksum: {mib:4d} MiB  device checksum {src.numel() / sum_ms / 1e6:7.0f}"
+        rate = src.numel() / sum_ms / 1e6
+        print(f"gpu-check: checksum: {mib:4d} MiB  device checksum {rate:7.0f}"
               f" GB/s  copy {src.numel() / copy_ms / 1e6:7.0f} GB/s  = {copy_ms / sum_ms:.2f}x "
               f"copy speed ({sum_ms:.3f} ms per checksum)")
     return 0

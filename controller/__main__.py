@@ -22,7 +22,8 @@ of a Megatron-like trainer (TP2 x EP2) and the four ranks of two TP2 rollout eng
 `run_plan_locally`.
 
 Bad input (a flag out of range, a spec that does not fit, a flag the chosen run would ignore)
-is refused by `controller.cli.validate` before anything spawns: one ``error: ...`` line on stderr, exit 2.
+is refused by `controller.cli.validate` before anything spawns: one ``error: ...`` line on stderr,
+exit 2.
 Exit 1 means the weights did not match.
 """
 

@@ -29,7 +29,7 @@ import socket
 import ssl
 from concurrent.futures import ThreadPoolExecutor
 
-from controller.security import TRANSPORT_ENV, Credentials, Security, resolve
+from controller.security import Credentials, Security, resolve
 
 ATTACH_TIMEOUT_S = 60.0
 """Monarch retries a refused TLS handshake until its delivery timeout; this bounds the wait."""

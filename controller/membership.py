@@ -173,9 +173,10 @@ class Membership:
                               f"engines {survivors} (the staged copy was laid out for the "
                               f"old plan): {state}", *out, None)
         report = self._report(version, train_step_s, t1)
+        where = ("hold it whole" if report.state == "installed" else
+                 "have it in staging (poll_requests installs it)")
         raise WorkersLost(f"{what}; version {version} was re-sent over a new plan to the "
-                          f"surviving engines {survivors}, which "
-                          f"{'hold it whole' if report.state == 'installed' else 'have it in staging (poll_requests installs it)'} "
+                          f"surviving engines {survivors}, which {where} "
                           f"({report.line().splitlines()[0]}); the next update() goes to "
                           f"them", *out, report)
 

@@ -1,4 +1,5 @@
-"""A model the controller has never seen, as a worker factory: ``--workers examples.custom_model:mlp``.
+"""A model the controller has never seen, as a worker factory: ``--workers
+examples.custom_model:mlp``.
 
     python -m controller --workers examples.custom_model:mlp \
         --trainer "nodes=1,gpus=2,tp=2" --rollout "engines=2,nodes=1,gpus=1" --updates 2

@@ -32,7 +32,7 @@ atexit.register(mt.close)  # stops them if a cell fails (close() is idempotent)
 # controller. (`connect` below makes this same call.)
 
 # %%
-from weightbridge.coordination.control import PeerCall, rollouts, trainers
+from weightbridge.driver import PeerCall, rollouts, trainers  # noqa: E402 (a notebook cell)
 
 workers = trainers(mt.control) + rollouts(mt.control)
 found = mt.control.call(workers, PeerCall.SOURCE_MAP)  # all at once

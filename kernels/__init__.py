@@ -4,7 +4,8 @@ It imports torch, triton and, from weightbridge, only the copy validation every 
 shares (`weightbridge.execution.boxcopy`); weightbridge imports it only when parameters live on
 a GPU.
 `TritonKernels` satisfies weightbridge's `CopyKernels` protocol structurally and reads
-`BoxCopy` descriptors by attribute. Importing compiles nothing; kernels compile on their first launch.
+`BoxCopy` descriptors by attribute. Importing compiles nothing; kernels compile on their first
+launch.
 
 Typical usage::
 

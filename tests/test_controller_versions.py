@@ -25,8 +25,10 @@ def test_a_full_update_then_deltas_hold_each_tensor_at_its_last_change():
 
 def test_a_landed_version_never_installed_rides_on_the_next_delta():
     book = VersionBook(["a", "b", "c"])
-    book.sent(1, book.next(1, None)); book.installed(1)
-    book.sent(2, book.next(2, ["a"])); book.landed(2)
+    book.sent(1, book.next(1, None))
+    book.installed(1)
+    book.sent(2, book.next(2, ["a"]))
+    book.landed(2)
     book.sent(3, book.next(3, ["b"]))
     assert book.needed() == {"a", "b"}  # the rollouts hold 1
     book.landed(3)
@@ -36,7 +38,8 @@ def test_a_landed_version_never_installed_rides_on_the_next_delta():
 
 def test_torn_parameters_make_the_next_transfer_full():
     book = VersionBook(["a", "b"])
-    book.sent(1, book.next(1, None)); book.installed(1)
+    book.sent(1, book.next(1, None))
+    book.installed(1)
     book.sent(2, book.next(2, ["a"]))
     book.torn()
     assert book.needed() is None and book.holds is None

@@ -6,7 +6,8 @@ proc meshes of their own, one `TransferGroup` over both; rollout worker R1 (engi
 the second transfer (in its adapter's ``on_forward``,
 which the group's agent runs for trainer 0's sequencer; the adapter class is substituted with
 ``group.receiver(..., cls=...)``). Checked: trainer 0 raises a `TransferFailed` naming R1,
-engine 0, version 2, the round and the stage within ``timeout_s`` of the fault; engine 1 runs one version per step,
+engine 0, version 2, the round and the stage within ``timeout_s`` of the fault; engine 1 runs one
+version per step,
 bit-exact at every install, and ends on the last version (the next ``send_weights`` goes on
 with it); engine 0's steps fail; every proc is gone afterwards.
 """

@@ -1,7 +1,8 @@
 """Loaders the probe must refuse, errors it must pass through, and what is not an error.
 
 Value-changing loaders (scaling, rounding / quantizing, casting that does not round to nearest
-even, casting and scaling) get a `LayoutError` that names the parameter (and, where one element is bad, its index). Exceptions
+even, casting and scaling) get a `LayoutError` that names the parameter (and, where one element is
+bad, its index). Exceptions
 from the loader itself propagate unchanged, whichever probe pass raises them. Checkpoint names a
 loader never reads are reported on ``SourceMap.unused``.
 """

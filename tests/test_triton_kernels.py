@@ -23,7 +23,8 @@ if not ON_GPU:
 triton = pytest.importorskip("triton")
 
 from boxcopy_cases import (assert_assemble_matches_reference,  # noqa: E402
-                           assert_conversions_match_reference, assert_pack_matches_reference, bad_tables, box, disjoint, layout,
+                           assert_conversions_match_reference, assert_pack_matches_reference,
+                           bad_tables, box, disjoint, layout,
                            random_bits, tables)
 from hypothesis import given, settings  # noqa: E402
 

@@ -43,7 +43,6 @@ from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
-import torch.distributed as dist
 
 from weightbridge import CheckpointSpec, TensorSpec
 

@@ -34,7 +34,8 @@ class EnginesReport:
     send_s: list[float]
     params_checked: int
     mismatched: list[list[str]]
-    """Per update: ``rollout<rank>:<param>`` of every parameter that differs from vLLM's own load."""
+    """Per update: ``rollout<rank>:<param>`` of every parameter that differs from vLLM's own
+    load."""
 
     def lines(self) -> list[str]:
         out = [f"connect {self.connect_s:.1f}s (probe every rank's own loader, plan)",

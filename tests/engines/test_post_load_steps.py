@@ -1,4 +1,5 @@
-"""vLLM's post-load steps and WeightBridge: included when they copy, refused when they change values.
+"""vLLM's post-load steps and WeightBridge: included when they copy, refused when they change
+values.
 
 - A value-changing step inside the probed loader (DeepSeek's routed scaling folded into the
   experts' ``w2``, as engines do to save a multiply; or an exact power-of-two rescale) is refused
@@ -26,8 +27,9 @@ pytestmark = pytest.mark.engines
 MODULES = {
     "qwen3_moe": ["model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj",
                   "model.layers.0.mlp", "model.layers.1.mlp"],
-    "deepseek_v3": ["model.layers.1.self_attn.fused_qkv_a_proj", "model.layers.1.self_attn.q_b_proj",
-                    "model.layers.1.self_attn.o_proj", "model.layers.0.mlp", "model.layers.1.mlp"],
+    "deepseek_v3": ["model.layers.1.self_attn.fused_qkv_a_proj",
+                    "model.layers.1.self_attn.q_b_proj", "model.layers.1.self_attn.o_proj",
+                    "model.layers.0.mlp", "model.layers.1.mlp"],
 }
 MOE_BLOCK = "model.layers.1.mlp"
 

@@ -121,7 +121,8 @@ def compare(a: Params, b: Params, before: Params, cover: Mapping[str, torch.Tens
 
 
 def check_replay(build: Callable[[], Worker], smap: SourceMap, seed: int = 1234) -> None:
-    """Loader into build A vs ``replay(smap, ...)`` into build B, bit-exactly (see module docstring)."""
+    """Loader into build A vs ``replay(smap, ...)`` into build B, bit-exactly (see module
+    docstring)."""
     a, b = build(), build()
     checkpoint = a.checkpoint(seed)
     if callable(b.params):

@@ -8,7 +8,8 @@
 Every call a worker makes on another is a `PeerCall`, a declared enum; the worker object that
 serves it implements the handler ``on_<value>`` (`weightbridge.coordination.worker.TransferWorker`
 and the adapters). Implementations: `weightbridge.coordination.local_control` (direct calls and
-copies in one process: tests, demos) and `weightbridge.mesh.control` (actor endpoints and Monarch RDMA).
+copies in one process: tests, demos) and `weightbridge.mesh.control` (actor endpoints and Monarch
+RDMA).
 
 Typical usage (inside the library)::
 

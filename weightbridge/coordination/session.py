@@ -102,7 +102,8 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     Rollout workers whose index is in ``excluded`` get an empty source map, so no byte is
     routed to or through them, and they are not called; so do the trainers in
     ``excluded_trainers``, whose regions then come from the replicas that hold them too
-    (`LayoutError`, naming what no trainer holds, if none does). ``generation`` numbers the receivers'
+    (`LayoutError`, naming what no trainer holds, if none does). ``generation`` numbers the
+    receivers'
     staging slots (a re-plan keeps a slot an engine is installing from). ``reroute`` rewrites
     the plan before it is handed out (the same-data-plane P2P ablation). ``tensors`` restricts
     the plan to those checkpoint tensors (a delta update: the others stay as they are).

@@ -3,7 +3,8 @@
 The loader is a black box. Each probe pass offers it the full checkpoint with every element set
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
 indices begin (`runs`, `boxes`); parameters on a GPU are read back with one device-to-host copy
-per pass and decoded on the host, so the probe adds no device memory. A last pass loads a pseudo-random checkpoint of both signs
+per pass and decoded on the host, so the probe adds no device memory. A last pass loads a
+pseudo-random checkpoint of both signs
 and checks that the map reproduces every parameter bit-exactly, so a loader that changes values
 is refused here, before any transfer, instead of corrupting weights later.
 

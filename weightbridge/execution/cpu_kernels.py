@@ -16,7 +16,8 @@
   transpose, about 8x faster than a plain strided copy, which misses the TLB on every element).
 
 Every copy moves integer views of the tensors (bits, never floats), except a box with a
-``buffer_dtype``, which `weightbridge.execution.convert` casts in the same call. A box whose buffer offset is
+``buffer_dtype``, which `weightbridge.execution.convert` casts in the same call. A box whose buffer
+offset is
 not a multiple of its element size is moved as bytes (the tensor viewed as uint8 with one more
 dim), so any alignment works. The buffer-side views of a table are cached for the last two buffer
 objects it was used with (the depth-2 transfer buffers), keyed by object identity: pass the same

@@ -18,7 +18,8 @@ reports current and peak bytes, so tests and benchmarks measure peak device memo
 What it does not emulate: streams and their ordering, pinned host memory, Triton launches,
 device memory limits, autograd (``requires_grad`` stays False: torch's autograd takes a CUDA
 device guard this build cannot serve). A composite op that allocates on the CUDA backend inside
-(``scaled_dot_product_attention``) runs whole on the host values, after the device check. ``torch.cuda.is_available()`` stays False, so library code that asks it
+(``scaled_dot_product_attention``) runs whole on the host values, after the device check.
+``torch.cuda.is_available()`` stays False, so library code that asks it
 (`weightbridge.execution.executor.default_kernels`) runs its torch path on these tensors and
 never launches Triton.
 

@@ -23,7 +23,8 @@ from weightbridge.types.specs import (CONVERTIBLE_DTYPES, QUANT_DTYPE, SCALE_DTY
                                       ParamSpec, TensorSpec, dtype_itemsize)
 
 __all__ = [
-    "BoxCopy", "BufferWrite", "CONVERTIBLE_DTYPES", "CheckpointSpec", "Chunk", "Correspondence", "Overlap", "ParamSpec",
+    "BoxCopy", "BufferWrite", "CONVERTIBLE_DTYPES", "CheckpointSpec", "Chunk", "Correspondence",
+    "Overlap", "ParamSpec",
     "Piece", "Placement", "Range", "Region", "Round", "SourceMap", "Stage", "TensorSpec",
     "Transfer", "WorkerId", "WorkerPlan", "WorkerRound", "dtype_itemsize", "pieces_by_param",
     "QUANT_DTYPE", "SCALE_DTYPE", "SCALE_SUFFIX", "scale_tensor", "scaled_tensor",

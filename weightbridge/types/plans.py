@@ -154,7 +154,8 @@ class Transfer:
     dst: WorkerId
     """Receiving worker (always a rollout worker)."""
     src_offset: int
-    """Byte offset in the sender's buffer (send buffer of a trainer, receive buffer of a rollout)."""
+    """Byte offset in the sender's buffer (send buffer of a trainer, receive buffer of a
+    rollout)."""
     dst_offset: int
     """Byte offset in the receiver's receive buffer."""
     nbytes: int
@@ -202,7 +203,8 @@ class BufferWrite:
     peer: WorkerId
     """Receiving worker."""
     offset: int
-    """Byte offset in this worker's buffer (send buffer of a trainer, receive buffer of a rollout)."""
+    """Byte offset in this worker's buffer (send buffer of a trainer, receive buffer of a
+    rollout)."""
     peer_offset: int
     """Byte offset in the peer's receive buffer."""
     nbytes: int

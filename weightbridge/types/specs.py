@@ -55,7 +55,8 @@ class CheckpointSpec:
         by_name: dict[str, int] = {}
         for i, t in enumerate(self.tensors):
             if t.name in by_name:
-                raise ValueError(f"checkpoint tensor {t.name!r} appears twice; names must be unique")
+                raise ValueError(f"checkpoint tensor {t.name!r} appears twice; names must be "
+                                 f"unique")
             by_name[t.name] = i
         object.__setattr__(self, "_by_name", by_name)
 
