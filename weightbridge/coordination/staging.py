@@ -19,14 +19,19 @@ uses them: the controller's workers (`TransferWorker`) and the adapters.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
+if TYPE_CHECKING:  # (the executor's import chain reaches the adapters, which import this)
+    from weightbridge.execution.executor import WorkerExecutor
 
 
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """Host staging memory for a worker whose parameters are on ``device``; pinned next to a
     GPU (a real one: the emulated device has no pinned memory)."""
+    from weightbridge.execution.executor import on_real_cuda
+
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_real_cuda(device))
 
 
