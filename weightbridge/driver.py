@@ -22,6 +22,14 @@ and RDMA transport (`MeshControl`, `TransferGroup`, `TransferAgent`, `configure_
 
 from __future__ import annotations
 
+# The package first: in an actor process several threads import the library at once (an
+# endpoint, the agent's serve threads, unpickling a message). ``import weightbridge`` waits
+# until another thread has finished the package's __init__; importing a submodule does not, so
+# this module's imports (session, leader, ...) could lock modules that __init__, half done in
+# the other thread, needs next, and one of them is then handed out half built ("cannot import
+# name ... partially initialized module").
+import weightbridge  # noqa: F401,I001
+
 from weightbridge.config import DEFAULT_DEPTH, Mode, TransferConfig
 from weightbridge.coordination.control import (ControlPlane, PeerCall, Transport, engine_workers,
                                                rollouts, trainers)
