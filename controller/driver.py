@@ -63,7 +63,7 @@ from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
                                  TrainerSpec, TransferGroup, backend, eq1, run_update,
-                                 scaled_tensor, unanswered)
+                                 scaled_tensor, surfaced, unanswered)
 
 
 
@@ -197,6 +197,7 @@ class MeshTransfer(ClosingContext, Membership):
 
     # -- connect --------------------------------------------------------------------------------
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def connect(self) -> TransferPlan:
         """Probe, plan, hand out plans, register buffers, hand out handles. Moves no weights.
 
@@ -244,6 +245,7 @@ class MeshTransfer(ClosingContext, Membership):
 
     # -- one update -----------------------------------------------------------------------------
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def update(self, version: int, changed: Collection[str] | None = None, *,
                train: bool = True) -> UpdateReport:
         """Train step, then move ``version`` as the sync mode says; returns once the trainers
@@ -321,6 +323,7 @@ class MeshTransfer(ClosingContext, Membership):
             else:
                 self.book.installed(version)
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def wait(self) -> UpdateReport | None:
         """SS, async: wait until the rounds of the newest staged version ended; returns their
         report (verified in SS; async: landed in staging). None: no transfer was streaming.
@@ -330,6 +333,7 @@ class MeshTransfer(ClosingContext, Membership):
         """
         return self._streaming.join(self._deadline())
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def poll_requests(self) -> InstallReport | None:
         """Call between the rollouts' generation steps: afterwards every live engine's
         parameters hold the newest version they may take, all switched at this step.

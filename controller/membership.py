@@ -23,12 +23,14 @@ from controller.report import JoinReport, WorkersLost
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import TransferFailed, TransferPlan
+from weightbridge.driver import surfaced
 
 
 class Membership:
     """`add_engine`, `remove_engine`, `replan`, the recovery after a loss, and the live ranks
     of each side."""
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def add_engine(self, procs=None) -> JoinReport:
         """Add a rollout engine to the running group, between updates, without a new group.
 
@@ -104,6 +106,7 @@ class Membership:
         if self.mode.receiver_staging:
             self.poll_requests()
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def replan(self) -> TransferPlan:
         """Plan the whole group again from the source maps of connect and joins (no probe):
         one non-redundant plan over every live engine, where joins had appended theirs. Every
@@ -114,6 +117,7 @@ class Membership:
         self._use()
         return self.plan
 
+    @surfaced()  # (a worker's library error reaches the caller as itself)
     def remove_engine(self, engine: int) -> TransferPlan:
         """Take rollout engine ``engine`` out of the group between updates (to restart or
         retire it); no byte is sent to or through it afterwards. An engine nothing depends on

@@ -11,8 +11,9 @@ import torch
 
 from controller.baselines import p2p_plan
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, Placement, Stage, TransferConfig, WorkerId,
-                          extract_source_map, plan_transfer, run_plan_locally)
+from weightbridge import (CpuCopyKernels, Placement, TransferConfig, extract_source_map,
+                          plan_transfer, run_plan_locally)
+from weightbridge.types import Stage, WorkerId
 
 
 def _plan(num_rollouts: int = 3):

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 from monarch.actor import ActorError
 
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
+from weightbridge.errors import surfaced
 from weightbridge.mesh import registry
 from weightbridge.mesh.agent import TransferAgent
 from weightbridge.mesh.registry import REGISTER_WAIT_S, calls
@@ -173,11 +174,16 @@ class MeshControl:
         peers (as `call_async`), unless ``return_errors`` asks for each peer's own outcome.
         Then the first error is raised as soon as Monarch has it, not once every peer
         answered."""
+        with surfaced():  # (a peer's library error reaches the caller as itself)
+            return self._call(peers, call, args, return_errors)
+
+    def _call(self, peers: Sequence[WorkerId], call: PeerCall, args: tuple,
+              return_errors: bool) -> list:
         me = None if return_errors else self._me(peers)
         if me is not None:  # this worker here, the others as below
             mine = self._local(call, args)
             rest = [p for p in peers if p != me]
-            out = self.call(rest, call, *args) if rest else []
+            out = self._call(rest, call, args, False) if rest else []
             try:
                 out.insert(list(peers).index(me), mine.get(timeout=self._timeout(call)))
             except TimeoutError:
@@ -206,8 +212,8 @@ class MeshControl:
             mesh = self._run(run)
             pieces.append(_values(self._issue_run(mesh, call, args))
                           if mesh is not None else _one_value(self._issue(run[0], call, args)))
-        answers = asyncio.ensure_future(_flattened(pieces, None if me is None else
-                                                   list(peers).index(me)))
+        answers = asyncio.ensure_future(_surfaced(_flattened(pieces, None if me is None else
+                                                             list(peers).index(me))))
         if call is PeerCall.SEND_ROUND:
             # A trainer serves its sends in order, so this one's clock starts once the one
             # before it answered (bounded itself): a stalled trainer surfaces within one peer
@@ -219,6 +225,11 @@ class MeshControl:
             return list(await asyncio.wait_for(answers, timeout))
         except asyncio.TimeoutError:
             raise _timed_out(call, peers, timeout) from None
+
+
+async def _surfaced(answers):
+    with surfaced():
+        return await answers
 
 
 def _timed_out(call: PeerCall, peers: Sequence[WorkerId], timeout: float) -> TimeoutError:
