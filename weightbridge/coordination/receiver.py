@@ -16,6 +16,7 @@ from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, engine_workers
 from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
                                                 check_version)
+from weightbridge.coordination.session import unanswered
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
@@ -58,6 +59,8 @@ class ReceiverAdapter(AdapterWorker):
         self._slots: dict[int, tuple] = {}
         self._failure: str | None = None
         """Set when this worker's engine lost a worker: every poll_requests() raises it."""
+        self._asked_at: float | None = None
+        """Rank 0: when it last asked trainer 0 whether its engine is in (`_check_in`)."""
         self._polling = threading.Lock()
 
     @property
@@ -99,6 +102,7 @@ class ReceiverAdapter(AdapterWorker):
         self._check_failed()
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
+            self._check_in()
             claim = self._claim if self.config.receiver_staging else None
             try:
                 with self.cond:
@@ -107,7 +111,7 @@ class ReceiverAdapter(AdapterWorker):
                 self._fail_engine(str(out))
                 self._check_failed()
             if relay is not None:  # acked by every rank of the engine before this step runs
-                self.control.call(engine_workers(self.control, self.engine), PeerCall.RELAY,
+                self._call_engine(engine_workers(self.control, self.engine), PeerCall.RELAY,
                                   relay)
         with self.cond:
             due = self.versions.due(step)
@@ -134,15 +138,24 @@ class ReceiverAdapter(AdapterWorker):
         with self.cond:
             self.versions.done(Relay(version, due.at_step, due.slot))
         self._log(("installed", version))
-        self._call_one(engine_workers(self.control, self.engine)[0], PeerCall.INSTALLED,
-                       self.engine_rank, version)
+        self._call_engine(engine_workers(self.control, self.engine)[:1], PeerCall.INSTALLED,
+                          self.engine_rank, version)
         return version
 
     def _join(self, due: Relay) -> int:
         """Take part in the transfer that carries ``due.version`` (or a newer one); returns
         the version it put into the parameters."""
         self._log(("join", due.version))
-        self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
+        try:
+            self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
+        except Exception as e:
+            lost = self._sequencer_lost(e, None)
+            if lost is not None:
+                self._fail_engine(lost)
+                self._check_failed()
+            with self.cond:  # (not joined: nothing was written)
+                self.versions.retry(due)
+            raise
         limit = 3 * self.config.timeout_s
         done = lambda: self._session_done >= due.version or self._failure  # noqa: E731
         with self.cond:
@@ -285,6 +298,46 @@ class ReceiverAdapter(AdapterWorker):
         if isinstance(got, str):  # excluded while this worker did not answer
             raise _Out(got)
         return got
+
+    def _check_in(self) -> None:
+        """Rank 0, set up, at most once per ``timeout_s``: ask trainer 0 whether this engine
+        is still in the group (`PeerCall.STATUS`). An engine can be out without hearing of it
+        (its notice was lost, or it was excluded while it stalled), or the whole group can
+        have ended (trainer 0 lost, or closed after a failure) while no version is offered:
+        this poll then raises `TransferFailed` saying why, and so do the engine's others."""
+        now = time.monotonic()
+        if self.executor is None or (self._asked_at is not None
+                                     and now - self._asked_at < self.config.timeout_s):
+            return
+        self._asked_at = now
+        try:
+            why = self._call_one(SEQUENCER, PeerCall.STATUS, self.engine)
+        except Exception as e:  # noqa: BLE001  (lost, or the call's own failure: below)
+            why = self._sequencer_lost(e, None)
+        if why is not None:
+            self._fail_engine(why)
+            self._check_failed()
+
+    def _call_engine(self, peers: list[WorkerId], call: PeerCall, *args) -> None:
+        """``call`` on workers of this engine. One that failed with an error other than a
+        timeout and does not answer a ping is gone: the engine can run no more steps, so
+        it fails (`TransferFailed`, here and at each of its workers' polls). Trainer 0
+        excludes it at its next transfer, when the gone worker does not answer it either."""
+        try:
+            self.control.call(peers, call, *args)
+        except TimeoutError:  # (stalled, maybe for a moment: trainer 0 decides)
+            raise
+        except Exception as e:
+            gone = unanswered(self.control, [p for p in peers if p != self.worker])
+            if not gone:
+                raise
+            self._fail_engine(
+                f"engine {self.engine} lost {'workers' if len(gone) > 1 else 'worker'} "
+                f"{', '.join(map(str, gone))} ({type(e).__name__}: {e}), so it can run no more "
+                f"steps; its parameters hold version {self.version}, whole. To use it again, "
+                f"restart its workers on new procs and add them as a new engine "
+                f"(add_engines() on every trainer)")
+            self._check_failed()
 
     def _sequencer_lost(self, error: Exception, version: int | None) -> str | None:
         """After a call on trainer 0 failed: why this engine can go on no more when trainer 0

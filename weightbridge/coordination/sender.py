@@ -415,3 +415,6 @@ class SenderAdapter(AdapterWorker):
 
     def on_claim(self, engine: int):
         return self.rank0.on_claim(engine)
+
+    def on_status(self, engine: int) -> str | None:
+        return self.rank0.on_status(engine)
