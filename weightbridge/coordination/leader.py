@@ -152,7 +152,8 @@ class GroupLeader:
         excluded engines ``why`` (their polls raise `TransferFailed` with it), except the
         ``unreachable`` ones (dead or stalled: asking them would only wait). One of those
         that comes back is told when it next asks trainer 0 anything (`why_out`)."""
-        self.out_engines.update(engines)
+        with self._ledger:  # (a claim is answered either before this or not at all)
+            self.out_engines.update(engines)
         self.out_trainers.update(trainers_)
         for e in engines:
             self.out_why.setdefault(e, why or f"engine {e} is out of this transfer group")
@@ -252,9 +253,9 @@ class GroupLeader:
     # -- the staging-slot ledger (receiver staging) ---------------------------------------------
 
     def begin_landing(self, version: int) -> dict[int, int]:
-        """Engine -> the slot ``version`` lands in (`StagingSlots.begin`)."""
+        """Live engine -> the slot ``version`` lands in (`StagingSlots.begin`)."""
         with self._ledger:
-            return self.slots.begin(version)
+            return self.slots.begin(version, set(self.live_engines()))
 
     def landed(self, version: int) -> None:
         with self._ledger:
@@ -262,9 +263,9 @@ class GroupLeader:
 
     def claim(self, engine: int) -> tuple[int, int] | None:
         """An engine's rank 0 pins the newest version landed for it: (version, slot)."""
-        if engine not in self.live_engines():  # (out, or not joined: nothing lands there)
-            return None
         with self._ledger:  # a slot being filled holds no landed version: never claimed
+            if engine not in self.live_engines():  # (out, or not joined: nothing lands there)
+                return None
             return self.slots.claim(engine)
 
     def claimed(self) -> dict[int, int]:
