@@ -16,7 +16,8 @@ from test_local_stalls import STALLED
 from test_local_stalls import _group as stalling_group
 from tinygroup import build, checkpoint, connect, in_threads
 
-from weightbridge import ReceiverAdapter, TransferConfig, TransferFailed
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
+from weightbridge.coordination.local_control import WorkerGone
 from weightbridge.testing.fuzz import run_seed
 from weightbridge.testing.fuzz_plan import scenario_of
 from weightbridge.types import WorkerId
@@ -261,3 +262,71 @@ def test_a_leave_with_a_dead_rollout_in_the_group_goes_on_without_it():
     assert sent == [None, None, 2] and _holds(rollouts[2][0], dict.fromkeys("wvm", 2)), sent
     with pytest.raises(TransferFailed, match="removed"):
         rollouts[0][1].poll_requests()
+
+
+class _DiesWhenToldOf2(SenderAdapter):
+    """Trainer 1 dies as trainer 0 tells it that version 2 was transferred (after the
+    rollouts installed it and left their polls)."""
+
+    def on_transferred(self, version):
+        if self.worker.index == 1 and version == 2:
+            self.control.kill(self.worker)
+            raise WorkerGone(f"{self.worker} is gone (test)")
+        super().on_transferred(version)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_a_trainer_lost_after_the_rollouts_installed_a_version_writes_nothing_outside_a_poll(
+        mode):
+    """Trainer 1 dies once the rollouts installed version 2 and left their polls (fuzz seed
+    45). The recovery counted them in the next transfer as if they still waited in their
+    polls: SS wrote version 3 into their parameters while they ran inference steps; sync
+    re-sent version 2 to rollouts that were not polling, and closed the group when that
+    timed out. The group must go on from trainer 0, writing only inside polls."""
+    ss = mode == "ss"
+    config = TransferConfig(timeout_s=1, sender_staging=ss)
+    control, trainers, rollouts = build(config, num_engines=1,
+                                        sender_cls=lambda i: _DiesWhenToldOf2)
+    connect(trainers)
+    (model, r0), = rollouts
+    for v in (1, 2):
+        out = in_threads(*tinygroup.send(trainers, v, ss=ss), lambda v=v: r0.wait_for_version(v))
+        assert out[2] == v and model.holds(v), out
+    t0 = trainers[0][1]
+    trainers[0][0].load_weights(checkpoint(3).items())
+    if ss:  # staged; the rollout does not poll for a while
+        model.mark()
+        assert in_threads(lambda: t0.send_weights(3)) == [None]
+        time.sleep(2 * config.timeout_s)
+        assert model.unchanged(), "version 3 was written outside a poll"
+        # (The drain meets the lost trainer once the rollout polls: the re-plan drops what
+        # was staged for the old plan, and the survivors take a version staged after it.)
+        raised, held = _sends_until_installed(trainers[:1], rollouts, 4, config)
+        assert held >= 4 and model.holds(held), (held, raised)
+        assert all(isinstance(e, TransferFailed) for e in raised), raised
+        return
+    out = in_threads(lambda: t0.send_weights(3), lambda: r0.wait_for_version(3))
+    assert out[0] is None or isinstance(out[0], TransferFailed), out
+    assert out[1] == 3 and model.holds(3), out
+
+
+def test_an_engine_added_but_not_joined_is_told_when_the_group_ends():
+    """The only engine's worker dies; a second engine is added and add_engines() finds no
+    engine left (fuzz seed 24). The group ends: every trainer's call raises TransferFailed
+    and the added engine, never set up, must be told too (its polls returned None for
+    ever)."""
+    config = TransferConfig(timeout_s=1)
+    control, trainers, rollouts = build(config, num_trainers=1, num_engines=1)
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[1:] == [1]
+    control.kill(WorkerId("rollout", 0))
+    m = tinygroup.Model()
+    joined = control.add(ReceiverAdapter(
+        m.params, m.load_weights, tinygroup.SPEC, rank=1, engine=1, engine_rank=0,
+        engine_size=1, control=control, transport=control.transport, config=config))
+    with pytest.raises(TransferFailed, match="No engine is left"):
+        trainers[0][1].add_engines()
+    with pytest.raises(TransferFailed, match="No engine is left"):
+        joined.poll_requests()
+    with pytest.raises(TransferFailed, match="No engine is left"):
+        trainers[0][1].send_weights(2)

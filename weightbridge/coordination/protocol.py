@@ -289,6 +289,13 @@ class SenderStage:
     def finish(self) -> None:
         self.busy, self.sent = False, self.version
 
+    def drop(self) -> None:
+        """The staged copy is laid out for a plan no longer in force (a re-plan): the version
+        it holds is never sent (the next one staged supersedes it). A transfer reading it
+        (`busy`) ends with `finish` anyway."""
+        if not self.busy:
+            self.sent = max(self.sent, self.version)
+
     def cancel(self) -> None:
         """The transfer did not start after all (another trainer staged a newer version)."""
         self.busy = False

@@ -27,7 +27,7 @@ from typing import Callable
 from weightbridge.config import TransferConfig
 from weightbridge.coordination import recovery, sender_delta
 from weightbridge.coordination.adapter_base import TransferFailed, poll_until
-from weightbridge.coordination.control import ControlPlane, PeerCall
+from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.session import check_replicas, run_update, unanswered
 from weightbridge.types import WorkerId
@@ -157,6 +157,16 @@ class GroupSequencer:
                                    return_errors=True)
             raise ValueError(f"{self.worker}: {message}") from None
 
+    def close(self, why: str) -> None:
+        """The group can send no more: every rollout not out already (engines added but not
+        joined included) is told ``why`` (their polls raise `TransferFailed`), and so is any
+        that asks later (`on_status`)."""
+        self.broken = why
+        out = self.leader.out_engines
+        told = [w for w in rollouts(self.control) if w.index // self.control.engine_size
+                not in out]
+        self.control.call(told, PeerCall.FAIL, why, return_errors=True)
+
     def tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
         others = self.live_trainers()[1:]
         self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
@@ -189,17 +199,26 @@ class GroupSequencer:
                         self.thread = None
                         return
                 try:
-                    version = self._pin(first)
-                except Exception as e:  # noqa: BLE001  (a lost worker: excluded, raised)
-                    with self.session_lock:
-                        recovery.recover(self, first, e, False)
-                if version is None:
-                    continue
-                try:
-                    self.run(version)
-                finally:  # (a trainer lost in the session is not asked)
-                    self.control.call(self.live_trainers(), PeerCall.STAGE_FINISH,
-                                      return_errors=True)
+                    try:
+                        version = self._pin(first)
+                    except Exception as e:  # noqa: BLE001  (a lost worker: excluded, raised)
+                        with self.session_lock:
+                            recovery.recover(self, first, e, False)
+                    if version is None:
+                        continue
+                    try:
+                        self.run(version)
+                    finally:  # (a trainer lost in the session is not asked)
+                        self.control.call(self.live_trainers(), PeerCall.STAGE_FINISH,
+                                          return_errors=True)
+                except TransferFailed as e:
+                    if self.broken is not None:
+                        raise
+                    # Lost workers were excluded and the group re-planned (which dropped
+                    # the copies staged for the old plan, `SenderStage.drop`): the survivors
+                    # take the next version staged; the next send_weights or wait_idle
+                    # raises the error.
+                    self.error = e
         except BaseException as e:  # surfaced by the next send_weights / wait_idle
             self.error = e
             with self._kick_lock:
@@ -269,6 +288,8 @@ class GroupSequencer:
         others = self.live_trainers()[1:]
         failure = None
         try:
+            if self.broken is not None:
+                raise TransferFailed(self.broken)
             # (A trainer whose call fails is gone, or not: the ping below decides.)
             self.poll_until(lambda: all(
                 a == what or isinstance(a, Exception)
@@ -367,9 +388,14 @@ class _IntoParams:
                     return {}
 
     def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
-        seq.control.call(list(seq.leader.group.live_rollouts), PeerCall.SESSION_DONE, version)
-        if release:  # in every rollout's parameters
-            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+        # Every round landed: the version is whole in every rollout's parameters. Released
+        # from here on (a recovery must not count them in the next transfer), and a worker
+        # lost meanwhile is found by the next transfer, not by these notices.
+        seq.session_joined = set()
+        seq.control.call(list(seq.leader.group.live_rollouts), PeerCall.SESSION_DONE, version,
+                         return_errors=True)
+        if release:
+            seq.control.call(ts, PeerCall.TRANSFERRED, version, return_errors=True)
 
 
 class _IntoStaging:
@@ -380,6 +406,6 @@ class _IntoStaging:
 
     def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
         seq.leader.landed(version)
-        if release:  # landed: the trainers go on before any install
-            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+        if release:  # landed: the trainers go on before any install (a lost one: as above)
+            seq.control.call(ts, PeerCall.TRANSFERRED, version, return_errors=True)
         seq.control.call(seq.leader.live_rank0s(), PeerCall.OFFER, version)

@@ -8,7 +8,7 @@ a transfer failed; the group's state changes only through its `GroupLeader` (``e
 from __future__ import annotations
 
 from weightbridge.coordination.adapter_base import TransferFailed
-from weightbridge.coordination.control import PeerCall, rollouts
+from weightbridge.coordination.control import rollouts
 from weightbridge.coordination.session import unanswered
 from weightbridge.coordination.worker import ReplicaMismatch
 
@@ -19,8 +19,7 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
     regions from its replicas), re-send ``version`` where the trainers still hold it, tell
     every trainer; raise `TransferFailed`. Anything else is raised unchanged (the group is
     closed if bytes had moved: no engine's state is known)."""
-    control, mode = seq.control, seq.config.mode
-    live = seq.live()
+    mode = seq.config.mode
     gone, gone_t = find_lost(seq)
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not gone and not gone_t:
@@ -30,17 +29,16 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
                 "input" if isinstance(error, ValueError) else "transfer")
         seq.tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
         if moved:
-            seq.broken = (f"the transfer of version {version} failed after bytes moved "
-                            f"({type(error).__name__}: {cause}) and every worker still "
-                            f"answers, so no engine's weights are known; build a new "
-                            f"group (new adapters, connect()) to go on")
             # No engine may run a step on what it holds now: every poll raises.
-            control.call(live, PeerCall.FAIL, seq.broken, return_errors=True)
+            seq.close(f"the transfer of version {version} failed after bytes moved "
+                      f"({type(error).__name__}: {cause}) and every worker still answers, "
+                      f"so no engine's weights are known; build a new group (new "
+                      f"adapters, connect()) to go on")
         raise error
     what = _exclude(seq, gone, gone_t, f"the transfer of version {version}", error)
     survivors = seq.leader.live_engines()
     if not survivors:
-        seq.broken = what + " No engine is left."
+        seq.close(what + " No engine is left.")
         seq.tell_trainers(version, seq.broken)
         raise TransferFailed(seq.broken) from error
     try:
@@ -81,7 +79,7 @@ def exclude_lost(seq, during: str, error: Exception | None = None) -> str | None
         return None
     what = _exclude(seq, gone, gone_t, during, error)
     if not seq.leader.live_engines():
-        seq.broken = what + " No engine is left; build a new group (new adapters, connect())."
+        seq.close(what + " No engine is left; build a new group (new adapters, connect()).")
         raise TransferFailed(seq.broken) from error
     try:
         seq.leader.replan()
@@ -135,12 +133,11 @@ def _exclude(seq, gone: list[int], gone_t: list[int], during: str,
 def _replan_failed(seq, what: str, error: Exception, version: int | None = None) -> None:
     """Re-planning without the lost workers failed: close the group (every trainer and
     rollout told); raise `TransferFailed`."""
-    seq.broken = (f"{what} Re-planning without it failed too ({type(error).__name__}: "
-                  f"{error}); build a new group (new adapters, connect()) to go on.")
+    # No engine gets another version: each learns it at its next poll.
+    seq.close(f"{what} Re-planning without it failed too ({type(error).__name__}: "
+              f"{error}); build a new group (new adapters, connect()) to go on.")
     if version is not None:
         seq.tell_trainers(version, seq.broken)
-    # No engine gets another version: each learns it at its next poll.
-    seq.control.call(seq.live(), PeerCall.FAIL, seq.broken, return_errors=True)
     raise TransferFailed(seq.broken) from error
 
 

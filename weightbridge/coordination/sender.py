@@ -330,6 +330,7 @@ class SenderAdapter(AdapterWorker):
     def _setup(self, plan) -> None:
         super()._setup(plan)
         self._staging = None  # the old copy is laid out for the old plan
+        self.stage.drop()  # (so no transfer reads a version staged in it)
 
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
