@@ -330,3 +330,32 @@ def test_an_engine_added_but_not_joined_is_told_when_the_group_ends():
         joined.poll_requests()
     with pytest.raises(TransferFailed, match="No engine is left"):
         trainers[0][1].send_weights(2)
+
+
+def test_a_relay_that_misses_a_stalled_rank_takes_the_engine_out_in_step():
+    """RS, two engines of two ranks: R1 is stalled as its rank 0 relays version 2 (fuzz
+    seed 162). Rank 0 went on to install it at the next step while R1, served the relay
+    once it went on, installed it steps later: the engine ran steps on two versions. The
+    engine must be out instead (no rank can be sure the others install at its step): every
+    poll of its ranks raises TransferFailed, R1 installs nothing alone, and trainer 0
+    leaves it out of the next transfer, which reaches the other engine."""
+    config = TransferConfig(timeout_s=1, receiver_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1, sizes=(2, 2, 2, 2))
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False),
+                      *_polls(rollouts, 1))[1:] == [1] * 4
+    assert in_threads(*tinygroup.send(trainers, 2, ss=False)) == [None]  # landed
+    r0, r1 = rollouts[0][1], rollouts[1][1]
+    control.stall(r1.worker)
+    try:
+        with pytest.raises(TransferFailed, match="relay of version 2"):
+            r0.poll_requests()
+    finally:
+        control.resume(r1.worker)
+    time.sleep(0.1)  # (R1 is served the relay and the notice)
+    with pytest.raises(TransferFailed):
+        r1.poll_requests()
+    assert r1.version == 1 and r0.version == 1
+    out = in_threads(*tinygroup.send(trainers, 3, ss=False), *_polls(rollouts[2:], 3))
+    assert out == [None, 3, 3], out
+    assert trainers[0][1].failed_engines == {0}

@@ -76,6 +76,9 @@ class GroupLeader:
         """Engine -> the newest version it claimed (kept across re-plans; delta bases)."""
         self.joined_at: int | None = None
         """The newest finished version when engines last joined (they hold nothing older)."""
+        self.asked_out: dict[int, str] = {}
+        """Engine -> why it went out by itself (a worker of it said so, `ask_out`), until
+        it is excluded (the sequencer does it before its next transfer)."""
         self.untold: dict[WorkerId, str] = {}
         """Workers of excluded engines that did not answer when told why (`retell`)."""
         self._unplanned = False
@@ -154,6 +157,8 @@ class GroupLeader:
         that comes back is told when it next asks trainer 0 anything (`why_out`)."""
         with self._ledger:  # (a claim is answered either before this or not at all)
             self.out_engines.update(engines)
+            for e in engines:
+                self.asked_out.pop(e, None)
         self.out_trainers.update(trainers_)
         for e in engines:
             self.out_why.setdefault(e, why or f"engine {e} is out of this transfer group")
@@ -226,6 +231,14 @@ class GroupLeader:
         with self._ledger:
             self.slots.grow(self.control.num_engines)
         return joining
+
+    def ask_out(self, engine: int, why: str) -> None:
+        """A worker of ``engine`` says its engine can run no more steps (a rank it could not
+        reach): recorded for the sequencer, which excludes it (and re-plans) before its
+        next transfer (`recovery.exclude_lost`)."""
+        with self._ledger:
+            if engine in self.live_engines():
+                self.asked_out.setdefault(engine, why)
 
     def why_out(self, engine: int) -> str | None:
         """Why ``engine`` is out (None: it is not)."""

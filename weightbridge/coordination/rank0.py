@@ -101,6 +101,8 @@ class GroupSequencer:
 
     def session(self, version: int, moved: list, release: bool) -> None:
         self.leader.retell()  # (excluded workers that stalled when told: again, off-thread)
+        if self.leader.asked_out:  # engines that went out by themselves: planned out first
+            recovery.exclude_lost(self, f"the time before the transfer of version {version}")
         ts = self.live_trainers()
         self.source.before(self, ts, version)
         check_replicas(self.control, self.leader.group, version)  # (SS: staged copies)
@@ -127,7 +129,7 @@ class GroupSequencer:
                     f"between inference steps"))
                 return
             except TimeoutError:
-                if deadline or unanswered(self.control, missing()):
+                if deadline or self.leader.asked_out or unanswered(self.control, missing()):
                     raise
 
     def wait_for_trainers(self, ts: list[WorkerId], version: int) -> None:
@@ -320,12 +322,18 @@ class GroupSequencer:
             self.joined.add(worker)
             self.cond.notify_all()
 
-    def on_leave(self, worker: WorkerId) -> bool | str:
+    def on_leave(self, worker: WorkerId, why: str | None = None) -> bool | str:
         """A rollout that joined gives up waiting (its poll timed out): True when it is out
         before any byte moved toward it; False when the running transfer already counts it
         (its bytes are on their way: it must wait for the end of the transfer); why its
-        engine is out of the group when it is (excluded while it stalled: it was not told)."""
-        why = self.leader.why_out(worker.index // self.control.engine_size)
+        engine is out of the group when it is (excluded while it stalled: it was not told).
+        With ``why``: its engine went out by itself (it can run no more steps); it is
+        excluded before the next transfer (`GroupLeader.ask_out`)."""
+        engine = worker.index // self.control.engine_size
+        if why is not None:
+            self.leader.ask_out(engine, why)
+            return why
+        why = self.leader.why_out(engine)
         if why is not None:
             return why
         with self.cond:

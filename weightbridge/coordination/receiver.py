@@ -319,25 +319,45 @@ class ReceiverAdapter(AdapterWorker):
             self._check_failed()
 
     def _call_engine(self, peers: list[WorkerId], call: PeerCall, *args) -> None:
-        """``call`` on workers of this engine. One that failed with an error other than a
-        timeout and does not answer a ping is gone: the engine can run no more steps, so
-        it fails (`TransferFailed`, here and at each of its workers' polls). Trainer 0
-        excludes it at its next transfer, when the gone worker does not answer it either."""
+        """``call`` on workers of this engine. A relay that did not reach every one of them
+        (a rank stalled or gone), or another call that failed on a worker that does not
+        answer a ping (gone), takes the engine out: its workers could no longer install a
+        version at the same step. Raises `TransferFailed` then (`_leave_group`); a call that
+        only timed out is raised as it is (the worker may be stalled for a moment)."""
         try:
             self.control.call(peers, call, *args)
-        except TimeoutError:  # (stalled, maybe for a moment: trainer 0 decides)
-            raise
+            return
         except Exception as e:
-            gone = unanswered(self.control, [p for p in peers if p != self.worker])
-            if not gone:
-                raise
-            self._fail_engine(
-                f"engine {self.engine} lost {'workers' if len(gone) > 1 else 'worker'} "
-                f"{', '.join(map(str, gone))} ({type(e).__name__}: {e}), so it can run no more "
-                f"steps; its parameters hold version {self.version}, whole. To use it again, "
-                f"restart its workers on new procs and add them as a new engine "
-                f"(add_engines() on every trainer)")
+            error = e
+            if call is PeerCall.RELAY:
+                why = (f"rank 0's relay of version {args[0].version} did not reach every "
+                       f"worker of engine {self.engine} ({type(e).__name__}: {e}), so its "
+                       f"workers can no longer install a version at the same step")
+            else:
+                gone = ([] if isinstance(e, TimeoutError) else
+                        unanswered(self.control, [p for p in peers if p != self.worker]))
+                if not gone:
+                    raise
+                why = (f"engine {self.engine} lost {'workers' if len(gone) > 1 else 'worker'}"
+                       f" {', '.join(map(str, gone))} ({type(e).__name__}: {e})")
+        self._leave_group(f"{why}. The engine can run no more steps; its parameters hold "
+                          f"version {self.version}, whole. To use it again, restart its "
+                          f"workers on new procs and add them as a new engine "
+                          f"(add_engines() on every trainer)", error)
+
+    def _leave_group(self, why: str, error: Exception) -> None:
+        """This engine goes out of the group by itself: every worker of it is told (their
+        polls raise `TransferFailed` with ``why``), and so is trainer 0, which excludes it
+        before its next transfer (`PeerCall.LEAVE` with ``why``). Raises `TransferFailed`."""
+        self._fail_engine(why)
+        try:
+            self._call_one(SEQUENCER, PeerCall.LEAVE, self.worker, why)
+        except Exception:  # noqa: BLE001  (trainer 0 lost: the engine is out anyway)
+            pass
+        try:
             self._check_failed()
+        except TransferFailed as told:
+            raise told from error
 
     def _sequencer_lost(self, error: Exception, version: int | None) -> str | None:
         """After a call on trainer 0 failed: why this engine can go on no more when trainer 0

@@ -8,7 +8,7 @@ a transfer failed; the group's state changes only through its `GroupLeader` (``e
 from __future__ import annotations
 
 from weightbridge.coordination.adapter_base import TransferFailed
-from weightbridge.coordination.control import rollouts
+from weightbridge.coordination.control import engine_workers, rollouts
 from weightbridge.coordination.session import unanswered
 from weightbridge.coordination.worker import ReplicaMismatch
 
@@ -92,7 +92,9 @@ def find_lost(seq) -> tuple[list[int], list[int]]:
     """(rollout, trainer) indices of the live workers that do not answer a ping (dead,
     stalled or cut off); trainer 0, which asks, is not asked."""
     control = seq.control
-    return ([w.index for w in unanswered(control, seq.live())],
+    asked = [w.index for e in list(seq.leader.asked_out)
+             for w in engine_workers(control, e) if w in seq.live()]
+    return (sorted(set(asked) | {w.index for w in unanswered(control, seq.live())}),
             [t.index for t in unanswered(control, seq.live_trainers()[1:])])
 
 
@@ -111,8 +113,11 @@ def _exclude(seq, gone: list[int], gone_t: list[int], during: str,
     size = control.engine_size
     lost = sorted({j // size for j in gone})
     names = ([f"R{j} (engine {j // size})" for j in gone] + [f"T{i}" for i in gone_t])
+    asked = {e: why for e, why in seq.leader.asked_out.items() if e in lost}
+    causes = ([_cause(error)] if error is not None or not asked else []) + [
+        f"engine {e} went out by itself: {why}" for e, why in asked.items()]
     what = (f"{'workers' if len(names) > 1 else 'worker'} {', '.join(names)} failed during "
-            f"{during} ({_cause(error)}).")
+            f"{during} ({'; '.join(causes)}).")
     if lost:
         what += (f" Engine{'s' if len(lost) > 1 else ''} {lost} "
                  f"{'are' if len(lost) > 1 else 'is'} excluded from this transfer group: "
@@ -126,7 +131,8 @@ def _exclude(seq, gone: list[int], gone_t: list[int], during: str,
                  f"the same regions (data-parallel replicas) send them from now on, and "
                  f"send_weights() is collective over the others.")
     seq.leader.exclude(lost, gone_t, why=what,
-                       unreachable=[w for w in rollouts(control) if w.index in gone])
+                       unreachable=[w for w in rollouts(control) if w.index in gone
+                                    and w.index // size not in asked])
     return what
 
 

@@ -411,8 +411,8 @@ class SenderAdapter(AdapterWorker):
     def on_join(self, worker: WorkerId) -> None:
         self.rank0.on_join(worker)
 
-    def on_leave(self, worker: WorkerId) -> bool | str:
-        return self.rank0.on_leave(worker)
+    def on_leave(self, worker: WorkerId, why: str | None = None) -> bool | str:
+        return self.rank0.on_leave(worker, why)
 
     def on_claim(self, engine: int):
         return self.rank0.on_claim(engine)
