@@ -359,3 +359,27 @@ def test_a_relay_that_misses_a_stalled_rank_takes_the_engine_out_in_step():
     out = in_threads(*tinygroup.send(trainers, 3, ss=False), *_polls(rollouts[2:], 3))
     assert out == [None, 3, 3], out
     assert trainers[0][1].failed_engines == {0}
+
+
+def test_a_rank_stalled_when_its_engine_was_excluded_is_told_through_its_rank_0():
+    """RS, a 2-rank engine, the only one: R1 is stalled as version 2 lands, so the engine is
+    excluded and the group ends (fuzz seeds 258, 290). Trainer 0 told R0 only (R1 did not
+    answer) and sends nothing more, so R1 never heard: once it went on, its polls returned
+    None for ever. R0 passes what it was told on to the others of its engine."""
+    config = TransferConfig(timeout_s=1, receiver_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1, sizes=(2, 2))
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[1:] == [1] * 2
+    r0, r1 = rollouts[0][1], rollouts[1][1]
+    control.stall(r1.worker)
+    try:
+        out = in_threads(*tinygroup.send(trainers, 2, ss=False))
+        assert isinstance(out[0], TransferFailed) and "No engine is left" in str(out[0]), out
+    finally:
+        control.resume(r1.worker)
+    with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
+        r0.poll_requests()
+    time.sleep(0.1)  # (R1 is served the notice)
+    with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
+        r1.poll_requests()
+    assert r1.version == 1

@@ -59,6 +59,7 @@ class ReceiverAdapter(AdapterWorker):
         self._slots: dict[int, tuple] = {}
         self._failure: str | None = None
         """Set when this worker's engine lost a worker: every poll_requests() raises it."""
+        self._passed_on = False  # rank 0: its failure was passed on to its engine's others
         self._asked_at: float | None = None
         """Rank 0: when it last asked trainer 0 whether its engine is in (`_check_in`)."""
         self._polling = threading.Lock()
@@ -99,6 +100,11 @@ class ReceiverAdapter(AdapterWorker):
             self._polling.release()
 
     def _poll(self) -> int | None:
+        if self._failure is not None and self.coordinator is not None and not self._passed_on:
+            # Rank 0 was told its engine is out: so is every other worker of it (one that
+            # was stalled when trainer 0 told the engine heard nothing), once.
+            self._passed_on = True
+            self._fail_engine(self._failure)
         self._check_failed()
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
