@@ -383,3 +383,44 @@ def test_a_rank_stalled_when_its_engine_was_excluded_is_told_through_its_rank_0(
     with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
         r1.poll_requests()
     assert r1.version == 1
+
+
+def test_a_transfer_that_starts_after_the_group_ended_moves_nothing():
+    """Async (fuzz seed 311): the only engine was excluded during the transfer of version 5,
+    ending the group, while trainer 0's send_weights(6) waited to stage; it staged once the
+    buffer was released and started a new background transfer, which ran with no engine in
+    (an empty slot table) and assembled version 6 into the rollouts' parameters between
+    their polls. A transfer run once the group ended must raise and move nothing (the race
+    is reproduced here by running one directly)."""
+    config = TransferConfig(timeout_s=1, sender_staging=True, receiver_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1, num_engines=1)
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=True), *_polls(rollouts, 1))[1:] == [1]
+    seq = trainers[0][1].rank0
+    seq.close("the group ended (test)")
+    moved = control.transport.bytes_written
+    trainers[0][0].load_weights(checkpoint(2).items())
+    with pytest.raises(TransferFailed, match=r"the group ended \(test\)"):
+        seq.run(2)
+    assert control.transport.bytes_written == moved and rollouts[0][0].holds(1)
+
+
+def test_an_engine_added_after_the_group_ended_is_told_at_add_engines():
+    """Fuzz seed 307: the group ended (its only engine lost during a transfer); then an engine
+    is added and add_engines() called. The call raises TransferFailed, and the added engine,
+    never set up, must be told too (its polls returned None for ever)."""
+    config = TransferConfig(timeout_s=1)
+    control, trainers, rollouts = build(config, num_trainers=1, num_engines=1)
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[1:] == [1]
+    control.kill(WorkerId("rollout", 0))
+    out = in_threads(*tinygroup.send(trainers, 2, ss=False))
+    assert isinstance(out[0], TransferFailed) and "No engine is left" in str(out[0]), out
+    m = tinygroup.Model()
+    joined = control.add(ReceiverAdapter(
+        m.params, m.load_weights, tinygroup.SPEC, rank=1, engine=1, engine_rank=0,
+        engine_size=1, control=control, transport=control.transport, config=config))
+    with pytest.raises(TransferFailed, match="No engine is left"):
+        trainers[0][1].add_engines()
+    with pytest.raises(TransferFailed, match="No engine is left"):
+        joined.poll_requests()

@@ -88,6 +88,8 @@ class GroupSequencer:
         `TransferFailed` when a worker was lost (after re-planning without it) and re-raises
         anything else."""
         with self.session_lock:
+            if self.broken is not None:  # (a transfer staged before the group ended)
+                raise TransferFailed(self.broken)
             moved = [False]
             try:
                 self.session(version, moved, release)
@@ -290,7 +292,8 @@ class GroupSequencer:
         others = self.live_trainers()[1:]
         failure = None
         try:
-            if self.broken is not None:
+            if self.broken is not None:  # (engines added since are told too)
+                self.close(self.broken)
                 raise TransferFailed(self.broken)
             # (A trainer whose call fails is gone, or not: the ping below decides.)
             self.poll_until(lambda: all(

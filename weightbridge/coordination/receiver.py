@@ -277,6 +277,11 @@ class ReceiverAdapter(AdapterWorker):
         slot = (slots or {}).get(self.engine)
         if self.beyond(r):
             return
+        if slot is None and self.config.receiver_staging:
+            # (Bytes enter the parameters only inside a poll: never straight from a round.)
+            raise RuntimeError(f"{self.worker}: round {r} landed with no staging slot for "
+                               f"engine {self.engine} (slots {slots}): it is not in the "
+                               f"transfer it is part of")
         if slot is None:
             super().on_land(r, expected=expected)  # into the parameters (this worker waits)
         else:
