@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import sys
@@ -59,8 +60,11 @@ def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
                 f"engines=4,{node}") for n in (1, 2, 4)])
 
 
-MECHANISMS = ("weightbridge", "gloo-broadcast", "ring-broadcast", "bucketed-p2p", "broadcast",
-              "p2p")
+MODES = {"weightbridge-ss": "ss", "weightbridge-rs": "rs", "weightbridge-async": "async"}
+"""WeightBridge in the staging modes (``weightbridge`` is sync): the same rounds, with the
+trainers' stall the staged copy (SS, async) and the rollouts' the install (RS, async)."""
+MECHANISMS = ("weightbridge", *MODES, "gloo-broadcast", "ring-broadcast", "bucketed-p2p",
+              "broadcast", "p2p")
 LABELS = {"broadcast": "broadcast (ablation)", "p2p": "p2p (ablation)"}
 """Printed names where not the mechanism's: the in-house broadcast and P2P run on WeightBridge's
 own data plane (Monarch RDMA, its plans), so they are same-data-plane ablations, not the
@@ -108,6 +112,7 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     from controller.driver import MeshTransfer
     from meshes.spec import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
+    from weightbridge.config import Mode
 
     tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
     rate = args.link_mbit * 1e6 / 8
@@ -124,6 +129,11 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                 runner = cls(tspec, rspec, args.model, procs=procs[:2],
                              bucket_bytes=getattr(args, "bucket_kib", 512) << 10)
             else:
+                if mech in MODES:
+                    mode = Mode(MODES[mech])
+                    kw["config"] = dataclasses.replace(
+                        config, sender_staging=mode.sender_staging,
+                        receiver_staging=mode.receiver_staging)
                 runner = MeshTransfer(tspec, rspec, args.model,
                                       reroute=p2p_plan if mech == "p2p" else None, **kw)
             with runner:
@@ -131,12 +141,31 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                     runner.connect()
                 if mech == "weightbridge":
                     ideal = runner.ideal_s
-                reports = [runner.update(v) for v in range(1, args.updates + 1)]
-            bad = [r for r in reports if r.mismatched]
+                reports = [_one_update(runner, v) for v in range(1, args.updates + 1)]
+            bad = [r for r, _ in reports if r.mismatched]
             if bad:
                 raise SystemExit(f"{mech}: {bad[0].line()}")
             results[mech] = reports[-1]
         return {"ideal": ideal, **results}
+
+
+def _one_update(runner, version: int):
+    """(the update's report, its AGST): in a staging mode the rounds' report (`wait`) and
+    the install (`poll_requests`), with the stalls of that mode (`UpdateTiming.mode_agst_s`)."""
+    report = runner.update(version)
+    config = getattr(runner, "config", None)
+    if config is None or not (config.sender_staging or config.receiver_staging):
+        return report, report.timing.agst_s
+    stall = report.stall_s
+    if config.sender_staging:
+        report = runner.wait()
+    installed = runner.poll_requests()
+    install_s = installed.install_s if installed is not None else 0.0
+    if installed is not None and installed.mismatched:
+        raise SystemExit(f"{installed.line()}")
+    return report, report.timing.mode_agst_s(
+        sender_staging=config.sender_staging, receiver_staging=config.receiver_staging,
+        trainer_stall_s=stall, install_s=install_s)
 
 
 def main() -> int:
@@ -176,22 +205,25 @@ def main() -> int:
               flush=True)
         for sweep, x, tspec, rspec in configs(args.rollout_procs):
             res = run_config(cluster.addresses, tspec, rspec, args)
-            ideal, wb = res["ideal"], res["weightbridge"].timing
+            ideal, wb = res["ideal"], res["weightbridge"][0].timing
             for mech in args.mechanisms:
-                t = res[mech].timing
+                report, agst = res[mech]
+                t = report.timing
                 rows.append({"sweep": sweep, "x": x, "trainer": tspec, "rollout": rspec,
                              "mechanism": mech, "ewtt_s": round(t.ewtt_s, 4),
-                             "agst_s": round(t.agst_s, 4), "ideal_s": round(ideal, 4),
+                             "agst_s": round(agst, 4), "ideal_s": round(ideal, 4),
                              "ewtt_over_ideal": round(t.ewtt_s / ideal, 3),
                              "speedup_of_weightbridge": round(t.ewtt_s / wb.ewtt_s, 2),
-                             "rdma_mb": round(res[mech].rdma_bytes / 1e6, 2),
+                             "rdma_mb": round(report.rdma_bytes / 1e6, 2),
                              "depth": args.depth, "rollout_procs": args.rollout_procs,
                              "links": "fifo" if args.fifo_links else "control priority",
                              "transport": TRANSPORTS.get(mech, "monarch rdma")})
+                ring = res["ring-broadcast"][1] if "ring-broadcast" in res else None
+                vs_ring = f"  AGST/ring {agst / ring:.2f}" if ring else ""
                 print(f"[{sweep}={x}] {LABELS.get(mech, mech):<20} EWTT {t.ewtt_s:.3f}s  "
-                      f"AGST {t.agst_s:.3f}s  ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}"
-                      f"  vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x  "
-                      f"({res[mech].rdma_bytes / 1e6:.1f} MB over "
+                      f"AGST {agst:.3f}s  ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}"
+                      f"  vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x{vs_ring}  "
+                      f"({report.rdma_bytes / 1e6:.1f} MB over "
                       f"{TRANSPORTS.get(mech, 'RDMA')}, bit-exact)", flush=True)
             if sweep == "replicas" and x == 4:
                 from controller.timing import chrome_trace

@@ -96,7 +96,14 @@ def mesh_run(args, run: Run) -> int:
             for version in range(1, args.updates + 1):
                 report = mt.update(version)
                 print(report.line(), flush=True)
+                if mt.mode.sender_staging:  # the rounds streamed while update() had returned
+                    report = mt.wait()
+                    print(f"  streamed: {report.line()}", flush=True)
                 failed |= bool(report.mismatched)
+                installed = mt.poll_requests()  # (between generation steps)
+                if installed is not None and mt.mode.receiver_staging:
+                    print(f"  {installed.line()}", flush=True)
+                    failed |= bool(installed.mismatched)
             if args.trace and args.updates > 0:
                 write_trace(args.trace, report.timing, label=f"update {report.version}")
                 print(f"wrote the trace of update {report.version} to {args.trace}")

@@ -25,6 +25,7 @@ from meshes.qwen3_moe import SIZES
 from meshes.spec import RolloutSpec, TrainerSpec
 from meshes.workers import FACTORIES
 from weightbridge import TransferConfig
+from weightbridge.config import Mode
 
 DEFAULT_TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
 DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--round-kib", type=int,
                         help=f"KiB per round buffer (default "
                              f"{TransferConfig().round_bytes >> 10})")
+    parser.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SYNC.value,
+                        help="sync mode: sync, ss (sender staging: the trainers go on once "
+                             "their copy is staged), rs (receiver staging: the rollouts install "
+                             "at their next step), async (both); docs/controller.md")
     parser.add_argument("--depth", type=int, default=2,
                         help="round arenas per worker (3 hides slow control messages)")
     parser.add_argument("--timeout", type=float, default=TransferConfig().timeout_s,
@@ -135,7 +140,10 @@ def transfer_config(args) -> TransferConfig:
     if args.depth < 2:
         raise ValueError(f"--depth must be >= 2 round arenas per worker (one fills while "
                          f"another drains), got {args.depth}")
-    fields = {"depth": ("--depth", args.depth), "timeout_s": ("--timeout", args.timeout)}
+    mode = Mode(args.mode)
+    fields = {"depth": ("--depth", args.depth), "timeout_s": ("--timeout", args.timeout),
+              "sender_staging": ("--mode", mode.sender_staging),
+              "receiver_staging": ("--mode", mode.receiver_staging)}
     if args.round_kib is not None:
         fields["round_bytes"] = ("--round-kib", args.round_kib << 10)
     for field, (flag, value) in fields.items():

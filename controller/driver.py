@@ -12,72 +12,75 @@
                           <---------------------------------------   incoming ranges -> handles
       SET_PEERS           ------->   handles                          handles
     per update:  train_step(v) -->   parameters of version v
+      [SS, async: STAGE(v) --->   staged copy of v; the rounds run on a thread of the
+                                  controller, update() returns]
       run_update (weightbridge.coordination.sequencer, the one round sequencer of every path):
                  SEND_ROUND(r) -->   pack r, RDMA RECEIVE =========>  arena r % depth
                  FORWARD(r, EXTERNAL), then INTERNAL  ------------->  RDMA to peers' arena
                  LAND(r)       ------------------------------------>  arena -> parameters
                  SEND_ROUND(r + depth) once LAND(r) returned everywhere
+      [RS, async: LAND(r) puts round r in the engine's staging slot instead]
       checksums(v)            <------------------------------------  live vs own load_weights(v)
+    poll_requests() (between generation steps; RS, async):
+                 INSTALL(slot, v) ------------------------------------>  staging slot -> parameters
 
 Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes. Each
 step is issued the moment its inputs are done: a trainer serves its sends one at a time in the
 order issued, so round r + 1's send already waits in the trainer's queue when round r's writes
 land; the rollouts forward and land concurrently. Every wait is bounded and a failure becomes
-one `TransferError` naming the round and the step.
+one `TransferError` naming the round and the step. The group's state (maps, the plan in force
+and its generation, who is out, the staging-slot ledger) is its `GroupLeader`, as on the
+adapters' rank 0; what was sent and what the rollouts hold is a `VersionBook`.
 
 Typical usage::
 
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny") as mt:
         plan = mt.connect()
-        report = mt.update(1)
+        report = mt.update(1)      # sync: installed and verified
+        mt.poll_requests()         # between generation steps: SS waits, RS/async install
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 from typing import Collection
 
-from monarch.actor import this_host
-
+from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
+                               WorkerMeshes, one as _one, resolve_workers)  # (re-exported)
 from controller.membership import Lost, Membership
-from controller.report import TransferError, UpdateReport, WorkersLost  # noqa: F401 (users catch it here)
+from controller.report import (InstallReport, TransferError, UpdateReport,  # noqa: F401
+                               WorkersLost, by_rank as _by_rank, mismatches)  # (re-exported)
+from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
-from meshes.actors import RolloutActor, TrainerActor, load_factory
+from controller.versions import VersionBook
+from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from meshes.workers import FACTORIES
 from weightbridge import TransferConfig, TransferPlan
+from weightbridge.coordination.control import PeerCall
+from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.sequencer import StepFailed
-from weightbridge.coordination.session import connect_group, run_update, unanswered
+from weightbridge.coordination.session import run_update, unanswered
 from weightbridge.mesh.control import MeshControl, TransferGroup
-from weightbridge.mesh.transport import backend, configure_transport, drop_all
+from weightbridge.mesh.transport import backend
 from weightbridge.planning.simulate import eq1
 from weightbridge.types import scaled_tensor
 
-PROBE_BYTES = 8 << 20
-"""Link probe write size: one 8 MB RDMA chunk."""
-PROBE_REPEATS = 3
-
-
-class ClosingContext:
-    """A context manager that runs ``self._start()`` on enter (and ``self.close()`` if that
-    fails, so what had started stops) and ``self.close()`` on exit."""
-
-    def __enter__(self):
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class MeshTransfer(ClosingContext, Membership):
     """Both meshes and the plan between them. A context manager: leaving it stops the meshes.
+
+    Every sync mode of the config runs here (docs/controller.md, "Sync modes"): `update`
+    returns once the trainers may take their next step (sync: the rollouts hold the version;
+    SS, async: the trainers' staged copy is taken and the version streams on a thread of this
+    controller; RS: it landed in every engine's staging slots), and `poll_requests`, called
+    between the rollouts' generation steps, puts the newest version into every engine's
+    parameters at that step (SS: waits for the transfer under way; RS, async: installs the
+    newest landed version from staging). The group's state is its `GroupLeader` (``leader``).
 
     Args:
         trainer, rollout: Mesh specs: how many workers, on how many hosts, and the layout the
@@ -87,7 +90,7 @@ class MeshTransfer(ClosingContext, Membership):
             `meshes.workers`).
 
     Keyword Args:
-        config: The group's `TransferConfig` (round size, depth, timeouts).
+        config: The group's `TransferConfig` (round size, depth, timeouts, sync mode).
         procs: (trainer procs, rollout procs) to spawn the actors on instead of spawning procs
             (any axis names); they are then not stopped here.
         trainer_actor, rollout_actor: Actor classes (tests substitute faulty ones).
@@ -108,113 +111,93 @@ class MeshTransfer(ClosingContext, Membership):
         if not isinstance(config, TransferConfig):
             raise ValueError(f"config must be a weightbridge.TransferConfig, got "
                              f"{type(config).__name__}")
-        if config.sender_staging or config.receiver_staging:
-            raise ValueError("MeshTransfer drives synchronous updates (the controller sequences "
-                             "every round); staging modes are for the adapters: use "
-                             "TransferGroup.sender/receiver, or drop sender_staging / "
-                             "receiver_staging from the config")
         workers = resolve_workers(workers, trainer, rollout)
         self.trainer_spec, self.rollout_spec, self.workers = trainer, rollout, workers
-        self.config = config
-        self._given_procs = procs
-        self._actor_classes = (trainer_actor, rollout_actor)
-        self._owned: list = []
-        """Procs spawned here (stopping them stops everything on them)."""
-        self._actors: list = []
-        self._foreign: list = []
-        """Actor meshes on procs this object did not spawn (stopped one by one)."""
-        self._rollout_meshes: list[tuple[int, object]] = []
-        """(first flat rank, actor mesh) of the rollouts: the first mesh, then each joined
-        engine's (`add_engine`)."""
+        self.config, self.mode = config, config.mode
+        self.meshes = WorkerMeshes(trainer, rollout, workers, procs=procs,
+                                   actor_classes=(trainer_actor, rollout_actor))
         self.group: TransferGroup | None = None
-        self.plan: TransferPlan | None = None
+        self.leader: GroupLeader | None = None
+        """The group's state: maps, plan in force, who is out, staging slots (set at
+        connect)."""
+        self.book: VersionBook | None = None
+        """What the trainers sent and the rollouts hold (set at connect)."""
         self.spawn_s = 0.0
         self.num_handles = 0
         self.links: dict[str, float] = {}
         """Bytes/s of one RDMA write stream per probed link, measured at connect."""
         self.ideal_s = 0.0
         self.link_rate, self._reroute = link_rate, reroute
-        self.lost_engines: set[int] = set()
-        """Engines out of the group: lost mid-update (`WorkersLost`) or `remove_engine`d."""
-        self.lost_trainers: set[int] = set()
-        """Trainers left out after they were lost mid-update (their replicas send for them)."""
-        self._generation = 0
-        """Plans made since connect (numbers the receivers' staging slots)."""
-        self._tensors: frozenset[str] | None = None
-        """The checkpoint tensors the plan in force moves (None: all)."""
-        self._tensor_names: list[str] | None = None
-        self._held: dict[str, int] | None = None
-        """Per checkpoint tensor, the version the rollouts hold (None before any update)."""
+        self._streaming = Streaming()
+        """The transfer running on a thread of its own (SS, async)."""
+        self._book_lock = threading.Lock()
+        """``book``: the streaming thread lands versions while `poll_requests` installs."""
 
     @property
     def backend(self) -> str:
         """RDMA backend ("tcp" is Monarch's fallback where there is no RDMA NIC)."""
         return backend()
 
+    @property
+    def plan(self) -> TransferPlan | None:
+        """The plan in force (None before connect); replaced by every re-plan."""
+        return None if self.leader is None else self.leader.plan
+
+    @property
+    def lost_engines(self) -> set[int]:
+        """Engines out of the group: lost mid-update (`WorkersLost`) or `remove_engine`d."""
+        return set() if self.leader is None else self.leader.out_engines
+
+    @property
+    def lost_trainers(self) -> set[int]:
+        """Trainers left out after they were lost mid-update (their replicas send for them)."""
+        return set() if self.leader is None else self.leader.out_trainers
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def _start(self) -> None:
         t0 = time.perf_counter()
-        if self._given_procs is None:
-            configure_transport()  # before spawning: children read the config at start-up
-            host = this_host()
-            for side, spec in (("trainer", self.trainer_spec), ("rollout", self.rollout_spec)):
-                self._owned.append(host.spawn_procs(per_host={"worker": spec.num_workers},
-                                                    name=side))
-            tp, rp = self._owned
-        else:
-            tp, rp = self._given_procs
-        trainer_cls, rollout_cls = self._actor_classes
-        self.trainers = tp.spawn("trainer", trainer_cls, self.workers, self.trainer_spec)
-        self._actors.append(self.trainers)
-        self.rollouts = rp.spawn("rollout", rollout_cls, self.workers, self.rollout_spec)
-        self._actors.append(self.rollouts)
-        self._rollout_meshes = [(0, self.rollouts)]
-        if self._given_procs is not None:
-            self._foreign += self._actors
+        tp, rp = self.meshes.spawn()
         self.group = TransferGroup.spawn(tp, rp, engine_size=self.rollout_spec.workers_per_engine,
                                          config=self.config)
         self.control = MeshControl(self.group)
-        futures = [m.attach.call(self.group) for m in self._actors]
-        for f in futures:
-            f.get()
+        self.meshes.attach(self.group)
         self.spawn_s = time.perf_counter() - t0
 
     def close(self) -> None:
-        """Stop the actors and agents, and the procs if this object spawned them. Safe to
-        call twice."""
+        """Stop the actors and agents, and the procs if this object spawned them (a transfer
+        still streaming is waited for first, at most its deadline). Safe to call twice."""
         errors = []
-        if self.group is not None and self._foreign:
+        try:
+            self._streaming.join(self._deadline())
+        except Exception as e:  # noqa: BLE001  (closing: it is reported, the meshes still stop)
+            errors.append(e)
+        if self.group is not None and self.meshes.foreign:
             # Procs outlive this object: release the workers so the procs free their buffers.
             try:
                 self.group.close()
             except Exception as e:  # keep stopping the actors; re-raised below
                 errors.append(e)
         self.group = None
-        for mesh in self._foreign + self._owned:
-            try:
-                mesh.stop().get(timeout=60)
-            except Exception as e:  # keep stopping the others; re-raised below
-                errors.append(e)
-        self._owned, self._actors, self._foreign = [], [], []
+        errors += self.meshes.stop()
         if errors:
             raise RuntimeError(f"stopping the meshes failed: {errors}; look for leftover "
                                f"bootstrap_main processes with ps") from errors[0]
 
-    def _spawn_engine(self, procs, spec: RolloutSpec, first: int):
-        """(procs, actors) of one joining engine (flat ranks from ``first``): on ``procs``, or
-        on procs spawned on this host."""
-        owned = procs is None
-        if owned:
-            procs = this_host().spawn_procs(per_host={"worker": spec.workers_per_engine},
-                                            name=f"rollout-e{spec.engines - 1}")
-            self._owned.append(procs)
-        actors = procs.spawn("rollout", self._actor_classes[1], self.workers, spec, first)
-        if not owned:
-            self._foreign.append(actors)
-        self._actors.append(actors)
-        self._rollout_meshes.append((first, actors))
-        return procs, actors
+    @property
+    def trainers(self):
+        """The trainer actor mesh."""
+        return self.meshes.trainers
+
+    @property
+    def rollouts(self):
+        """The first rollout actor mesh (joined engines have their own)."""
+        return self.meshes.rollouts
+
+    def _live(self, side: str) -> list[tuple[int, object]]:
+        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side."""
+        lost = self.lost_trainers if side == "trainer" else self.lost_engines
+        return self.meshes.live(side, lost, self.rollout_spec.workers_per_engine)
 
     # -- connect --------------------------------------------------------------------------------
 
@@ -226,40 +209,28 @@ class MeshTransfer(ClosingContext, Membership):
                 elements no trainer holds (raised by the planner); either way before any
                 worker allocates a buffer.
         """
-        self._maps, connected = connect_group(self.control, self.config, reroute=self._reroute)
+        self.leader = GroupLeader(self.control, self.config)
+        self.leader.connect(reroute=self._reroute)
+        maps = self.leader.maps.trainers + self.leader.maps.rollouts
+        # (A block scale's virtual tensor is its tensor's: versioned with it.)
+        self.book = VersionBook({scaled_tensor(p.region.tensor) or p.region.tensor
+                                 for m, _ in maps for p in m.pieces})
         self.links = ({"configured": self.link_rate} if self.link_rate else {})
-        self._use(connected)
+        self._use()
         if not self.link_rate:
-            self.links = self._probe_links()
-            self._use(connected)  # Eq. (1) from the probed links
+            self.links = self.meshes.probe_links()
+            self._use()  # Eq. (1) from the probed links
         return self.plan
 
-    def _use(self, connected) -> None:
-        """Make ``connected`` (a `ConnectedGroup`) the plan in force."""
-        self.connected, self.plan = connected, connected.plan
-        self.num_handles = connected.num_handles
+    def _use(self) -> None:
+        """The leader's plan is in force: what the reports need of it."""
+        self.num_handles = self.leader.group.num_handles
         self._dests = write_dests(self.plan)  # from its tables: no second build of the plans
         if self.links:
             egress = self.link_rate or self.links["trainer->rollout"]
             self.ideal_s = eq1(self.plan, trainer_node_bandwidth=egress,
                                rollout_node_bandwidth=self.link_rate or self.links.get(
                                    "rollout->rollout", egress))
-
-    def _probe_links(self) -> dict[str, float]:
-        """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
-        (or the same engine if there is one), best of PROBE_REPEATS each: one stream per link."""
-        handle = _one(self.rollouts, 0).probe_buffer.call_one(
-            PROBE_BYTES).get()
-        writers = {"trainer->rollout": _one(self.trainers, 0)}
-        spec = self.rollout_spec
-        peer = spec.workers_per_engine if spec.engines > 1 else 1
-        if peer < spec.num_workers:
-            writers["rollout->rollout"] = _one(self.rollouts, peer)
-        try:
-            return {link: PROBE_BYTES / mesh.probe_link.call_one(
-                handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
-        finally:
-            drop_all({0: handle})
 
     def summary(self) -> str:
         """The plan summary plus the link probe and the ideal EWTT it gives."""
@@ -268,92 +239,173 @@ class MeshTransfer(ClosingContext, Membership):
                f"one {PROBE_BYTES >> 20} MB RDMA write stream, best of {PROBE_REPEATS}")
         return (f"{self.plan.summary()}\n{self.plan.worker_summary()}\n"
                 f"  links ({how}): {links}\n  ideal EWTT (Eq. 1, a link per planning "
-                f"node): {self.ideal_s:.4f}s")
+                f"node): {self.ideal_s:.4f}s\n  sync mode: {self.mode.value}")
+
+    def _connected(self, call: str) -> None:
+        if self.plan is None:
+            raise RuntimeError(f"call connect() before {call}()")
 
     # -- one update -----------------------------------------------------------------------------
 
-    def update(self, version: int, changed: Collection[str] | None = None) -> UpdateReport:
-        """Train step, transfer every round, verify every rollout parameter by checksum.
+    def update(self, version: int, changed: Collection[str] | None = None, *,
+               train: bool = True) -> UpdateReport:
+        """Train step, then move ``version`` as the sync mode says; returns once the trainers
+        may take their next step (the report's ``stall_s`` is how long that took after the
+        train step). ``train=False``: no train step here: the trainers' parameters already
+        hold ``version`` (the caller ran its own step on the trainer actors, e.g. to overlap
+        it with the previous version's transfer):
+
+        - sync: every live rollout's parameters hold it, verified by checksum;
+        - SS, async: each trainer's staged copy is taken; the rounds run on a thread of this
+          controller (`wait` returns their report; SS: the rollouts must not generate until
+          `poll_requests` or `wait` returned; async: they go on and install it at a later
+          `poll_requests`). The previous version's rounds end first (the staged copy is
+          one buffer), after this version's train step;
+        - RS: it landed in every live engine's staging slot; `poll_requests` installs it.
 
         ``changed``: a delta update: the checkpoint tensors whose values change in this
-        version (the others keep the version they hold). Only their bytes move, over a plan
-        restricted to them (made on the first such update, kept while the same set follows;
-        another set, or a full update, re-plans from the kept maps). The first update is full.
+        version (the others keep the version they hold). Only what the rollouts lack moves
+        (a version landed but never installed rides along), over a plan restricted to it.
 
         Raises:
-            ValueError: ``changed`` names tensors the workers do not read, or comes before
-                any full update (before anything moves).
-            TransferError: a worker failed, died or stalled during the transfer.
+            ValueError: a version not newer than the last one; ``changed`` names tensors the
+                workers do not read, or comes before any full update (before anything moves).
+            TransferError: a worker failed, died or stalled during the transfer (with
+                staging: perhaps the previous version's, raised here once).
+            WorkersLost: workers were lost and left out; the group goes on without them.
         """
-        if self.plan is None:
-            raise RuntimeError("call connect() before update()")
-        versions = self._versions_of(version, changed)
+        self._connected("update")
+        versions = self.book.next(version, changed)
         t0 = time.perf_counter()
-        for f in [mesh.train_step.call(versions) for _, mesh in self._live("trainer")]:
+        trained = version if changed is None else versions
+        for f in ([mesh.train_step.call(trained) for _, mesh in self._live("trainer")]
+                  if train else []):
             f.get()
         t1 = time.perf_counter()
-        tensors = None if changed is None else frozenset(changed)
-        if tensors != self._tensors and tensors != frozenset():
-            self._tensors = tensors
-            self._replan()
-        held = versions if isinstance(versions, dict) else dict.fromkeys(
-            self._read_tensors(), version)
-        if tensors != frozenset():  # nothing changed: nothing moves
-            try:
-                self._transfer(version)
-            except Lost as lost:
-                # The trainers hold `versions` now and recovery re-sends it to the survivors:
-                # the next delta and join build on it, not on the version before.
-                self._held = held
-                self._recover(version, lost.workers, lost.cause, t1 - t0, versions)
-        self._held = held
-        return self._report(versions, t1 - t0, t1, moved=tensors != frozenset())
+        self._streaming.join(self._deadline())  # (the previous version's rounds; its failure)
+        with self._book_lock:
+            self.book.sent(version, versions)
+            needed = self.book.needed()
+        if needed == frozenset():  # nothing the rollouts lack: nothing moves
+            with self._book_lock:
+                self.book.installed(version)
+            return self._report(version, t1 - t0, t1, moved=False)
+        self.leader.restrict(needed)
+        self._use()
+        if self.mode.sender_staging:
+            self.control.call(self.leader.live_trainers(), PeerCall.STAGE, version)
+            t2 = time.perf_counter()
+            self._streaming.start(self._stream, version, t1 - t0, t2 - t1)
+            return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=0.0,
+                                verify_s=0.0, rdma_bytes=0, num_params=0, mismatched=(),
+                                stall_s=t2 - t1, state="staged", ideal_s=self.ideal_s)
+        self._send(version, t1 - t0)
+        return self._report(version, t1 - t0, t1)
 
-    def _read_tensors(self) -> list[str]:
-        """Every checkpoint tensor some worker reads (walked once: the maps never change)."""
-        if self._tensor_names is None:
-            maps = self._maps.trainers + self._maps.rollouts
-            # (A block scale's virtual tensor is its tensor's: versioned with it.)
-            self._tensor_names = sorted({scaled_tensor(p.region.tensor) or p.region.tensor
-                                         for m, _ in maps for p in m.pieces})
-        return self._tensor_names
+    def _stream(self, version: int, train_step_s: float, stall_s: float) -> UpdateReport:
+        """SS, async (on the streaming thread): the rounds of the staged ``version``."""
+        t1 = time.perf_counter()
+        self._send(version, train_step_s)
+        return dataclasses.replace(self._report(version, train_step_s, t1), stall_s=stall_s)
 
-    def _versions_of(self, version: int, changed) -> int | dict[str, int]:
-        """What each tensor holds after this update: ``version``, or tensor -> version."""
-        if changed is None:
-            return version
-        if isinstance(changed, str):
-            raise ValueError(f"changed must be a collection of tensor names, got the string "
-                             f"{changed!r}; pass [{changed!r}]")
-        if self._held is None:
-            raise ValueError("the first update must be full (changed=None): the rollouts "
-                             "hold no version of the trainers' weights yet")
-        unknown = sorted(set(changed) - set(self._held))
-        if unknown:
-            raise ValueError(f"changed names {len(unknown)} tensors no worker reads: "
-                             f"{unknown[:4]}{' and more' if len(unknown) > 4 else ''}; name "
-                             f"checkpoint tensors (e.g. {sorted(self._held)[:2]})")
-        return {t: version if t in changed else v for t, v in self._held.items()}
+    def _send(self, version: int, train_step_s: float) -> None:
+        """The rounds of ``version``, into the parameters or the staging slots; a lost worker
+        goes to `_recover`."""
+        staging = self.mode.receiver_staging
+        slots = self.leader.begin_landing(version) if staging else None
+        try:
+            self._transfer(version, slots)
+        except Lost as lost:
+            self._recover(version, lost.workers, lost.cause, train_step_s)
+        with self._book_lock:
+            if staging:
+                self.leader.landed(version)
+                self.book.landed(version)
+            else:
+                self.book.installed(version)
 
-    def _report(self, versions, train_step_s: float, t1: float, *,
+    def wait(self) -> UpdateReport | None:
+        """SS, async: wait until the rounds of the newest staged version ended; returns their
+        report (verified in SS; async: landed in staging). None: no transfer was streaming.
+
+        Raises:
+            TransferError, WorkersLost: that transfer failed (raised once).
+        """
+        return self._streaming.join(self._deadline())
+
+    def poll_requests(self) -> InstallReport | None:
+        """Call between the rollouts' generation steps: afterwards every live engine's
+        parameters hold the newest version they may take, all switched at this step.
+
+        Sync: nothing to do (`update` installed it). SS: waits for the rounds streaming into
+        the parameters (`wait`). RS, async: installs the newest version landed in staging on
+        every worker of every live engine and verifies it. Returns what was installed (None:
+        nothing newer).
+
+        Raises:
+            TransferError: an installed parameter differs from its own load_weights, or the
+                streaming transfer failed (SS, async: raised once).
+        """
+        self._connected("poll_requests")
+        if not self.mode.receiver_staging:
+            report = self.wait() if self.mode.sender_staging else None
+            return None if report is None else InstallReport(
+                version=report.version, install_s=0.0, verify_s=report.verify_s,
+                num_params=report.num_params, mismatched=report.mismatched)
+        self._streaming.raise_failure()
+        with self._book_lock:
+            # The leader's ledger says what landed where (a newer landing may have overwritten
+            # a version never installed: superseded); every live engine lands every version.
+            claims = {e: self.leader.claim(e) for e in self.leader.live_engines()}
+            versions = {c[0] if c is not None else None for c in claims.values()}
+            assert len(versions) == 1, claims
+            version = versions.pop()
+            if version is None or version <= self.book.held_version:
+                return None
+        t0 = time.perf_counter()
+        live = self.leader.live_rollouts()
+        size = self.control.engine_size
+        self.control.call_each(live, PeerCall.INSTALL,
+                               [(claims[w.index // size][1], version) for w in live])
+        t1 = time.perf_counter()
+        with self._book_lock:
+            holds = self.book.installed(version)
+        count, bad = self._verify(self._live("rollout"), holds)
+        report = InstallReport(version=version, install_s=t1 - t0,
+                               verify_s=time.perf_counter() - t1, num_params=count,
+                               mismatched=bad)
+        if bad:
+            raise TransferError(f"{report.line()}: {list(bad[:4])}")
+        return report
+
+    def _deadline(self) -> float:
+        """The longest a transfer may take (the rounds and a recovery), for waits on it."""
+        rounds = self.plan.num_rounds if self.plan is not None else 0
+        return 2 * self.config.timeout_s * (rounds + 2)
+
+    def _report(self, version: int, train_step_s: float, t1: float, *,
                 moved: bool = True) -> UpdateReport:
-        """Spans and verification of the update that just ended, on the live workers."""
+        """Spans and verification of the update that just ended, on the live workers
+        (verified where the parameters hold it: not with receiver staging)."""
         t2 = time.perf_counter()
-        version = versions if isinstance(versions, int) else max(versions.values())
         live = {side: self._live(side) for side in ("trainer", "rollout")}
         span_f = [(side, first, mesh.timings.call()) for side, runs in live.items()
                   for first, mesh in runs]
-        check_f = [mesh.checksums.call(versions) for _, mesh in live["rollout"]]
+        installed = not self.mode.receiver_staging or not moved
+        holds = self.book.holds
+        check_f = ([mesh.checksums.call(holds) for _, mesh in live["rollout"]]
+                   if installed else [])
         spans = {(side, first + p.rank): s for side, first, f in span_f
                  for p, s in f.get().items()}
-        count, bad = self._verify(live["rollout"], versions, check_f)
+        count, bad = self._verify(live["rollout"], holds, check_f) if installed else (0, ())
         t3 = time.perf_counter()
-        sent, _ = self.plan.stage_bytes()
+        sent = self.plan.stage_bytes().sent
         return UpdateReport(version=version, train_step_s=train_step_s, transfer_s=t2 - t1,
                             verify_s=t3 - t2, rdma_bytes=int(sent.sum()) if moved else 0,
                             num_params=count, mismatched=bad,
                             timing=update_timing(spans, self._dests) if moved else None,
-                            ideal_s=self.ideal_s)
+                            ideal_s=self.ideal_s, stall_s=t2 - t1,
+                            state="installed" if installed else "landed")
 
     def _verify(self, runs, versions, futures=None) -> tuple[int, tuple[str, ...]]:
         """(parameters compared, mismatches) of the rollouts in ``runs`` ((first rank, actor
@@ -363,21 +415,25 @@ class MeshTransfer(ClosingContext, Membership):
         ranks = [first + i for first, mesh in runs for i in range(int(mesh.size()))]
         return mismatches(results, ranks)
 
-    def _transfer(self, version: int) -> None:
-        """Every round of one update; returns once every rollout landed its last round.
+    def _transfer(self, version: int, slots: dict | None = None, *,
+                  first_round: int = 0) -> None:
+        """Every round of one update (from ``first_round``); returns once every rollout landed
+        its last round (into ``slots``: engine -> staging slot, or the parameters).
 
         Raises:
-            TransferError: some worker failed, died or never finished (bounded wait).
+            Lost: some worker does not answer any more (`_recover` handles it).
+            TransferError: some worker failed or never finished and every worker answers.
         """
+        group = self.leader.group
         # Each write is bounded by the peer timeout on the workers and Monarch reports a dead
         # proc; this is the backstop for a step that neither finishes nor fails.
-        deadline = self.config.timeout_s * (self.plan.num_rounds + 2)
+        deadline = self.config.timeout_s * (self.plan.num_rounds - first_round + 2)
         try:
-            run_update(self.control, self.connected, deadline_s=deadline, version=version)
+            run_update(self.control, group, slots=slots, deadline_s=deadline, version=version,
+                       first_round=first_round)
         except (StepFailed, asyncio.TimeoutError) as e:
             what = str(e) or f"did not finish within {deadline:g}s"
-            live = self.connected
-            lost = unanswered(self.control, list(live.live_trainers) + list(live.live_rollouts))
+            lost = unanswered(self.control, list(group.live_trainers) + list(group.live_rollouts))
             if lost:
                 raise Lost(lost, f"update {version} failed: {what}\n"
                                   f"{', '.join(str(w) for w in lost)} did not answer a ping "
@@ -386,39 +442,3 @@ class MeshTransfer(ClosingContext, Membership):
             raise TransferError(
                 f"update {version} failed: {what}\nevery worker still answers; the meshes are "
                 f"in an unknown state: close this MeshTransfer and start again") from e
-
-
-def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
-    """The factory path of ``workers`` (a demo model name or ``module:name``), with a demo
-    model's specs validated; raises ValueError before anything spawns."""
-    if ":" not in workers:
-        if workers not in FACTORIES:
-            raise ValueError(f"unknown model {workers!r}: give a demo model "
-                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
-        from meshes.qwen3_moe import SIZES
-
-        trainer.validate(SIZES[workers])
-        rollout.validate(SIZES[workers])
-        workers = FACTORIES[workers]
-    load_factory(workers)  # fails here, before any proc spawns
-    return workers
-
-
-def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
-    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
-    (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
-    rollouts in rank order)."""
-    bad, count = [], 0
-    for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
-        count += len(want)
-        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
-    return count, tuple(bad)
-
-
-def _by_rank(values) -> list:
-    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]
-
-
-def _one(mesh, rank: int):
-    """The actor of flat rank ``rank`` (any axis names)."""
-    return mesh.flatten("rank").slice(rank=rank)

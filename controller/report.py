@@ -1,7 +1,8 @@
 """What an update of the controller reports, and how it fails.
 
 `UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
-timing of every worker), `JoinReport` what `MeshTransfer.add_engine` does; `TransferError` what it raises when an update fails, and
+timing of every worker), `InstallReport` what `MeshTransfer.poll_requests` does (receiver
+staging), `JoinReport` what `MeshTransfer.add_engine` does; `TransferError` what it raises when an update fails, and
 `WorkersLost` when workers were lost and left out while the surviving engines hold the version.
 """
 
@@ -25,11 +26,13 @@ class WorkersLost(TransferError):
     Attributes:
         lost_engines: Every rollout engine excluded so far.
         lost_trainers: Every trainer excluded so far.
-        report: The re-sent update's `UpdateReport` (verified on the surviving engines).
+        report: The re-sent update's `UpdateReport` (verified on the surviving engines; in
+            staging state "landed" with receiver staging), or None with sender staging (the
+            version was not re-sent: the message says what the survivors hold).
     """
 
     def __init__(self, message: str, lost_engines: frozenset[int],
-                 lost_trainers: frozenset[int], report: "UpdateReport"):
+                 lost_trainers: frozenset[int], report: "UpdateReport | None"):
         super().__init__(message)
         self.lost_engines, self.lost_trainers, self.report = lost_engines, lost_trainers, report
 
@@ -54,9 +57,22 @@ class UpdateReport:
     """Every worker's spans and stall windows (actor clocks; see controller/timing.py)."""
     ideal_s: float = 0.0
     """Eq. (1) from the link probe at connect."""
+    stall_s: float = 0.0
+    """How long the trainers waited after their train step before `update` returned (their
+    GPU stall for this transfer): the rounds (sync, RS), or taking the staged copy (SS,
+    async)."""
+    state: str = "installed"
+    """Where the version is when the report is made: "installed" (the rollouts' parameters,
+    verified), "landed" (their staging slots: `poll_requests` installs and verifies it) or
+    "staged" (the trainers' staged copy: the rounds stream; `wait` returns their report)."""
 
     def line(self) -> str:
-        verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
+        if self.state == "staged":
+            return (f"update {self.version}: train_step {self.train_step_s:.3f}s  staged in "
+                    f"{self.stall_s:.3f}s (the trainers go on; the rounds stream)")
+        verdict = ("landed in every live engine's staging slots (installed and verified at "
+                   "poll_requests)" if self.state == "landed" else
+                   f"all {self.num_params} rollout parameters bit-identical to their own "
                    f"load_weights(v{self.version})" if not self.mismatched else
                    f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters: "
                    f"{list(self.mismatched[:4])}")
@@ -73,6 +89,27 @@ class UpdateReport:
         return (f"EWTT {t.ewtt_s:.3f}s  AGST {t.agst_s:.3f}s  ideal {self.ideal_s:.4f}s  "
                 f"EWTT/ideal {ratio}  pack+assemble {100 * mean:.1f}% of EWTT per worker "
                 f"(busiest {100 * peak:.1f}%)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InstallReport:
+    """What `MeshTransfer.poll_requests` installed (seconds, wall clock on the controller)."""
+
+    version: int
+    install_s: float
+    """Every live engine copying the version from its staging slot into its parameters (the
+    rollouts' stall; 0 without receiver staging: the rounds wrote the parameters)."""
+    verify_s: float
+    num_params: int
+    """Rollout parameters compared (over all live rollout workers)."""
+    mismatched: tuple[str, ...]
+
+    def line(self) -> str:
+        verdict = (f"all {self.num_params} rollout parameters bit-identical to their own "
+                   f"load_weights(v{self.version})" if not self.mismatched else
+                   f"MISMATCH in {len(self.mismatched)} of {self.num_params} parameters")
+        return (f"installed {self.version}: install {self.install_s:.3f}s  verify "
+                f"{self.verify_s:.3f}s  | {verdict}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,3 +141,18 @@ class JoinReport:
                 f"{self.plan_s:.3f}s  catch-up {self.catch_up_s:.3f}s "
                 f"({self.rdma_bytes / 1e6:.2f} MB, rounds {self.num_rounds[0]} -> "
                 f"{self.num_rounds[1]})  | {verdict}")
+
+
+def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
+    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
+    (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
+    rollouts in rank order)."""
+    bad, count = [], 0
+    for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
+        count += len(want)
+        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+    return count, tuple(bad)
+
+
+def by_rank(values) -> list:
+    return [v for _, v in sorted(values.items(), key=lambda kv: kv[0].rank)]

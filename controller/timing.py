@@ -72,6 +72,23 @@ class UpdateTiming:
             return 0.0
         return sum(e - s for s, e in self.stalls.values()) / len(self.stalls) / 1e9
 
+    def mode_agst_s(self, *, sender_staging: bool, receiver_staging: bool,
+                    trainer_stall_s: float, install_s: float) -> float:
+        """AGST in a staging mode: a trainer with sender staging stalls for its staged copy
+        (``trainer_stall_s``, not the rounds), a rollout with receiver staging for its
+        install (``install_s``, not the rounds); the others as their stall windows say."""
+        if not self.stalls:
+            return 0.0
+        total = 0.0
+        for (side, _), (s, e) in self.stalls.items():
+            if side == "trainer" and sender_staging:
+                total += trainer_stall_s
+            elif side == "rollout" and receiver_staging:
+                total += install_s
+            else:
+                total += (e - s) / 1e9
+        return total / len(self.stalls)
+
     def kernel_s(self, worker: Worker) -> float:
         """Seconds a worker spent in pack and assemble."""
         return sum(e - s for st, _, s, e in self.spans[worker] if st in KERNEL_STAGES) / 1e9

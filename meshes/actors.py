@@ -114,6 +114,18 @@ class _WorkerActor(Actor):
                                              for v, ns in by_version.items())
 
     @endpoint
+    def busy(self, seconds: float) -> int:
+        """A stand-in for the device work of a train or generation step (the example loops):
+        reads every parameter, pass after pass, for ``seconds``; returns the passes made."""
+        end, passes = time.monotonic() + seconds, 0
+        with torch.no_grad():
+            while time.monotonic() < end:
+                for p in self.parts.params.values():
+                    p.float().sum()
+                passes += 1
+        return passes
+
+    @endpoint
     def timings(self) -> list[tuple[str, int, int, int]]:
         """This update's (stage, round, start_ns, end_ns) spans; clears them."""
         return self.worker.take_spans()

@@ -33,7 +33,7 @@ import torch
 import pytest
 from tinygroup import MODES, build, checkpoint, connect, in_threads, send
 
-import weightbridge.coordination.receiver as receiver_module
+import weightbridge.coordination.staging as staging_module
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
 from tinygroup import SPEC, SHAPES, Model
@@ -120,9 +120,9 @@ def _holds(model, versions: dict) -> bool:
 
 
 def test_a_join_under_a_delta_plan_never_installs_a_fresh_staging_slot(monkeypatch):
-    real = receiver_module.host_buffer
+    real = staging_module.host_buffer
     # Staging memory is uninitialized: make it visibly so (a NaN-ish pattern in every byte).
-    monkeypatch.setattr(receiver_module, "host_buffer",
+    monkeypatch.setattr(staging_module, "host_buffer",
                         lambda n, like: real(n, like).fill_(0xA5))
     config = TransferConfig(timeout_s=5, receiver_staging=True)
     control, trainers, rollouts = build(config)

@@ -104,7 +104,7 @@ def test_bf16_trainers_update_block_fp8_rollouts_quantizing_in_their_pack(procs)
             assert report.num_params > 0
             assert report.rdma_bytes == planned
         # A delta of one quantized tensor moves its values and its scales, nothing else.
-        assert not any(t.endswith("::block_scale_inv") for t in mt._read_tensors())
+        assert not any(t.endswith("::block_scale_inv") for t in mt.book.tensors)
         delta = mt.update(4, changed=["model.layers.1.self_attn.k_proj.weight"])
         assert not delta.mismatched and 0 < delta.rdma_bytes < planned / 10, delta.line()
 
@@ -480,7 +480,7 @@ def test_a_delta_update_moves_only_the_changed_tensors_bit_exact(procs):
         with pytest.raises(ValueError, match="the first update must be full"):
             mt.update(1, changed=["model.norm.weight"])
         full = mt.update(1)
-        tensors = mt._read_tensors()
+        tensors = mt.book.tensors
         changed = [t for t in tensors if ".mlp.experts.0." in t or t == "model.norm.weight"]
         with pytest.raises(ValueError, match=r"no worker reads: \['nope'\]"):
             mt.update(2, changed=changed + ["nope"])

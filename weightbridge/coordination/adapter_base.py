@@ -1,4 +1,4 @@
-"""What both adapters share: a `TransferWorker` with a control plane, staging layout and waits.
+"""What both adapters share: a `TransferWorker` with a control plane and bounded waits.
 
 The public entry point is `weightbridge.coordination.adapters`; see its docstring and
 docs/integration.md.
@@ -9,12 +9,10 @@ from __future__ import annotations
 import collections
 import time
 
-import torch
-
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
+from weightbridge.coordination.staging import host_buffer  # noqa: F401 (its old home)
 from weightbridge.coordination.worker import TransferWorker
-from weightbridge.execution.executor import on_real_cuda
 
 POLL_BACKOFF = 10
 """`AdapterWorker._poll_until`'s longest interval, in units of the first."""
@@ -33,8 +31,7 @@ class TransferFailed(RuntimeError):
 
 
 class AdapterWorker(TransferWorker):
-    """A `TransferWorker` that reaches its peers itself: the control plane, the staging layout
-    of its rounds, bounded waits."""
+    """A `TransferWorker` that reaches its peers itself: the control plane, bounded waits."""
 
     side = ""
     poll_interval_s = 0.0005
@@ -50,15 +47,6 @@ class AdapterWorker(TransferWorker):
     @property
     def options(self) -> TransferConfig:
         return self.config
-
-    def _setup(self, plan) -> None:
-        super()._setup(plan)
-        sizes = [self.executor.round_nbytes(r)[0 if self.side == "trainer" else 1]
-                 for r in range(self.executor.num_rounds)]
-        self._offsets = [sum(sizes[:r]) for r in range(len(sizes) + 1)]
-
-    def _staged_view(self, buf: torch.Tensor, r: int) -> torch.Tensor:
-        return buf[self._offsets[r]:self._offsets[r + 1]]
 
     def _call_one(self, peer: WorkerId, call: PeerCall, *args):
         return self.control.call([peer], call, *args)[0]
@@ -96,8 +84,3 @@ def poll_until(who, cond, predicate, what, *, deadline: bool = True) -> None:
             cond.wait(interval)
         interval = min(interval * 1.5, first * POLL_BACKOFF)
 
-
-def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Host staging memory for a worker whose parameters are on ``device``; pinned next to a
-    GPU (a real one: the emulated device has no pinned memory)."""
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_real_cuda(device))

@@ -27,7 +27,8 @@ from weightbridge.types import Range, WorkerId
 class PeerCall(enum.Enum):
     """Every call one worker of a group makes on another; served by ``on_<value>``."""
 
-    # Any worker (`TransferWorker`): connect and the rounds of an update.
+    # Any worker (`TransferWorker`): connect, the rounds of an update, staging (STAGE on
+    # trainers, INSTALL on rollouts), and FAIL (a rollout's engine is out of the group).
     SOURCE_MAP = "source_map"
     PING = "ping"
     DIGEST = "digest"
@@ -36,6 +37,9 @@ class PeerCall(enum.Enum):
     SEND_ROUND = "send_round"
     FORWARD = "forward"
     LAND = "land"
+    STAGE = "stage"
+    INSTALL = "install"
+    FAIL = "fail"
     # The sequencing trainer (rank 0) and the other trainers (`SenderAdapter`).
     PLANNING = "planning"
     CONNECT_FAILED = "connect_failed"
@@ -58,7 +62,6 @@ class PeerCall(enum.Enum):
     OFFER = "offer"
     RELAY = "relay"
     INSTALLED = "installed"
-    FAIL = "fail"
     SESSION_DONE = "session_done"
 
     @property

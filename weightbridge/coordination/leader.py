@@ -83,6 +83,11 @@ class GroupLeader:
         """Workers of excluded engines that did not answer when told why (`retell`)."""
         self._unplanned = False
         """A re-plan did not finish: workers may hold different plans; plan again."""
+        self.reroute = None
+        """Applied to every plan before it is handed out (set at connect; the P2P ablation)."""
+        self.catch_up_from = 0
+        """The first round the engines of the last `join` take part in (0: every round, a
+        mirrored join; later: the rounds appended for them alone)."""
         self._ledger = threading.Lock()
         self._retelling = False
 
@@ -121,6 +126,7 @@ class GroupLeader:
 
     def connect(self, reroute=None) -> None:
         """Probe every worker, plan, set everyone up (`session.connect_group`)."""
+        self.reroute = reroute
         self.maps, self.group = connect_group(self.control, self.config, reroute=reroute)
         with self._ledger:
             self.slots = StagingSlots(self.control.num_engines)
@@ -135,7 +141,8 @@ class GroupLeader:
         self.group = plan_group(self.control, self.maps, self.config,
                                 excluded=self._excluded_rollouts(),
                                 excluded_trainers=frozenset(self.out_trainers),
-                                generation=self.generation, tensors=self.tensors)
+                                generation=self.generation, tensors=self.tensors,
+                                reroute=self.reroute)
         self._unplanned = False
 
     def restrict(self, tensors: frozenset[str] | None) -> bool:
@@ -217,7 +224,7 @@ class GroupLeader:
                 self.slots.replanned(first_slot=2 * self.generation)
             self._unplanned = True
         try:
-            maps, group, _ = join_group(
+            maps, group, start = join_group(
                 self.control, self.maps, self.group, self.config, generation=self.generation,
                 restricted=restricted, excluded=self._excluded_rollouts(),
                 excluded_trainers=frozenset(self.out_trainers))
@@ -228,6 +235,7 @@ class GroupLeader:
                 self.replan()
             raise
         self.maps, self.group, self.tensors, self._unplanned = maps, group, None, False
+        self.catch_up_from = start
         with self._ledger:
             self.slots.grow(self.control.num_engines)
         return joining

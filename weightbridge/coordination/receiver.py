@@ -9,10 +9,9 @@ from __future__ import annotations
 import threading
 import time
 
-import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
+from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, engine_workers
 from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
                                                 check_version)
@@ -54,9 +53,6 @@ class ReceiverAdapter(AdapterWorker):
         self.coordinator = EngineCoordinator(engine_size) if engine_rank == 0 else None
         self.step = 0
         self._session_done = 0
-        # Staging slot number -> (host buffer, the executor and round offsets it was laid out
-        # for, install scratch). A re-plan adds new slots; the old ones go once unused.
-        self._slots: dict[int, tuple] = {}
         self._failure: str | None = None
         """Set when this worker's engine lost a worker: every poll_requests() raises it."""
         self._passed_on = False  # rank 0: its failure was passed on to its engine's others
@@ -129,16 +125,7 @@ class ReceiverAdapter(AdapterWorker):
             version = self._join(due)
         else:
             with self.cond:
-                buf, executor, offsets, install_buf = self._slots[due.slot]
-            for r in range(executor.num_rounds):
-                view = buf[offsets[r]:offsets[r + 1]]
-                scratch = install_buf[:view.numel()]
-                scratch.copy_(view)
-                executor.assemble(r, scratch)
-            with self.cond:  # slots of older plans are never claimed again
-                first = due.slot - due.slot % 2
-                for s in [s for s in self._slots if s < first]:
-                    del self._slots[s]
+                self.slots.install(due.slot)
             version = due.version
             self._log(("in_params", version))
         with self.cond:
@@ -240,24 +227,6 @@ class ReceiverAdapter(AdapterWorker):
                              f"engine_size")
         return super().on_source_map()
 
-    def on_setup(self, plan, ranges=(), generation: int = 0) -> dict:
-        """Build tables, arenas and staging slots (numbers ``2 * generation`` and the next);
-        register ``ranges`` (the arena ranges peers write into) with the transport and return
-        their handles. Called again after a re-plan: an install under way keeps its slot."""
-        handles = super().on_setup(plan, ranges, generation)
-        with self.cond:
-            if self.config.receiver_staging and ranges is not None:  # (rewired: slots stay)
-                device = self.executor.device
-                # Install copies a staged round to the parameters' device first (H2D on
-                # GPUs): the arenas may be receiving the next version meanwhile.
-                largest = max((self._offsets[r + 1] - self._offsets[r]
-                               for r in range(self.executor.num_rounds)), default=0)
-                install_buf = torch.empty(largest, dtype=torch.uint8, device=device)
-                for s in (2 * generation, 2 * generation + 1):
-                    self._slots[s] = (host_buffer(self._offsets[-1], device), self.executor,
-                                      self._offsets, install_buf)
-        return handles
-
     def on_offer(self, version: int) -> None:
         with self.cond:
             self.coordinator.offer(version)
@@ -272,22 +241,13 @@ class ReceiverAdapter(AdapterWorker):
 
     def on_land(self, r: int, slots: dict[int, int] | None = None,
                 expected: tuple[int, ...] | None = None) -> None:
-        """Round r landed (every stage): checked, then into the parameters, or into this
-        engine's slot."""
-        slot = (slots or {}).get(self.engine)
-        if self.beyond(r):
-            return
-        if slot is None and self.config.receiver_staging:
+        if (self.config.receiver_staging and not self.beyond(r)
+                and (slots or {}).get(self.engine) is None):
             # (Bytes enter the parameters only inside a poll: never straight from a round.)
             raise RuntimeError(f"{self.worker}: round {r} landed with no staging slot for "
                                f"engine {self.engine} (slots {slots}): it is not in the "
                                f"transfer it is part of")
-        if slot is None:
-            super().on_land(r, expected=expected)  # into the parameters (this worker waits)
-        else:
-            self.verify(r, expected)
-            n = self._offsets[r + 1] - self._offsets[r]
-            self._staged_view(self._slots[slot][0], r).copy_(self.executor.arena(r)[:n])
+        super().on_land(r, slots, expected)
 
     def on_fail(self, message: str) -> None:
         """Rank 0: this worker's engine lost a worker and is out of the group."""

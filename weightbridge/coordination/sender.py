@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import threading
 
-import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed, host_buffer
+from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.coordination.protocol import SenderStage, check_version
 from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
@@ -19,7 +18,7 @@ from weightbridge.coordination.sender_delta import TrainerDelta
 from weightbridge.coordination.sender_membership import TrainerMembership, call_name
 from weightbridge.coordination.worker import ReplicaMismatch, param_digest
 from weightbridge.execution.boxcopy import CopyKernels
-from weightbridge.types import Placement, Stage, WorkerId
+from weightbridge.types import Placement, WorkerId
 
 
 _FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed,
@@ -44,7 +43,6 @@ class SenderAdapter(AdapterWorker):
         self.stage = SenderStage()
         self.changes = TrainerDelta(self.params, spec, config)
         """This trainer's side of delta updates (``changed=``)."""
-        self._staging: torch.Tensor | None = None
         self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
         """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
         self._ready = 0  # non-SS: the newest version send_weights was called with
@@ -295,14 +293,7 @@ class SenderAdapter(AdapterWorker):
 
     def _stage_locked(self, version: int) -> None:
         """Copy the parameters into the staging buffer (``self.cond`` held, buffer free)."""
-        if self._staging is None:
-            self._staging = host_buffer(self._offsets[-1], self.executor.device)
-        for r in range(self.executor.num_rounds):
-            # Pack on the device into a round arena (free: with SS the transfer reads the
-            # staging copy), then copy to host memory (D2H on GPUs).
-            self.executor.pack(r)
-            view = self._staged_view(self._staging, r)
-            view.copy_(self.executor.arena(r)[:view.numel()])
+        self.staged.take(self.executor, version)
         if self.config.checksums:  # what replicas compare: the parameters staged now
             self._staged_digest = (version, param_digest(self.params))
         self.stage.stage(version)
@@ -328,9 +319,8 @@ class SenderAdapter(AdapterWorker):
         self._connected.set()
 
     def _setup(self, plan) -> None:
-        super()._setup(plan)
-        self._staging = None  # the old copy is laid out for the old plan
-        self.stage.drop()  # (so no transfer reads a version staged in it)
+        super()._setup(plan)  # (the staged copy is laid out anew)
+        self.stage.drop()  # (so no transfer reads a version staged for the old plan)
 
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
@@ -374,11 +364,6 @@ class SenderAdapter(AdapterWorker):
         with self.cond:
             self.stage.finish()
             self.cond.notify_all()
-
-    def on_send_round(self, r: int) -> dict:
-        if self.config.sender_staging and not self.beyond(r):  # the copy packed at send_weights
-            return self._write(r, Stage.RECEIVE, self._staged_view(self._staging, r))
-        return super().on_send_round(r)
 
     def on_failed(self, version: int, message: str, kind: str = "transfer") -> None:
         """Rank 0 could not move ``version``: send_weights raises what ``kind`` names in

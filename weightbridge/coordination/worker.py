@@ -3,8 +3,11 @@
 It holds the worker's parameters, its own ``load_weights`` and its data plane, and serves the
 `PeerCall`s of connect and of the rounds: probe itself, build its executor and round buffers
 from its `WorkerPlan`, take its peers' handles, and per round pack and write (trainers),
-forward and land (rollouts). The adapters (`SenderAdapter`, `ReceiverAdapter`) extend it with
-the version protocol; the controller's actors use it as it is (the controller sequences).
+forward and land (rollouts). With sender staging a trainer's rounds read its staged copy
+(`STAGE` takes it), and with receiver staging a rollout lands rounds in a staging slot and
+installs a slot later (`INSTALL`): `weightbridge.coordination.staging`. The adapters
+(`SenderAdapter`, `ReceiverAdapter`) extend it with the version protocol; the controller's
+actors use it as it is (the controller sequences).
 
 Typical usage (a worker of a controller-driven group; connect and the rounds call it)::
 
@@ -31,6 +34,7 @@ from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
+from weightbridge.coordination.staging import SlotBuffers, StagedCopy
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
                                 WorkerPlan)
@@ -167,6 +171,12 @@ class TransferWorker:
         self.events: collections.deque = collections.deque(maxlen=MAX_EVENTS)
         """(sequence number, what, version): what this worker did, ordered process-wide (the
         newest `MAX_EVENTS`)."""
+        self.staged = StagedCopy()
+        """Trainers, sender staging: the copy of the parameters the rounds send."""
+        self.slots = SlotBuffers()
+        """Rollouts, receiver staging: versions landed and not installed yet."""
+        self.failure: str | None = None
+        """Why this worker's engine is out of the group (`on_fail`; None: it is not)."""
 
     def _log(self, event: tuple[str, int]) -> None:
         self.events.append((next(_SEQ), *event))
@@ -233,22 +243,35 @@ class TransferWorker:
             return {}
         with self.cond:  # a re-plan: not while a trainer stages (SS)
             self._setup(plan)
+            if self.side == "rollout" and self.config.receiver_staging:
+                self.slots.add(generation, self.executor)
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
     def _setup(self, plan: WorkerPlan) -> None:
         self.executor = WorkerExecutor(plan, self.params, self.kernels, depth=self.config.depth,
                                        host_arenas=self.config.arenas == "host")
+        self.staged.reset(self.executor)  # (laid out for this plan; allocated when taken)
 
     def on_set_peers(self, handles: Mapping) -> None:
         self.transport.set_peers(handles)
 
     # -- the rounds of an update --------------------------------------------------------------
 
+    def on_stage(self, version: int) -> None:
+        """Trainers, sender staging: take the staged copy of ``version`` (the parameters now)
+        that the rounds send from; the parameters may change once this returned."""
+        with self.cond:
+            self.staged.take(self.executor, version)
+            self._log(("staged", version))
+
     def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
-        they landed, with their checksums)."""
+        they landed, with their checksums); with sender staging, write them from the staged
+        copy instead (packed when it was taken)."""
         if self.beyond(r):
             return ()
+        if self.config.sender_staging:
+            return self._write(r, Stage.RECEIVE, self.staged.view(r))
         if self.executor.plan.rounds[r].pack:
             self._timed("pack", r, self.executor.pack, r)
         return self._write(r, Stage.RECEIVE)
@@ -265,12 +288,29 @@ class TransferWorker:
     def on_land(self, r: int, slots: Mapping[int, int] | None = None,
                 expected: Checksums | None = None) -> None:
         """Rollouts: round r landed (every stage): check what arrived against ``expected``
-        (the writers' checksums), then assemble it into the parameters."""
+        (the writers' checksums), then assemble it into the parameters, or keep it in this
+        worker's engine's staging slot (``slots``: engine -> slot; receiver staging)."""
         if self.beyond(r):
             return
         self.verify(r, expected)
-        if self.executor.plan.rounds[r].assemble:
+        slot = (slots or {}).get(self.placement.engine)
+        if slot is not None:
+            self._timed("stage", r, self.slots.land, slot, r, self.executor.arena(r))
+        elif self.executor.plan.rounds[r].assemble:
             self._timed("assemble", r, self.executor.assemble, r)
+
+    def on_install(self, slot: int, version: int) -> None:
+        """Rollouts, receiver staging: put ``version``, landed whole in staging slot ``slot``,
+        into the parameters."""
+        with self.cond:
+            self.slots.install(slot)
+            self._log(("installed", version))
+
+    def on_fail(self, message: str) -> None:
+        """This worker's engine is out of the group: ``message`` says why."""
+        with self.cond:
+            self.failure = message
+            self.cond.notify_all()
 
     def verify(self, r: int, expected: Checksums | None) -> None:
         """Raise `ChecksumMismatch` if a range written into this worker in round r holds

@@ -1,0 +1,170 @@
+"""`WorkerMeshes`: the trainer and rollout actor meshes of one `MeshTransfer`, and their lifetime.
+
+Spawned on procs of this host (or placed on procs the caller gives: attached hosts, procs
+reused across sessions), grown by one mesh per joining engine, addressed as runs of live ranks
+(a lost trainer or engine is skipped), and stopped: procs spawned here are stopped, actors on
+given procs are stopped one by one and the procs left to their owner.
+"""
+
+from __future__ import annotations
+
+from monarch.actor import this_host
+
+from meshes.actors import load_factory
+from meshes.spec import RolloutSpec, TrainerSpec
+from meshes.workers import FACTORIES
+from weightbridge.mesh.transport import configure_transport, drop_all
+
+PROBE_BYTES = 8 << 20
+"""Link probe write size: one 8 MB RDMA chunk."""
+PROBE_REPEATS = 3
+
+
+class ClosingContext:
+    """A context manager that runs ``self._start()`` on enter (and ``self.close()`` if that
+    fails, so what had started stops) and ``self.close()`` on exit."""
+
+    def __enter__(self):
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WorkerMeshes:
+    """Both sides' actor meshes (module doc). ``trainers`` and ``rollouts`` are the first
+    meshes; ``rollout_meshes`` lists (first flat rank, mesh) of the rollouts, the first mesh
+    and each joined engine's."""
+
+    def __init__(self, trainer: TrainerSpec, rollout: RolloutSpec, workers: str, *, procs,
+                 actor_classes: tuple[type, type]):
+        self.trainer_spec, self.rollout_spec, self.workers = trainer, rollout, workers
+        self.given_procs, self.actor_classes = procs, actor_classes
+        self.owned: list = []
+        """Procs spawned here (stopping them stops everything on them)."""
+        self.actors: list = []
+        self.foreign: list = []
+        """Actor meshes on procs this object did not spawn (stopped one by one)."""
+        self.rollout_meshes: list[tuple[int, object]] = []
+        self.trainers = self.rollouts = None
+
+    def spawn(self):
+        """Procs (unless given) and both sides' actors; returns (trainer procs, rollout
+        procs)."""
+        if self.given_procs is None:
+            configure_transport()  # before spawning: children read the config at start-up
+            host = this_host()
+            for side, spec in (("trainer", self.trainer_spec), ("rollout", self.rollout_spec)):
+                self.owned.append(host.spawn_procs(per_host={"worker": spec.num_workers},
+                                                   name=side))
+            tp, rp = self.owned
+        else:
+            tp, rp = self.given_procs
+        trainer_cls, rollout_cls = self.actor_classes
+        self.trainers = tp.spawn("trainer", trainer_cls, self.workers, self.trainer_spec)
+        self.actors.append(self.trainers)
+        self.rollouts = rp.spawn("rollout", rollout_cls, self.workers, self.rollout_spec)
+        self.actors.append(self.rollouts)
+        self.rollout_meshes = [(0, self.rollouts)]
+        if self.given_procs is not None:
+            self.foreign += self.actors
+        return tp, rp
+
+    def attach(self, group) -> None:
+        """Every actor builds its rank's worker in ``group``."""
+        for f in [m.attach.call(group) for m in self.actors]:
+            f.get()
+
+    def spawn_engine(self, procs, spec: RolloutSpec, first: int):
+        """(procs, actors) of one joining engine (flat ranks from ``first``): on ``procs``, or
+        on procs spawned on this host."""
+        owned = procs is None
+        if owned:
+            procs = this_host().spawn_procs(per_host={"worker": spec.workers_per_engine},
+                                            name=f"rollout-e{spec.engines - 1}")
+            self.owned.append(procs)
+        actors = procs.spawn("rollout", self.actor_classes[1], self.workers, spec, first)
+        if not owned:
+            self.foreign.append(actors)
+        self.actors.append(actors)
+        self.rollout_meshes.append((first, actors))
+        return procs, actors
+
+    def stop(self) -> list[Exception]:
+        """Stop every actor mesh on given procs and every proc spawned here; returns what
+        failed (each one tried)."""
+        errors = []
+        for mesh in self.foreign + self.owned:
+            try:
+                mesh.stop().get(timeout=60)
+            except Exception as e:  # keep stopping the others; the caller raises
+                errors.append(e)
+        self.owned, self.actors, self.foreign = [], [], []
+        return errors
+
+    def live(self, side: str, lost: set[int], engine_size: int) -> list[tuple[int, object]]:
+        """(first flat rank, actor mesh) of each run of consecutive live ranks of one side,
+        within each actor mesh, skipping the trainers or engines in ``lost``."""
+        if side == "trainer":
+            meshes, size = [(0, self.trainers)], 1
+        else:
+            meshes, size = self.rollout_meshes, engine_size
+        out = []
+        for first, mesh in meshes:
+            num = int(mesh.size())
+            runs: list[list[int]] = []
+            for unit in range(first // size, (first + num) // size):  # an engine, a trainer
+                if unit in lost:
+                    continue
+                if runs and runs[-1][1] == unit * size:
+                    runs[-1][1] += size
+                else:
+                    runs.append([unit * size, (unit + 1) * size])
+            if runs == [[first, first + num]]:
+                out.append((first, mesh))
+                continue
+            flat = mesh.flatten("rank")
+            out += [(a, flat.slice(rank=slice(a - first, b - first))) for a, b in runs]
+        return out
+
+    def probe_links(self) -> dict[str, float]:
+        """Write PROBE_BYTES into rollout 0 from trainer 0 and from a rollout of another engine
+        (or the same engine if there is one), best of PROBE_REPEATS each: one stream per link;
+        bytes/s per link."""
+        handle = one(self.rollouts, 0).probe_buffer.call_one(PROBE_BYTES).get()
+        writers = {"trainer->rollout": one(self.trainers, 0)}
+        spec = self.rollout_spec
+        peer = spec.workers_per_engine if spec.engines > 1 else 1
+        if peer < spec.num_workers:
+            writers["rollout->rollout"] = one(self.rollouts, peer)
+        try:
+            return {link: PROBE_BYTES / mesh.probe_link.call_one(
+                handle, PROBE_BYTES, PROBE_REPEATS).get() for link, mesh in writers.items()}
+        finally:
+            drop_all({0: handle})
+
+
+def one(mesh, rank: int):
+    """The actor of flat rank ``rank`` (any axis names)."""
+    return mesh.flatten("rank").slice(rank=rank)
+
+
+def resolve_workers(workers: str, trainer: TrainerSpec, rollout: RolloutSpec) -> str:
+    """The factory path of ``workers`` (a demo model name or ``module:name``), with a demo
+    model's specs validated; raises ValueError before anything spawns."""
+    if ":" not in workers:
+        if workers not in FACTORIES:
+            raise ValueError(f"unknown model {workers!r}: give a demo model "
+                             f"({sorted(FACTORIES)}) or a worker factory as module:name")
+        from meshes.qwen3_moe import SIZES
+
+        trainer.validate(SIZES[workers])
+        rollout.validate(SIZES[workers])
+        workers = FACTORIES[workers]
+    load_factory(workers)  # fails here, before any proc spawns
+    return workers

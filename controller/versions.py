@@ -1,0 +1,103 @@
+"""The controller's version state, pure: what the trainers sent and what the rollouts hold.
+
+No Monarch, no torch. `MeshTransfer` asks it before an update moves anything (is the version
+new, is the delta well formed, what does each tensor hold afterwards) and tells it what
+happened (sent, landed, installed)::
+
+    book = VersionBook(["a", "b"])
+    v1 = book.next(1, None)            # 1: a full update (every tensor of version 1)
+    book.sent(1, v1); book.installed(1)
+    v2 = book.next(2, ["a"])           # {"a": 2, "b": 1}: a delta
+    book.sent(2, v2); book.landed(2)   # receiver staging: in the slots, not installed yet
+    book.holds -> {"a": 1, "b": 1} until book.installed(2)
+
+Per tensor and not per update: after delta updates the tensors of one version carry the
+versions they last changed in, and the verification loads exactly those.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Iterable
+
+from weightbridge.coordination.protocol import check_version
+
+Versions = dict[str, int]
+"""Checkpoint tensor -> the version it holds."""
+
+
+class VersionBook:
+    """Sent, landed and installed versions of one controller-driven group (module doc)."""
+
+    def __init__(self, tensors: Iterable[str]):
+        self.tensors = sorted(set(tensors))
+        self.last_sent: Versions | None = None
+        """Per tensor, the version the newest update sent (None before the first)."""
+        self.version = 0
+        """The newest version sent (0: none)."""
+        self.holds: Versions | None = None
+        """Per tensor, what the live rollouts' parameters hold (None: nothing yet)."""
+        self.held_version = 0
+        """The version the live rollouts' parameters hold (0: none)."""
+        self._landed: dict[int, Versions] = {}
+        """Versions landed whole in staging and not installed, and what each tensor holds in
+        them (receiver staging; older ones are dropped when a newer one is installed)."""
+
+    def next(self, version, changed: Collection[str] | None) -> Versions:
+        """What each tensor holds once ``version`` is trained and sent; nothing changes here.
+
+        Raises:
+            ValueError: a version that is not a positive int newer than the last one; a
+                ``changed`` that is a string, comes before any full update, or names tensors
+                no worker reads.
+        """
+        version = check_version(version, "update")
+        if version <= self.version:
+            raise ValueError(f"update({version}) after update({self.version}): versions must "
+                             f"increase from one update to the next")
+        if changed is None:
+            return dict.fromkeys(self.tensors, version)
+        if isinstance(changed, str):
+            raise ValueError(f"changed must be a collection of tensor names, got the string "
+                             f"{changed!r}; pass [{changed!r}]")
+        if self.last_sent is None:
+            raise ValueError("the first update must be full (changed=None): the rollouts "
+                             "hold no version of the trainers' weights yet")
+        unknown = sorted(set(changed) - set(self.tensors))
+        if unknown:
+            raise ValueError(f"changed names {len(unknown)} tensors no worker reads: "
+                             f"{unknown[:4]}{' and more' if len(unknown) > 4 else ''}; name "
+                             f"checkpoint tensors (e.g. {self.tensors[:2]})")
+        return {t: version if t in changed else v for t, v in self.last_sent.items()}
+
+    def sent(self, version: int, versions: Versions) -> None:
+        """The trainers hold ``version`` (``versions`` per tensor) and are sending it."""
+        self.version, self.last_sent = version, dict(versions)
+
+    def needed(self) -> frozenset[str] | None:
+        """The tensors the transfer of the version just sent must carry for rollouts holding
+        `holds` (None: all of them)."""
+        if self.holds is None or self.last_sent is None:
+            return None
+        out = frozenset(t for t, v in self.last_sent.items() if self.holds.get(t) != v)
+        return None if out == frozenset(self.tensors) else out
+
+    def landed(self, version: int) -> None:
+        """Every byte of ``version`` is in the live engines' staging slots (which slots, and
+        whether a newer landing overwrote it since, is the leader's ledger)."""
+        self._landed[version] = dict(self.last_sent)
+
+    def installed(self, version: int) -> Versions:
+        """The live rollouts' parameters hold ``version`` now; returns what each tensor holds."""
+        holds = self._landed.pop(version, None)
+        if holds is None:
+            assert version == self.version, (version, self.version)  # (in place: the newest)
+            holds = dict(self.last_sent)
+        self.holds, self.held_version = holds, version
+        self._landed = {v: t for v, t in self._landed.items() if v > version}
+        return holds
+
+    def torn(self) -> None:
+        """A transfer into the parameters failed part-way: they hold no whole version until
+        the next one is installed (the next transfer must carry every tensor)."""
+        self.holds, self.held_version = None, 0
+        self._landed.clear()

@@ -1,0 +1,145 @@
+"""The single controller in the staging modes, on real Monarch meshes (CPU, TCP RDMA fallback).
+
+`MeshTransfer.update` returns once the trainers may go on (SS, async: staged; RS: landed),
+`poll_requests` puts the newest version into every engine at one step, and no byte enters a
+rollout's parameters before that: every check compares the rollouts' parameters bit for bit
+(checksums of their raw bytes, on the rollouts) with their own load_weights of the versions
+they must hold, known here independently of the controller's books.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from controller.driver import MeshTransfer, WorkersLost
+from meshprocs import proc_pair
+from meshes.actors import RolloutActor
+from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge import TransferConfig, TransferWorker
+from weightbridge.config import Mode
+
+pytestmark = pytest.mark.mesh
+
+TRAINER, ROLLOUT = TrainerSpec.parse("nodes=1,gpus=2,tp=2"), RolloutSpec.parse(
+    "engines=2,nodes=1,gpus=1")
+
+
+def _config(mode: str, **kw) -> TransferConfig:
+    m = Mode(mode)
+    return TransferConfig(round_bytes=64 << 10, timeout_s=kw.pop("timeout_s", 30),
+                          sender_staging=m.sender_staging, receiver_staging=m.receiver_staging)
+
+
+@pytest.fixture(scope="module")
+def procs():
+    with proc_pair(2, 2) as meshes:
+        yield meshes
+
+
+def _holds(mt: MeshTransfer, versions) -> tuple[int, tuple[str, ...]]:
+    """(parameters compared, mismatches) of every live rollout against ``versions``."""
+    return mt._verify(mt._live("rollout"), versions)
+
+
+@pytest.mark.parametrize("mode", ["ss", "rs", "async"])
+def test_each_version_enters_the_parameters_only_at_poll_requests_and_bit_exact(procs, mode):
+    m = Mode(mode)
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs) as mt:
+        mt.connect()
+        for v in (1, 2, 3):
+            report = mt.update(v)
+            assert report.state == ("staged" if m.sender_staging else "landed"), report.line()
+            if m.sender_staging:
+                streamed = mt.wait()
+                assert streamed.version == v and streamed.rdma_bytes > 0
+                assert streamed.state == ("landed" if m.receiver_staging else "installed")
+                assert not streamed.mismatched, streamed.line()
+            if m.receiver_staging and v > 1:
+                # Landed, not installed: the parameters still hold the version before.
+                count, bad = _holds(mt, v - 1)
+                assert count > 0 and not bad, bad[:4]
+            installed = mt.poll_requests()
+            if m.receiver_staging:
+                assert installed.version == v and not installed.mismatched
+            assert mt.poll_requests() is None  # nothing newer
+            count, bad = _holds(mt, v)
+            assert count > 0 and not bad, bad[:4]
+
+
+def test_receiver_staging_carries_the_deltas_of_a_version_never_installed(procs):
+    """v2 changes the norm and lands; v3 changes the embedding and lands over it; the one
+    install (v3) must bring both changes: the delta plan of v3 carries what the rollouts lack,
+    not only what changed in v3."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config("rs"), procs=procs) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.poll_requests()
+        tensors = mt.book.tensors
+        norm, embed = "model.norm.weight", "model.embed_tokens.weight"
+        assert {norm, embed} <= set(tensors)
+        two = mt.update(2, changed=[norm])
+        three = mt.update(3, changed=[embed])
+        assert 0 < two.rdma_bytes < three.rdma_bytes  # (v3 carries both)
+        installed = mt.poll_requests()
+        want = {t: 3 if t == embed else 2 if t == norm else 1 for t in tensors}
+        count, bad = _holds(mt, want)
+    assert installed.version == 3 and not installed.mismatched, installed.line()
+    assert count > 0 and not bad, bad[:4]
+
+
+def test_async_a_landed_version_overwritten_before_any_install_is_never_installed(procs):
+    """Async: v2 lands and is never installed; v3's rounds overwrite its slot (the slot the
+    engines installed v1 from stays pinned). A poll while v3 streams installs nothing (v2 is
+    gone, v1 is held: it once asserted on v2), the next one installs v3, bit-exact."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config("async"), procs=procs) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.wait()
+        assert mt.poll_requests().version == 1
+        mt.update(2)
+        mt.wait()  # landed, not installed
+        mt.update(3)  # staged; its rounds stream into v2's slot
+        during = mt.poll_requests()
+        mt.wait()
+        last = mt.poll_requests()
+        count, bad = _holds(mt, 3)
+    assert during is None or during.version == 3, during
+    assert (last or during).version == 3 and not (last or during).mismatched
+    assert count > 0 and not bad, bad[:4]
+
+
+class DiesInRound1(TransferWorker):
+    """Rollout 1's process exits in round 1 (an OOM kill, say)."""
+
+    def on_land(self, r, slots=None, expected=None):
+        if self.worker.index == 1 and r == 1:
+            os._exit(3)
+        super().on_land(r, slots, expected)
+
+
+class DiesInRound1Rollout(RolloutActor):
+    worker_class = DiesInRound1
+
+
+@pytest.mark.parametrize("mode", ["ss", "async"])
+def test_a_rollout_lost_while_a_version_streams_is_raised_once_and_the_group_goes_on(mode):
+    """R1 (engine 1) dies while version 1 streams: the next call that joins the stream
+    raises `WorkersLost` (engine 1 out; nothing re-sent: the staged copy was laid out for the
+    old plan), and version 2 reaches engine 0 whole."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      rollout_actor=DiesInRound1Rollout, config=_config(mode, timeout_s=5))
+    with mt:
+        mt.connect()
+        assert mt.update(1).state == "staged"
+        with pytest.raises(WorkersLost) as lost:
+            mt.wait()
+        assert mt.wait() is None  # raised once
+        mt.update(2)
+        mt.wait()
+        mt.poll_requests()
+        count, bad = _holds(mt, 2)
+    assert lost.value.lost_engines == {1} and lost.value.report is None
+    assert "was not re-sent" in str(lost.value), str(lost.value)
+    assert count > 0 and not bad, bad[:4]
