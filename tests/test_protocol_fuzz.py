@@ -424,3 +424,25 @@ def test_an_engine_added_after_the_group_ended_is_told_at_add_engines():
         trainers[0][1].add_engines()
     with pytest.raises(TransferFailed, match="No engine is left"):
         joined.poll_requests()
+
+
+def test_a_rank_stalled_when_the_group_ended_is_told_once_it_goes_on():
+    """RS, one 2-rank engine: R0 (its rank 0) dies and R1 is stalled as version 2 lands, so
+    the engine is excluded and the group ends (fuzz seed 290). R1 did not answer the notice
+    and its rank 0 is dead; with no transfer to come nothing told it again, and once it went
+    on its polls returned None for ever."""
+    config = TransferConfig(timeout_s=1, receiver_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1, sizes=(2, 2))
+    connect(trainers)
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[1:] == [1] * 2
+    r1 = rollouts[1][1]
+    control.kill(WorkerId("rollout", 0))
+    control.stall(r1.worker)
+    try:
+        out = in_threads(*tinygroup.send(trainers, 2, ss=False))
+        assert isinstance(out[0], TransferFailed) and "No engine is left" in str(out[0]), out
+    finally:
+        control.resume(r1.worker)
+    time.sleep(0.2)  # (R1 is served the notice)
+    with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
+        r1.poll_requests()

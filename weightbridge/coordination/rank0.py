@@ -170,6 +170,9 @@ class GroupSequencer:
         told = [w for w in rollouts(self.control) if w.index // self.control.engine_size
                 not in out]
         self.control.call(told, PeerCall.FAIL, why, return_errors=True)
+        # Nothing more is sent, so no transfer will tell the untold again: do it now (a
+        # stalled one hears it once it goes on; its engine's rank 0 may be the dead one).
+        self.leader.retell()
 
     def tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
         others = self.live_trainers()[1:]
