@@ -435,3 +435,27 @@ def test_a_trainer_still_leaving_the_last_send_is_not_taken_for_another_version(
     assert SlowToLeave.asked.is_set()
     assert [a.wait_for_version(2) for _, a in rollouts] == [2, 2]
     assert all(m.holds(2) for m, _ in rollouts)
+
+
+def test_an_excluded_engine_is_given_no_staging_slot_of_a_newer_plan():
+    """RS: engine 1 is excluded and the group re-planned (new slot numbers, which engine 1's
+    workers never made); version 2 lands. The ledger must give engine 1 no slot of the new
+    plan: a CLAIM of engine 1 that passed trainer 0's "is it out?" check just before the
+    exclusion would otherwise be answered with a slot its rank 0 does not have (a KeyError
+    in its poll) instead of its last slot or nothing."""
+    config = TransferConfig(timeout_s=2, receiver_staging=True)
+    control, trainers, rollouts = build(config, num_trainers=1)
+    connect(trainers)
+    assert in_threads(*send(trainers, 1, ss=False),
+                      *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[1:] == [1, 1]
+    leader = trainers[0][1].leader
+    leader.exclude([1], why="engine 1 is out (test)")
+    leader.replan()
+    slots = leader.begin_landing(2)
+    leader.landed(2)
+    assert 1 not in slots and 0 in slots, slots
+    got = leader.slots.claim(1)  # (the ledger itself, as the racing CLAIM reaches it)
+    assert got is None or got[1] < 2 * leader.generation, got
+    assert leader.claim(1) is None
+    with pytest.raises(TransferFailed, match=r"engine 1 is out \(test\)"):
+        rollouts[1][1].poll_requests()

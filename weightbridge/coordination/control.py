@@ -58,6 +58,7 @@ class PeerCall(enum.Enum):
     JOIN = "join"
     LEAVE = "leave"
     CLAIM = "claim"
+    STATUS = "status"
     CHANGING = "changing"
     CHANGED = "changed"
     # Rollout workers (`ReceiverAdapter`).
@@ -76,7 +77,7 @@ class PeerCall(enum.Enum):
     def notice(self) -> bool:
         """Calls of the failure path, answered at once by a live worker: bounded by
         `TransferConfig.notice_timeout_s`, not the peer timeout."""
-        return self in (PeerCall.PING, PeerCall.FAIL, PeerCall.FAILED)
+        return self in (PeerCall.PING, PeerCall.FAIL, PeerCall.FAILED, PeerCall.STATUS)
 
     def serve(self, target: Any, *args) -> Any:
         """Run this call on the worker object ``target`` (its ``on_<value>`` handler)."""

@@ -76,6 +76,9 @@ class GroupLeader:
         """Engine -> the newest version it claimed (kept across re-plans; delta bases)."""
         self.joined_at: int | None = None
         """The newest finished version when engines last joined (they hold nothing older)."""
+        self.asked_out: dict[int, str] = {}
+        """Engine -> why it went out by itself (a worker of it said so, `ask_out`), until
+        it is excluded (the sequencer does it before its next transfer)."""
         self.untold: dict[WorkerId, str] = {}
         """Workers of excluded engines that did not answer when told why (`retell`)."""
         self._unplanned = False
@@ -159,7 +162,10 @@ class GroupLeader:
         excluded engines ``why`` (their polls raise `TransferFailed` with it), except the
         ``unreachable`` ones (dead or stalled: asking them would only wait). One of those
         that comes back is told when it next asks trainer 0 anything (`why_out`)."""
-        self.out_engines.update(engines)
+        with self._ledger:  # (a claim is answered either before this or not at all)
+            self.out_engines.update(engines)
+            for e in engines:
+                self.asked_out.pop(e, None)
         self.out_trainers.update(trainers_)
         for e in engines:
             self.out_why.setdefault(e, why or f"engine {e} is out of this transfer group")
@@ -234,6 +240,14 @@ class GroupLeader:
             self.slots.grow(self.control.num_engines)
         return joining
 
+    def ask_out(self, engine: int, why: str) -> None:
+        """A worker of ``engine`` says its engine can run no more steps (a rank it could not
+        reach): recorded for the sequencer, which excludes it (and re-plans) before its
+        next transfer (`recovery.exclude_lost`)."""
+        with self._ledger:
+            if engine in self.live_engines():
+                self.asked_out.setdefault(engine, why)
+
     def why_out(self, engine: int) -> str | None:
         """Why ``engine`` is out (None: it is not)."""
         return self.out_why.get(engine) if engine in self.out_engines else None
@@ -260,9 +274,9 @@ class GroupLeader:
     # -- the staging-slot ledger (receiver staging) ---------------------------------------------
 
     def begin_landing(self, version: int) -> dict[int, int]:
-        """Engine -> the slot ``version`` lands in (`StagingSlots.begin`)."""
+        """Live engine -> the slot ``version`` lands in (`StagingSlots.begin`)."""
         with self._ledger:
-            return self.slots.begin(version)
+            return self.slots.begin(version, set(self.live_engines()))
 
     def landed(self, version: int) -> None:
         with self._ledger:
@@ -270,9 +284,9 @@ class GroupLeader:
 
     def claim(self, engine: int) -> tuple[int, int] | None:
         """An engine's rank 0 pins the newest version landed for it: (version, slot)."""
-        if engine not in self.live_engines():  # (out, or not joined: nothing lands there)
-            return None
         with self._ledger:  # a slot being filled holds no landed version: never claimed
+            if engine not in self.live_engines():  # (out, or not joined: nothing lands there)
+                return None
             return self.slots.claim(engine)
 
     def claimed(self) -> dict[int, int]:

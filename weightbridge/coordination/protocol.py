@@ -198,10 +198,14 @@ class StagingSlots:
         self.slot_ids = range(first_slot, first_slot + self.num_slots)
         self._writing = {}
 
-    def begin(self, version: int) -> dict[int, int]:
-        """Start landing ``version`` everywhere: the slot per engine to write into."""
+    def begin(self, version: int, engines=None) -> dict[int, int]:
+        """Start landing ``version`` in ``engines`` (None: every engine): the slot per
+        engine to write into. An engine left out (out of the group) is given no slot of
+        this set: it never made them."""
         slots = {}
         for e, pinned in enumerate(self._pinned):
+            if engines is not None and e not in engines:
+                continue
             free = [s for s in self.slot_ids if s != pinned]
             # The free slot holding the oldest (or no) version: keep the newest unclaimed one
             # while there are spare slots.
@@ -284,6 +288,13 @@ class SenderStage:
 
     def finish(self) -> None:
         self.busy, self.sent = False, self.version
+
+    def drop(self) -> None:
+        """The staged copy is laid out for a plan no longer in force (a re-plan): the version
+        it holds is never sent (the next one staged supersedes it). A transfer reading it
+        (`busy`) ends with `finish` anyway."""
+        if not self.busy:
+            self.sent = max(self.sent, self.version)
 
     def cancel(self) -> None:
         """The transfer did not start after all (another trainer staged a newer version)."""

@@ -27,9 +27,9 @@ from typing import Callable
 from weightbridge.config import TransferConfig
 from weightbridge.coordination import recovery, sender_delta
 from weightbridge.coordination.adapter_base import TransferFailed, poll_until
-from weightbridge.coordination.control import ControlPlane, PeerCall
+from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
-from weightbridge.coordination.session import check_replicas, run_update
+from weightbridge.coordination.session import check_replicas, run_update, unanswered
 from weightbridge.types import WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)
@@ -88,6 +88,8 @@ class GroupSequencer:
         `TransferFailed` when a worker was lost (after re-planning without it) and re-raises
         anything else."""
         with self.session_lock:
+            if self.broken is not None:  # (a transfer staged before the group ended)
+                raise TransferFailed(self.broken)
             moved = [False]
             try:
                 self.session(version, moved, release)
@@ -101,6 +103,8 @@ class GroupSequencer:
 
     def session(self, version: int, moved: list, release: bool) -> None:
         self.leader.retell()  # (excluded workers that stalled when told: again, off-thread)
+        if self.leader.asked_out:  # engines that went out by themselves: planned out first
+            recovery.exclude_lost(self, f"the time before the transfer of version {version}")
         ts = self.live_trainers()
         self.source.before(self, ts, version)
         check_replicas(self.control, self.leader.group, version)  # (SS: staged copies)
@@ -111,14 +115,24 @@ class GroupSequencer:
         self.landing.after(self, ts, version, release)
 
     def gather(self, version: int, *, deadline: bool = True) -> None:
-        """RS off: offer ``version`` to every engine and wait until every rollout joined."""
+        """RS off: offer ``version`` to every engine and wait until every rollout joined.
+        Without ``deadline`` (SS: a rollout may poll late) it waits on while every rollout
+        it waits for answers a ping (checked every ``timeout_s``); raises `TimeoutError`
+        when one does not (dead or stalled: recovery excludes it)."""
         self.control.call(self.leader.live_rank0s(), PeerCall.OFFER, version)
-        want = set(self.live())
-        # The message is made at the timeout: it names the rollouts that had not polled then.
-        self.poll_until(lambda: want <= self.joined, lambda: (
-            f"rollout workers {sorted(str(w) for w in want - self.joined)} did not "
-            f"poll_requests() for version {version}; in sync and SS modes every rollout must "
-            f"poll between inference steps"), deadline=deadline)
+        want = self.live()
+        missing = lambda: [w for w in want if w not in self.joined]  # noqa: E731
+        while True:
+            try:
+                # The message is made at the timeout: it names the rollouts not polling then.
+                self.poll_until(lambda: not missing(), lambda: (
+                    f"rollout workers {[str(w) for w in missing()]} did not poll_requests() "
+                    f"for version {version}; in sync and SS modes every rollout must poll "
+                    f"between inference steps"))
+                return
+            except TimeoutError:
+                if deadline or self.leader.asked_out or unanswered(self.control, missing()):
+                    raise
 
     def wait_for_trainers(self, ts: list[WorkerId], version: int) -> None:
         """Non-SS: wait until every trainer is inside send_weights(version). A trainer inside
@@ -147,6 +161,19 @@ class GroupSequencer:
                                    return_errors=True)
             raise ValueError(f"{self.worker}: {message}") from None
 
+    def close(self, why: str) -> None:
+        """The group can send no more: every rollout not out already (engines added but not
+        joined included) is told ``why`` (their polls raise `TransferFailed`), and so is any
+        that asks later (`on_status`)."""
+        self.broken = why
+        out = self.leader.out_engines
+        told = [w for w in rollouts(self.control) if w.index // self.control.engine_size
+                not in out]
+        self.control.call(told, PeerCall.FAIL, why, return_errors=True)
+        # Nothing more is sent, so no transfer will tell the untold again: do it now (a
+        # stalled one hears it once it goes on; its engine's rank 0 may be the dead one).
+        self.leader.retell()
+
     def tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
         others = self.live_trainers()[1:]
         self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
@@ -173,45 +200,69 @@ class GroupSequencer:
         """
         try:
             while True:
-                ts = self.live_trainers()
                 with self._kick_lock:
                     first = self.pending()
                     if first is None:
                         self.thread = None
                         return
-                if not self.config.receiver_staging:
-                    self.gather(first, deadline=False)
-                # Every trainer stages each version (a newer one supersedes an older one):
-                # wait until they hold the same one.
-                held: list = []
-
-                def same() -> bool:
-                    held[:] = self.control.call(ts, PeerCall.PENDING)
-                    return len(set(held)) == 1
-
-                self.poll_until(same, lambda: (
-                    "the trainers hold different staged versions ("
-                    + ", ".join(f"{t} holds version {v}" for t, v in zip(ts, held))
-                    + "); every trainer must call send_weights with the same versions, so "
-                      "nothing was sent"))
-                version = self.pending()
-                # Pin every staging buffer on that version; if one moved on meanwhile, retry.
-                started = []
-                for t in ts:
-                    if not self.call_one(t, PeerCall.STAGE_START, version):
-                        break
-                    started.append(t)
-                if len(started) < len(ts):
-                    self.control.call(started, PeerCall.STAGE_CANCEL)
-                    continue
                 try:
-                    self.run(version)
-                finally:  # (a trainer lost in the session is not asked)
-                    self.control.call(self.live_trainers(), PeerCall.STAGE_FINISH)
+                    try:
+                        version = self._pin(first)
+                    except Exception as e:  # noqa: BLE001  (a lost worker: excluded, raised)
+                        with self.session_lock:
+                            recovery.recover(self, first, e, False)
+                    if version is None:
+                        continue
+                    try:
+                        self.run(version)
+                    finally:  # (a trainer lost in the session is not asked)
+                        self.control.call(self.live_trainers(), PeerCall.STAGE_FINISH,
+                                          return_errors=True)
+                except TransferFailed as e:
+                    if self.broken is not None:
+                        raise
+                    # Lost workers were excluded and the group re-planned (which dropped
+                    # the copies staged for the old plan, `SenderStage.drop`): the survivors
+                    # take the next version staged; the next send_weights or wait_idle
+                    # raises the error.
+                    self.error = e
         except BaseException as e:  # surfaced by the next send_weights / wait_idle
             self.error = e
             with self._kick_lock:
                 self.thread = None
+
+    def _pin(self, first: int) -> int | None:
+        """The drain's preparation of a transfer: the rollouts joined (RS off), every
+        trainer holds one staged version, pinned; that version (None: a trainer staged a
+        newer one meanwhile, try again)."""
+        ts = self.live_trainers()
+        if not self.config.receiver_staging:
+            self.gather(first, deadline=False)
+        # Every trainer stages each version (a newer one supersedes an older one): wait
+        # until they hold the same one.
+        held: list = []
+
+        def same() -> bool:
+            held[:] = self.control.call(ts, PeerCall.PENDING)
+            return len(set(held)) == 1
+
+        self.poll_until(same, lambda: (
+            "the trainers hold different staged versions ("
+            + ", ".join(f"{t} holds version {v}" for t, v in zip(ts, held))
+            + "); every trainer must call send_weights with the same versions, so "
+              "nothing was sent"))
+        version = self.pending()
+        # Pin every staging buffer on that version; if one moved on meanwhile, retry.
+        started = []
+        try:
+            for t in ts:
+                if not self.call_one(t, PeerCall.STAGE_START, version):
+                    break
+                started.append(t)
+        finally:
+            if len(started) < len(ts):
+                self.control.call(started, PeerCall.STAGE_CANCEL, return_errors=True)
+        return version if len(started) == len(ts) else None
 
     def raise_background_error(self) -> None:
         if self.error is not None:
@@ -236,17 +287,34 @@ class GroupSequencer:
     def change(self, what: tuple, change: Callable[[], None], name: str) -> None:
         """Wait until every other trainer is inside the same change (none stages meanwhile)
         and every staged version was transferred; make the change between transfers; tell
-        the others how it went."""
+        the others how it went.
+
+        Workers lost since the last transfer (they do not answer a ping) are excluded first
+        (`recovery.exclude_lost`), so the change goes on without them; one lost during the
+        change is excluded after it, and `TransferFailed` says what was made."""
         others = self.live_trainers()[1:]
         failure = None
         try:
+            if self.broken is not None:  # (engines added since are told too)
+                self.close(self.broken)
+                raise TransferFailed(self.broken)
+            # (A trainer whose call fails is gone, or not: the ping below decides.)
             self.poll_until(lambda: all(
-                a == what for a in self.control.call(others, PeerCall.CHANGING)),
+                a == what or isinstance(a, Exception)
+                for a in self.control.call(others, PeerCall.CHANGING, return_errors=True)),
                 f"not every trainer called the same {name}")
             if self.config.sender_staging:
                 self.wait_idle()
             with self.session_lock:
-                change()
+                recovery.exclude_lost(self, f"the time before {name}")
+                try:
+                    change()
+                except Exception as e:
+                    lost = recovery.exclude_lost(self, name, e)
+                    if lost is None:
+                        raise
+                    raise TransferFailed(f"{self.worker}: {lost} {_made(what, self.leader)}"
+                                         ) from e
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
             raise
@@ -260,12 +328,18 @@ class GroupSequencer:
             self.joined.add(worker)
             self.cond.notify_all()
 
-    def on_leave(self, worker: WorkerId) -> bool | str:
+    def on_leave(self, worker: WorkerId, why: str | None = None) -> bool | str:
         """A rollout that joined gives up waiting (its poll timed out): True when it is out
         before any byte moved toward it; False when the running transfer already counts it
         (its bytes are on their way: it must wait for the end of the transfer); why its
-        engine is out of the group when it is (excluded while it stalled: it was not told)."""
-        why = self.leader.why_out(worker.index // self.control.engine_size)
+        engine is out of the group when it is (excluded while it stalled: it was not told).
+        With ``why``: its engine went out by itself (it can run no more steps); it is
+        excluded before the next transfer (`GroupLeader.ask_out`)."""
+        engine = worker.index // self.control.engine_size
+        if why is not None:
+            self.leader.ask_out(engine, why)
+            return why
+        why = self.leader.why_out(engine)
         if why is not None:
             return why
         with self.cond:
@@ -274,10 +348,25 @@ class GroupSequencer:
                 return True
             return False
 
+    def on_status(self, engine: int) -> str | None:
+        """Why ``engine`` can take no more versions (out of the group, or the group ended);
+        None while it can (an engine's rank 0 asks every ``timeout_s``)."""
+        return self.leader.why_out(engine) or self.broken
+
     def on_claim(self, engine: int):
         """(version, slot) of the newest version landed for ``engine``, None, or why the
         engine is out of the group (a string)."""
         return self.leader.why_out(engine) or self.leader.claim(engine)
+
+
+def _made(what: tuple, leader: GroupLeader) -> str:
+    """What a membership change that met a lost worker made, for its `TransferFailed`."""
+    goes_on = f"the group goes on with engines {leader.live_engines()} over a new plan."
+    if what[0] == "remove":
+        made = "was made" if what[1] in leader.out_engines else "was not made"
+        return f"remove_engine({what[1]}) {made}; {goes_on}"
+    return (f"add_engines() was not made: the joining engines are out (their polls raise; "
+            f"restart their workers and add them as new engines); {goes_on}")
 
 
 class _LiveParams:
@@ -313,9 +402,14 @@ class _IntoParams:
                     return {}
 
     def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
-        seq.control.call(list(seq.leader.group.live_rollouts), PeerCall.SESSION_DONE, version)
-        if release:  # in every rollout's parameters
-            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+        # Every round landed: the version is whole in every rollout's parameters. Released
+        # from here on (a recovery must not count them in the next transfer), and a worker
+        # lost meanwhile is found by the next transfer, not by these notices.
+        seq.session_joined = set()
+        seq.control.call(list(seq.leader.group.live_rollouts), PeerCall.SESSION_DONE, version,
+                         return_errors=True)
+        if release:
+            seq.control.call(ts, PeerCall.TRANSFERRED, version, return_errors=True)
 
 
 class _IntoStaging:
@@ -326,6 +420,6 @@ class _IntoStaging:
 
     def after(self, seq: GroupSequencer, ts: list, version: int, release: bool) -> None:
         seq.leader.landed(version)
-        if release:  # landed: the trainers go on before any install
-            seq.control.call(ts, PeerCall.TRANSFERRED, version)
+        if release:  # landed: the trainers go on before any install (a lost one: as above)
+            seq.control.call(ts, PeerCall.TRANSFERRED, version, return_errors=True)
         seq.control.call(seq.leader.live_rank0s(), PeerCall.OFFER, version)

@@ -15,6 +15,7 @@ from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, engine_workers
 from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
                                                 check_version)
+from weightbridge.coordination.session import unanswered
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
@@ -54,6 +55,9 @@ class ReceiverAdapter(AdapterWorker):
         self._session_done = 0
         self._failure: str | None = None
         """Set when this worker's engine lost a worker: every poll_requests() raises it."""
+        self._passed_on = False  # rank 0: its failure was passed on to its engine's others
+        self._asked_at: float | None = None
+        """Rank 0: when it last asked trainer 0 whether its engine is in (`_check_in`)."""
         self._polling = threading.Lock()
 
     @property
@@ -92,9 +96,15 @@ class ReceiverAdapter(AdapterWorker):
             self._polling.release()
 
     def _poll(self) -> int | None:
+        if self._failure is not None and self.coordinator is not None and not self._passed_on:
+            # Rank 0 was told its engine is out: so is every other worker of it (one that
+            # was stalled when trainer 0 told the engine heard nothing), once.
+            self._passed_on = True
+            self._fail_engine(self._failure)
         self._check_failed()
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
+            self._check_in()
             claim = self._claim if self.config.receiver_staging else None
             try:
                 with self.cond:
@@ -103,7 +113,7 @@ class ReceiverAdapter(AdapterWorker):
                 self._fail_engine(str(out))
                 self._check_failed()
             if relay is not None:  # acked by every rank of the engine before this step runs
-                self.control.call(engine_workers(self.control, self.engine), PeerCall.RELAY,
+                self._call_engine(engine_workers(self.control, self.engine), PeerCall.RELAY,
                                   relay)
         with self.cond:
             due = self.versions.due(step)
@@ -121,15 +131,24 @@ class ReceiverAdapter(AdapterWorker):
         with self.cond:
             self.versions.done(Relay(version, due.at_step, due.slot))
         self._log(("installed", version))
-        self._call_one(engine_workers(self.control, self.engine)[0], PeerCall.INSTALLED,
-                       self.engine_rank, version)
+        self._call_engine(engine_workers(self.control, self.engine)[:1], PeerCall.INSTALLED,
+                          self.engine_rank, version)
         return version
 
     def _join(self, due: Relay) -> int:
         """Take part in the transfer that carries ``due.version`` (or a newer one); returns
         the version it put into the parameters."""
         self._log(("join", due.version))
-        self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
+        try:
+            self._call_one(SEQUENCER, PeerCall.JOIN, self.worker)
+        except Exception as e:
+            lost = self._sequencer_lost(e, None)
+            if lost is not None:
+                self._fail_engine(lost)
+                self._check_failed()
+            with self.cond:  # (not joined: nothing was written)
+                self.versions.retry(due)
+            raise
         limit = 3 * self.config.timeout_s
         done = lambda: self._session_done >= due.version or self._failure  # noqa: E731
         with self.cond:
@@ -220,6 +239,16 @@ class ReceiverAdapter(AdapterWorker):
         with self.cond:
             self.coordinator.installed(engine_rank, version)
 
+    def on_land(self, r: int, slots: dict[int, int] | None = None,
+                expected: tuple[int, ...] | None = None) -> None:
+        if (self.config.receiver_staging and not self.beyond(r)
+                and (slots or {}).get(self.engine) is None):
+            # (Bytes enter the parameters only inside a poll: never straight from a round.)
+            raise RuntimeError(f"{self.worker}: round {r} landed with no staging slot for "
+                               f"engine {self.engine} (slots {slots}): it is not in the "
+                               f"transfer it is part of")
+        super().on_land(r, slots, expected)
+
     def on_fail(self, message: str) -> None:
         """Rank 0: this worker's engine lost a worker and is out of the group."""
         with self.cond:
@@ -240,6 +269,66 @@ class ReceiverAdapter(AdapterWorker):
         if isinstance(got, str):  # excluded while this worker did not answer
             raise _Out(got)
         return got
+
+    def _check_in(self) -> None:
+        """Rank 0, set up, at most once per ``timeout_s``: ask trainer 0 whether this engine
+        is still in the group (`PeerCall.STATUS`). An engine can be out without hearing of it
+        (its notice was lost, or it was excluded while it stalled), or the whole group can
+        have ended (trainer 0 lost, or closed after a failure) while no version is offered:
+        this poll then raises `TransferFailed` saying why, and so do the engine's others."""
+        now = time.monotonic()
+        if self.executor is None or (self._asked_at is not None
+                                     and now - self._asked_at < self.config.timeout_s):
+            return
+        self._asked_at = now
+        try:
+            why = self._call_one(SEQUENCER, PeerCall.STATUS, self.engine)
+        except Exception as e:  # noqa: BLE001  (lost, or the call's own failure: below)
+            why = self._sequencer_lost(e, None)
+        if why is not None:
+            self._fail_engine(why)
+            self._check_failed()
+
+    def _call_engine(self, peers: list[WorkerId], call: PeerCall, *args) -> None:
+        """``call`` on workers of this engine. A relay that did not reach every one of them
+        (a rank stalled or gone), or another call that failed on a worker that does not
+        answer a ping (gone), takes the engine out: its workers could no longer install a
+        version at the same step. Raises `TransferFailed` then (`_leave_group`); a call that
+        only timed out is raised as it is (the worker may be stalled for a moment)."""
+        try:
+            self.control.call(peers, call, *args)
+            return
+        except Exception as e:
+            error = e
+            if call is PeerCall.RELAY:
+                why = (f"rank 0's relay of version {args[0].version} did not reach every "
+                       f"worker of engine {self.engine} ({type(e).__name__}: {e}), so its "
+                       f"workers can no longer install a version at the same step")
+            else:
+                gone = ([] if isinstance(e, TimeoutError) else
+                        unanswered(self.control, [p for p in peers if p != self.worker]))
+                if not gone:
+                    raise
+                why = (f"engine {self.engine} lost {'workers' if len(gone) > 1 else 'worker'}"
+                       f" {', '.join(map(str, gone))} ({type(e).__name__}: {e})")
+        self._leave_group(f"{why}. The engine can run no more steps; its parameters hold "
+                          f"version {self.version}, whole. To use it again, restart its "
+                          f"workers on new procs and add them as a new engine "
+                          f"(add_engines() on every trainer)", error)
+
+    def _leave_group(self, why: str, error: Exception) -> None:
+        """This engine goes out of the group by itself: every worker of it is told (their
+        polls raise `TransferFailed` with ``why``), and so is trainer 0, which excludes it
+        before its next transfer (`PeerCall.LEAVE` with ``why``). Raises `TransferFailed`."""
+        self._fail_engine(why)
+        try:
+            self._call_one(SEQUENCER, PeerCall.LEAVE, self.worker, why)
+        except Exception:  # noqa: BLE001  (trainer 0 lost: the engine is out anyway)
+            pass
+        try:
+            self._check_failed()
+        except TransferFailed as told:
+            raise told from error
 
     def _sequencer_lost(self, error: Exception, version: int | None) -> str | None:
         """After a call on trainer 0 failed: why this engine can go on no more when trainer 0

@@ -318,6 +318,10 @@ class SenderAdapter(AdapterWorker):
         self._connect_error = message
         self._connected.set()
 
+    def _setup(self, plan) -> None:
+        super()._setup(plan)  # (the staged copy is laid out anew)
+        self.stage.drop()  # (so no transfer reads a version staged for the old plan)
+
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
         self._connected.set()
@@ -392,8 +396,11 @@ class SenderAdapter(AdapterWorker):
     def on_join(self, worker: WorkerId) -> None:
         self.rank0.on_join(worker)
 
-    def on_leave(self, worker: WorkerId) -> bool | str:
-        return self.rank0.on_leave(worker)
+    def on_leave(self, worker: WorkerId, why: str | None = None) -> bool | str:
+        return self.rank0.on_leave(worker, why)
 
     def on_claim(self, engine: int):
         return self.rank0.on_claim(engine)
+
+    def on_status(self, engine: int) -> str | None:
+        return self.rank0.on_status(engine)

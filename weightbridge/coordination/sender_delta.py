@@ -210,9 +210,8 @@ def check_unchanged(seq, ts: list, version: int) -> None:
             f"{what}. Nothing of version {version} is installed (the engines keep the "
             f"version they run): send again, a full update (changed=None) or a delta "
             f"naming every tensor changed since the last version sent")
-    seq.broken = (f"{what}. The rollouts' parameters hold that mix (no poll returns it: "
-                    f"they raise); build a new group (new adapters, connect()) to go on")
-    seq.control.call(seq.live(), PeerCall.FAIL, seq.broken, return_errors=True)
+    seq.close(f"{what}. The rollouts' parameters hold that mix (no poll returns it: they "
+              f"raise); build a new group (new adapters, connect()) to go on")
     raise ChangedDuringSend(seq.broken)
 
 def _delta_base(seq) -> int:

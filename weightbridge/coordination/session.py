@@ -117,7 +117,8 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
         plan = reroute(plan)
     plans = plan.worker_plans()
     ranges = incoming_ranges(plans.values(), config.depth)
-    live = [w for w in rollouts(control) if w.index not in excluded]
+    # (Engines the control plane has beyond the maps, added but not joined, are not planned.)
+    live = [w for w in rollouts(control)[:len(maps.rollouts)] if w.index not in excluded]
     found = control.call_each(live, PeerCall.SETUP, [
         (plans[w], sorted(ranges.get(w, ())), generation) for w in live])
     handles = {(w, key): h for w, hs in zip(live, found) for key, h in hs.items()}
