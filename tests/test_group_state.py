@@ -198,7 +198,8 @@ def test_a_rank_excluded_while_it_stalled_is_told_when_it_comes_back(mode):
     control = LocalControl()
     trainers = [(m, control.add(SenderAdapter(m.params, m.load_weights, SPEC, rank=i,
                                               control=control, transport=control.transport,
-                                              config=config))) for i, m in enumerate([Model(), Model()])]
+                                              config=config)))
+                for i, m in enumerate([Model(), Model()])]
     rollouts = []
     for j in range(2):
         m = Model()

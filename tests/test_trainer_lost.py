@@ -4,8 +4,8 @@ Two trainers each hold the whole model (`tinygroup`: data-parallel replicas), tw
 Trainer 1 dies (`LocalControl.kill`) as it is asked to send a round of version 2. Checked per
 mode: trainer 0's `send_weights` (or `wait_idle`) raises a `TransferFailed` naming T1 and
 saying it is excluded; version 2 is re-sent from trainer 0 alone and installed bit-exact (sync,
-RS; with sender staging the engines never see it); version 3 then goes from trainer 0 alone (send_weights is collective over the live
-trainers), bit-exact on both engines.
+RS; with sender staging the engines never see it); version 3 then goes from trainer 0 alone
+(send_weights is collective over the live trainers), bit-exact on both engines.
 """
 
 import threading

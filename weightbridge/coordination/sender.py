@@ -29,8 +29,9 @@ _FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferF
 class SenderAdapter(AdapterWorker):
     """A trainer worker's side: `connect` once, `send_weights(version)` after each step (a
     delta with ``changed``: ``changes``, `sender_delta`); `add_engines` / `remove_engine`
-    between steps (``membership``, `sender_membership`). Trainer 0 sequences the group: its `GroupSequencer` (``rank0``,
-    `weightbridge.coordination.rank0`) holds the group's state and runs every transfer."""
+    between steps (``membership``, `sender_membership`). Trainer 0 sequences the group: its
+    `GroupSequencer` (``rank0``, `weightbridge.coordination.rank0`) holds the group's state
+    and runs every transfer."""
 
     side = "trainer"
 

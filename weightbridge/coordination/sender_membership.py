@@ -1,11 +1,11 @@
 """Engines joining and leaving a running adapter group: `add_engines`, `remove_engine`.
 
 `SenderAdapter.add_engines` and `remove_engine` hold one `TrainerMembership` (which change
-this trainer is inside, how trainer 0 said each went). Both are collective over the trainers, called between
-`send_weights` calls (as `send_weights` itself is collective): while every trainer is inside
-the call none of them stages a version, so the trainers' tables can change under rank 0,
-which does the work once every trainer is in (after the staged versions were transferred,
-in the sender-staging modes; never during a transfer)::
+this trainer is inside, how trainer 0 said each went). Both are collective over the trainers,
+called between `send_weights` calls (as `send_weights` itself is collective): while every
+trainer is inside the call none of them stages a version, so the trainers' tables can change
+under rank 0, which does the work once every trainer is in (after the staged versions were
+transferred, in the sender-staging modes; never during a transfer)::
 
     join:   probe only the new engines -> extend the plan in force (appended rounds,
             `weightbridge.planning.extend`) -> set up only them and the trainers
