@@ -67,6 +67,22 @@ def test_equal_configs_connect():
     assert in_threads(*[a.connect for _, a in trainers]) == [None, None]
 
 
+def test_an_engine_joining_with_another_config_is_refused_before_it_is_probed():
+    leader = TransferConfig(timeout_s=5)
+    control, trainers, rollouts = _group([leader] * 2, [leader])
+    assert in_threads(*[a.connect for _, a in trainers]) == [None, None]
+    m = Model()
+    joining = control.add(ReceiverAdapter(
+        m.params, m.load_weights, SPEC, rank=1, engine=1, engine_rank=0, engine_size=1,
+        control=control, transport=control.transport, config=TransferConfig(timeout_s=7)))
+    m.mark()
+    got = in_threads(*[a.add_engines for _, a in trainers])
+    assert isinstance(got[0], ConfigMismatch), got
+    assert str(got[0]).startswith("R1 was given") and "timeout_s: 5 != 7" in str(got[0])
+    assert isinstance(got[1], Exception) and "timeout_s: 5 != 7" in str(got[1]), got
+    assert m.unchanged() and joining.executor is None  # never probed, nothing allocated
+
+
 def test_differences_names_each_differing_field_with_both_values():
     a, b = TransferConfig(), TransferConfig(depth=3, checksums=False)
     assert a.differences(a) == [] and a.differences(TransferConfig()) == []

@@ -2,7 +2,8 @@
 `MeshTransfer.add_engine` / `remove_engine`, the adapters' `add_engines` / `remove_engine`).
 
     join_group(control, maps, group, config)
-        SOURCE_MAP on the joining workers only -> same checkpoint? right engines?
+        CONFIG, SOURCE_MAP on the joining workers only -> same config? same checkpoint?
+        right engines?
         extend_plan (weightbridge.planning.extend): mirrored on a live replica, or appended
         SETUP on the joining workers (register) and on the workers whose part changed
         (trainers: again; forwarders: new writes only), SET_PEERS on them
@@ -24,8 +25,9 @@ from typing import Collection, Sequence
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.sequencer import active_steps
-from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_engines,
-                                               check_same_checkpoint, plan_group)
+from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
+                                               check_engines, check_same_checkpoint,
+                                               plan_group)
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 from weightbridge.types import WorkerId
@@ -62,6 +64,7 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
         raise ValueError("no rollout engine joined since the plan was made: grow the group "
                          "first (TransferGroup.add_engines on meshes, or add the engines' "
                          "workers to the control plane)")
+    check_configs(control, config, joining)  # (before the probe, as at connect)
     found = control.call(joining, PeerCall.SOURCE_MAP)
     check_engines(control, [placement for _, placement, _ in found], first=joining[0].index)
     check_same_checkpoint([maps.spec], [spec for _, _, spec in found],

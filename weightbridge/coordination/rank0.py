@@ -274,11 +274,11 @@ class GroupSequencer:
     def wait_idle(self) -> None:
         """Wait until every staged version was transferred (SS modes)."""
         # A lost rollout takes up to timeout_s to find, then a re-plan: 3 x, as send_weights.
-        end = time.monotonic() + 3 * self.config.timeout_s
+        end = time.monotonic() + self.config.wait_s
         while self.thread is not None:
             if time.monotonic() > end:
                 raise TimeoutError(f"{self.worker}: staged versions were not all transferred "
-                                   f"within 3 x timeout_s={self.config.timeout_s}s")
+                                   f"within wait_s={self.config.wait_s:g}s (3 x timeout_s)")
             time.sleep(getattr(self.control, "poll_interval_s", 0.0005))
         self.raise_background_error()
 

@@ -149,7 +149,7 @@ class ReceiverAdapter(AdapterWorker):
             with self.cond:  # (not joined: nothing was written)
                 self.versions.retry(due)
             raise
-        limit = 3 * self.config.timeout_s
+        limit = self.config.wait_s
         done = lambda: self._session_done >= due.version or self._failure  # noqa: E731
         with self.cond:
             # Rank 0 needs up to timeout_s to find a lost worker, then re-plans and re-sends.
@@ -205,7 +205,7 @@ class ReceiverAdapter(AdapterWorker):
             TransferFailed: as `poll_requests`.
         """
         version = check_version(version, "wait_for_version")
-        limit = 3 * self.config.timeout_s if timeout_s is None else timeout_s
+        limit = self.config.wait_s if timeout_s is None else timeout_s
         end = time.monotonic() + limit
         while self.version < version:
             if time.monotonic() > end:

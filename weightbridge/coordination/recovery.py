@@ -10,7 +10,7 @@ from __future__ import annotations
 from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.control import engine_workers, rollouts
 from weightbridge.coordination.session import unanswered
-from weightbridge.coordination.worker import ReplicaMismatch
+from weightbridge.errors import failure_kind
 
 
 def recover(seq, version: int, error: Exception, moved: bool) -> None:
@@ -24,9 +24,7 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if not gone and not gone_t:
         # Every trainer waits in send_weights(version) (not SS): it fails the same way.
-        kind = ("timeout" if isinstance(error, TimeoutError) else
-                "replica" if isinstance(error, ReplicaMismatch) else
-                "input" if isinstance(error, ValueError) else "transfer")
+        kind = failure_kind(error)
         seq.tell_trainers(version, f"trainer 0: {type(error).__name__}: {cause}", kind)
         if moved:
             # No engine may run a step on what it holds now: every poll raises.

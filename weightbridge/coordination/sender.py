@@ -9,21 +9,17 @@ from __future__ import annotations
 import threading
 
 
-from weightbridge.config import TransferConfig
+from weightbridge.config import WAIT_TIMEOUTS, TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.coordination.protocol import SenderStage, check_version
 from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
 from weightbridge.coordination.sender_delta import TrainerDelta
 from weightbridge.coordination.sender_membership import TrainerMembership, call_name
-from weightbridge.coordination.worker import ReplicaMismatch, param_digest
+from weightbridge.coordination.worker import param_digest
+from weightbridge.errors import from_kind
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
-
-
-_FAILURES = {"input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed,
-             "replica": ReplicaMismatch}
-"""What send_weights raises on a trainer that rank 0 tells of a failed version (`on_failed`)."""
 
 
 class SenderAdapter(AdapterWorker):
@@ -193,23 +189,23 @@ class SenderAdapter(AdapterWorker):
             with self.cond:
                 if version in self._failures:
                     kind, message = self._failures.pop(version)
-                    raise _FAILURES.get(kind, TransferFailed)(message)
+                    raise from_kind(kind, message)
         finally:
             with self.cond:
                 self._sending = None
         self._log(("resume", version))
 
     def _await_rank0(self, predicate, what: str) -> None:
-        """Wait on ``self.cond`` for ``predicate`` (made true by trainer 0), at most 3 x
-        timeout_s; every timeout_s, check that trainer 0 still answers. A lost trainer 0
+        """Wait on ``self.cond`` for ``predicate`` (made true by trainer 0), at most
+        ``config.wait_s``; every timeout_s, check that trainer 0 still answers. A lost trainer 0
         breaks the group: every rollout is told (their polls raise) and `TransferFailed`
         is raised here."""
-        for _ in range(3):
+        for _ in range(WAIT_TIMEOUTS):
             with self.cond:
                 if self.cond.wait_for(predicate, timeout=self.config.timeout_s):
                     return
             self._check_rank0(what)
-        raise TimeoutError(f"{self.worker}: {what} within 3 x timeout_s="
+        raise TimeoutError(f"{self.worker}: {what} within {WAIT_TIMEOUTS} x timeout_s="
                            f"{self.config.timeout_s}s; trainer 0 answers, but is it still "
                            f"running the same calls (every trainer must make them)?")
 
@@ -368,7 +364,7 @@ class SenderAdapter(AdapterWorker):
 
     def on_failed(self, version: int, message: str, kind: str = "transfer") -> None:
         """Rank 0 could not move ``version``: send_weights raises what ``kind`` names in
-        `_FAILURES` (`TransferFailed` for a lost rollout worker)."""
+        `weightbridge.errors.KINDS` (`TransferFailed` for a lost rollout worker)."""
         with self.cond:
             self._failures[version] = (kind, message)
             self.cond.notify_all()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from weightbridge.config import WAIT_TIMEOUTS
 from weightbridge.types import WorkerId
 
 
@@ -54,9 +55,10 @@ class TrainerMembership:
                 return
             with self.cond:
                 if not self.cond.wait_for(lambda: what in self.changed,
-                                          timeout=3 * self.timeout_s):
+                                          timeout=WAIT_TIMEOUTS * self.timeout_s):
                     raise TimeoutError(f"{worker}: trainer 0 did not finish the membership "
-                                       f"change within 3 x timeout_s={self.timeout_s}s; "
+                                       f"change within {WAIT_TIMEOUTS} x timeout_s="
+                                       f"{self.timeout_s}s; "
                                        f"every trainer must call it, trainer 0 included")
                 failure = self.changed.pop(what)
             if failure is not None:
