@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib
 import threading
 import time
 from typing import Collection
@@ -70,13 +71,11 @@ from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec
 class MeshTransfer(ClosingContext, Membership):
     """Both meshes and the plan between them. A context manager: leaving it stops the meshes.
 
-    Every sync mode of the config runs here (docs/controller.md, "Sync modes"): `update`
-    returns once the trainers may take their next step (sync: the rollouts hold the version;
-    SS, async: the trainers' staged copy is taken and the version streams on a thread of this
-    controller; RS: it landed in every engine's staging slots), and `poll_requests`, called
-    between the rollouts' generation steps, puts the newest version into every engine's
-    parameters at that step (SS: waits for the transfer under way; RS, async: installs the
-    newest landed version from staging). The group's state is its `GroupLeader` (``leader``).
+    Every sync mode runs here (docs/controller.md, "Sync modes"): `update` returns once the
+    trainers may take their next step (sync: the rollouts hold the version; SS, async: the
+    staged copy is taken, the rounds stream on a controller thread; RS: it landed in staging),
+    and `poll_requests`, between generation steps, puts the newest version into every engine
+    at that step. The group's state is its `GroupLeader` (``leader``).
 
     Args:
         trainer, rollout: Mesh specs: how many workers, on how many hosts, and the layout the
@@ -302,8 +301,7 @@ class MeshTransfer(ClosingContext, Membership):
         return self._report(version, t1 - t0, t1)
 
     def _stream(self, version: int, train_step_s: float, stall_s: float) -> UpdateReport:
-        """SS, async (on the streaming thread): the rounds of the staged ``version``."""
-        t1 = time.perf_counter()
+        t1 = time.perf_counter()  # (SS, async: on the streaming thread)
         self._send(version, train_step_s)
         return dataclasses.replace(self._report(version, train_step_s, t1), stall_s=stall_s)
 
@@ -447,7 +445,5 @@ class MeshTransfer(ClosingContext, Membership):
 
 def __getattr__(name: str):
     if name == "TransferError":  # (deprecated: `controller.report` warns and names the new one)
-        from controller import report
-
-        return report.TransferError
+        return importlib.import_module("controller.report").TransferError
     raise AttributeError(f"module 'controller.driver' has no attribute {name!r}")
