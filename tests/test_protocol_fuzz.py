@@ -52,6 +52,14 @@ def test_the_scenario_of_a_seed_is_the_same_every_time():
         scenario_of(1, faults=("nap",))
 
 
+def _join_engine(control, config, engine: int):
+    """A one-rank engine added to the control plane (joined by the next add_engines)."""
+    m = tinygroup.Model()
+    return control.add(ReceiverAdapter(
+        m.params, m.load_weights, tinygroup.SPEC, rank=engine, engine=engine, engine_rank=0,
+        engine_size=1, control=control, transport=control.transport, config=config))
+
+
 def _polls(which, v):
     return [lambda a=a: a.wait_for_version(v) for _, a in which]
 
@@ -183,10 +191,7 @@ def test_a_join_with_a_dead_rollout_in_the_group_fails_as_documented_or_goes_on(
     connect(trainers)
     assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[2:] == [1, 1]
     control.kill(WorkerId("rollout", 1))
-    m = tinygroup.Model()
-    joined = control.add(ReceiverAdapter(
-        m.params, m.load_weights, tinygroup.SPEC, rank=2, engine=2, engine_rank=0,
-        engine_size=1, control=control, transport=control.transport, config=config))
+    joined = _join_engine(control, config, 2)
     out = in_threads(*[a.add_engines for _, a in trainers])
     assert out[0] is None or isinstance(out[0], TransferFailed), out
     sent = in_threads(*tinygroup.send(trainers, 2, ss=False),
@@ -320,10 +325,7 @@ def test_an_engine_added_but_not_joined_is_told_when_the_group_ends():
     connect(trainers)
     assert in_threads(*tinygroup.send(trainers, 1, ss=False), *_polls(rollouts, 1))[1:] == [1]
     control.kill(WorkerId("rollout", 0))
-    m = tinygroup.Model()
-    joined = control.add(ReceiverAdapter(
-        m.params, m.load_weights, tinygroup.SPEC, rank=1, engine=1, engine_rank=0,
-        engine_size=1, control=control, transport=control.transport, config=config))
+    joined = _join_engine(control, config, 1)
     with pytest.raises(TransferFailed, match="No engine is left"):
         trainers[0][1].add_engines()
     with pytest.raises(TransferFailed, match="No engine is left"):
@@ -416,10 +418,7 @@ def test_an_engine_added_after_the_group_ended_is_told_at_add_engines():
     control.kill(WorkerId("rollout", 0))
     out = in_threads(*tinygroup.send(trainers, 2, ss=False))
     assert isinstance(out[0], TransferFailed) and "No engine is left" in str(out[0]), out
-    m = tinygroup.Model()
-    joined = control.add(ReceiverAdapter(
-        m.params, m.load_weights, tinygroup.SPEC, rank=1, engine=1, engine_rank=0,
-        engine_size=1, control=control, transport=control.transport, config=config))
+    joined = _join_engine(control, config, 1)
     with pytest.raises(TransferFailed, match="No engine is left"):
         trainers[0][1].add_engines()
     with pytest.raises(TransferFailed, match="No engine is left"):
