@@ -68,3 +68,14 @@ def bootstrap_children() -> set[int]:
         except (OSError, ValueError, IndexError):
             continue  # the process exited while we looked
     return found
+
+
+def close_group(group, *meshes) -> None:
+    """Teardown of a test's transfer group: close it, then stop its actor meshes (those not
+    None), also when closing raised."""
+    try:
+        group.close()
+    finally:
+        for mesh in meshes:
+            if mesh is not None:
+                mesh.stop().get(timeout=60)

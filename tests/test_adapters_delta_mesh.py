@@ -11,7 +11,7 @@ import pytest
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshes.qwen3_moe import SIZES, checkpoint_spec
-from meshprocs import proc_pair
+from meshprocs import close_group, proc_pair
 from weightbridge import TransferConfig, TransferGroup
 
 pytestmark = pytest.mark.mesh
@@ -54,9 +54,4 @@ def test_a_delta_through_the_adapters_on_meshes_moves_less_and_installs_bit_exac
         assert 0 < moved[2][0] == moved[3][0] <= 0.15 * moved[1][0], moved
         assert moved[4] == [0], moved
     finally:
-        try:
-            group.close()
-        finally:
-            for mesh in (trainers, rollouts):
-                if mesh is not None:
-                    mesh.stop().get(timeout=60)
+        close_group(group, trainers, rollouts)

@@ -18,7 +18,7 @@ from controller.driver import MeshTransfer
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshes.spec import RolloutSpec, TrainerSpec
-from meshprocs import proc_pair
+from meshprocs import close_group, proc_pair
 from weightbridge import TransferConfig, TransferGroup
 from weightbridge.testing import emulated_cuda
 
@@ -101,9 +101,4 @@ def test_a_transfer_group_moves_cuda_parameters_bit_exact(procs):
             sent.get()
             assert list(held.values()) == [(version, True)] * 2
     finally:
-        try:
-            group.close()
-        finally:
-            for mesh in (trainers, rollouts):
-                if mesh is not None:
-                    mesh.stop().get(timeout=60)
+        close_group(group, trainers, rollouts)

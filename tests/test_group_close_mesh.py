@@ -11,7 +11,7 @@ import pytest
 from monarch.actor import this_host
 
 from meshes.adapter_actors import RLRollout, RLTrainer
-from meshprocs import proc_pair
+from meshprocs import close_group, proc_pair
 from weightbridge import TransferConfig, TransferGroup
 
 pytestmark = pytest.mark.mesh
@@ -72,8 +72,4 @@ def test_close_releases_a_rollout_waiting_for_a_version(rs):
                 waiting.get(timeout=WAIT_S)
             assert "TransferFailed" in str(e.value), e.value
         finally:
-            try:
-                group.close()
-            finally:
-                for mesh in actors:
-                    mesh.stop().get(timeout=60)
+            close_group(group, *actors)

@@ -20,7 +20,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from meshprocs import proc_meshes
+from meshprocs import close_group, proc_meshes
 from weightbridge import TransferConfig, TransferGroup
 
 pytestmark = pytest.mark.mesh
@@ -139,11 +139,7 @@ def test_sync_actors_on_any_axes_install_bit_identical_versions(mode, procs):
                 assert r["compared"] > 0 and r["differ"] == [], (dict(point), r)
         trainers.finish.call().get(timeout=3 * TIMEOUT_S)
     finally:
-        try:
-            group.close()
-        finally:
-            for mesh in actors:
-                mesh.stop().get(timeout=60)
+        close_group(group, *actors)
 
 
 def test_spawn_rejects_an_engine_size_that_does_not_divide_the_rollouts(procs):
