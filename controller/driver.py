@@ -129,8 +129,7 @@ class MeshTransfer(ClosingContext, Membership):
         """``book``: the streaming thread lands versions while `poll_requests` installs."""
 
     @property
-    def backend(self) -> str:
-        """RDMA backend ("tcp" is Monarch's fallback where there is no RDMA NIC)."""
+    def backend(self) -> str:  # the RDMA backend ("tcp": Monarch's fallback, no RDMA NIC)
         return backend()
 
     @property
@@ -306,14 +305,16 @@ class MeshTransfer(ClosingContext, Membership):
         return dataclasses.replace(self._report(version, train_step_s, t1), stall_s=stall_s)
 
     def _send(self, version: int, train_step_s: float) -> None:
-        """The rounds of ``version``, into the parameters or the staging slots; a lost worker
-        goes to `_recover`."""
-        staging = self.mode.receiver_staging
-        slots = self.leader.begin_landing(version) if staging else None
+        """`_move` ``version``; a lost worker goes to `_recover` (which re-sends it there)."""
         try:
-            self._transfer(version, slots)
+            self._move(version)
         except Lost as lost:
             self._recover(version, lost.workers, lost.cause, train_step_s)
+
+    def _move(self, version: int) -> None:
+        """The rounds of ``version`` into the parameters or staging; the books told."""
+        staging = self.mode.receiver_staging
+        self._transfer(version, self.leader.begin_landing(version) if staging else None)
         with self._book_lock:
             if staging:
                 self.leader.landed(version)

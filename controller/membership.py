@@ -159,7 +159,7 @@ class Membership:
             self.leader.replan()
             self._use()
             if not self.mode.sender_staging:  # the trainers' parameters still hold it
-                self._send_again(version)
+                self._move(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
             raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
                                 f"engines {survivors} failed too ({type(e).__name__}: {e}): "
@@ -183,17 +183,6 @@ class Membership:
                           f"surviving engines {survivors}, which {where} "
                           f"({report.line().splitlines()[0]}); the next update() goes to "
                           f"them", *out, report)
-
-    def _send_again(self, version: int) -> None:
-        """The rounds of ``version`` once more, over the plan in force, after a loss."""
-        slots = self.leader.begin_landing(version) if self.mode.receiver_staging else None
-        self._transfer(version, slots)
-        with self._book_lock:
-            if self.mode.receiver_staging:
-                self.leader.landed(version)
-                self.book.landed(version)
-            else:
-                self.book.installed(version)
 
 
 class Lost(Exception):
