@@ -28,6 +28,17 @@ class Echo(Actor):
         self._pool.submit(reply.send, r)
 
     @endpoint
+    def mailbox(self) -> object:
+        """The inbox of a `weightbridge.mesh.mailbox.Mailbox` in this proc serving a worker
+        that answers `PeerCall.PING` (for `Caller.run` "mailbox")."""
+        from weightbridge.mesh import registry
+        from weightbridge.mesh.mailbox import Mailbox
+
+        if registry.local(MAILBOX_GROUP) is None:
+            registry.register(MAILBOX_GROUP, _Pinged())
+        return registry.mailbox(MAILBOX_GROUP, lambda: Mailbox(MAILBOX_GROUP, serve=True)).inbox
+
+    @endpoint
     def rss_kb(self) -> int:
         return _rss_kb()
 
@@ -53,6 +64,15 @@ class Caller(Actor):
         if how == "call":
             for r in range(n):
                 echo.serve.call_one(r).get()
+        elif how == "mailbox":  # ``echo`` is an inbox (`Echo.mailbox`): the library's calls
+            from weightbridge.coordination.control import PeerCall
+            from weightbridge.mesh.mailbox import Mailbox
+
+            if not hasattr(self, "_box"):
+                self._box = Mailbox("caller", serve=False)
+                echo.return_undeliverable = False
+            for _ in range(n):
+                assert self._box.send(echo, PeerCall.PING, ()).get(timeout=60) is True
         elif how == "write":  # ``echo`` is a registered buffer (`Echo.buffer`)
             import torch
 
@@ -67,6 +87,14 @@ class Caller(Actor):
                 echo.serve_to.broadcast(port, r)
                 assert receiver.recv().get() == r
         return _rss_kb()
+
+
+MAILBOX_GROUP = "echo"
+
+
+class _Pinged:
+    def on_ping(self) -> bool:
+        return True
 
 
 def _rss_kb() -> int:

@@ -24,13 +24,11 @@
     poll_requests() (between generation steps; RS, async):
                  INSTALL(slot, v) ------------------------------------>  staging slot -> parameters
 
-Handles travel on the control plane (endpoint arguments); bytes only through RDMA writes. Each
-step is issued the moment its inputs are done: a trainer serves its sends one at a time in the
-order issued, so round r + 1's send already waits in the trainer's queue when round r's writes
-land; the rollouts forward and land concurrently. Every wait is bounded and a failure becomes
-one `TransferFailed` naming the round and the step. The group's state (maps, the plan in force
-and its generation, who is out, the staging-slot ledger) is its `GroupLeader`, as on the
-adapters' rank 0; what was sent and what the rollouts hold is a `VersionBook`.
+Handles travel on the control plane (`MeshControl`), bytes only through RDMA writes. Steps are
+issued as their inputs are done (a trainer serves its sends in order; rollouts forward and land
+concurrently). Every wait is bounded; a failure is one `TransferFailed` naming round and step.
+The group's state (maps, the plan in force and its generation, who is out, the staging-slot
+ledger) is its `GroupLeader`; what was sent and what the rollouts hold, a `VersionBook`.
 
 Typical usage::
 
@@ -172,6 +170,8 @@ class MeshTransfer(ClosingContext, Membership):
                 self.group.close()
             except Exception as e:  # keep stopping the actors; re-raised below
                 errors.append(e)
+        if self.group is not None:
+            self.control.close()  # (its mailbox's threads)
         self.group = None
         errors += self.meshes.stop()
         if errors:

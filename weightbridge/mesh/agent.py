@@ -14,10 +14,12 @@ from monarch.actor import Actor, ActorError, endpoint
 
 from weightbridge.coordination.control import PeerCall
 from weightbridge.mesh import monarch_api, registry
+from weightbridge.mesh.mailbox import Mailbox
 
 
 class TransferAgent(Actor):
-    """Serves the `PeerCall`s of the workers built in its proc (one per transfer group).
+    """Serves the `PeerCall`s of the workers built in its proc (one per transfer group):
+    bounded calls through its `Mailbox` (`inbox`), probing and setup through ``serve``.
 
     A sync actor whose endpoint hands each call to a thread and answers through the call's
     response port from there, so it serves many calls at once. Not an async actor: Monarch
@@ -45,6 +47,13 @@ class TransferAgent(Actor):
             _fail(port, e, call)
             return
         future.add_done_callback(lambda f: _answer(port, f, call))
+
+    @endpoint
+    def inbox(self, group: str):
+        """The inbox port of this proc's `Mailbox` of ``group`` (opened on the first ask, in
+        this actor's context): peers send their bounded calls there, one message each."""
+        self._groups.add(group)
+        return registry.mailbox(group, lambda: Mailbox(group, serve=True)).inbox
 
     @endpoint
     def release(self, group: str, closed: str | None = None) -> None:

@@ -1,15 +1,18 @@
 """`MeshControl`: the `weightbridge.coordination.control.ControlPlane` of a transfer group's
 workers, over the group's agent meshes (`weightbridge.mesh.agent.TransferAgent`).
 
-Every `PeerCall` a worker makes becomes a call of the ``serve`` endpoint of the agent in the
-peer's proc; calls to a run of consecutive ranks go as one message to the run's agents, and a
-worker's calls on itself run in its process without a message (Monarch keeps state for every
-message: docs/integration.md, "Memory over many updates").
+Every bounded `PeerCall` a worker makes is one message to the mailbox of the peer's proc
+(`weightbridge.mesh.mailbox`: ports opened once, answers through the caller's own); probing
+and setup, which may take unbounded time, are calls of the ``serve`` endpoint of the peer's
+agent (to a run of consecutive ranks, one message); a worker's calls on itself run in its
+process without a message. Monarch keeps state for every reply port it opens
+(docs/integration.md, "Memory over many updates").
 
 The Monarch integration's modules, by job:
 
     registry    the workers of this process, by group (what an agent serves)
     agent       `TransferAgent`, the actor serving the peer calls
+    mailbox     `Mailbox`, the ports a process's bounded calls go through
     control     `MeshControl`, the control plane over the agents (this module)
     group       `TransferGroup`, the handle: spawn, add_engines, close, build a rank's worker
     transport   Monarch RDMA (`MeshTransport`)
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 from typing import TYPE_CHECKING, Sequence
 
 from monarch.actor import ActorError
@@ -31,6 +35,7 @@ from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
 from weightbridge.errors import surfaced
 from weightbridge.mesh import registry
 from weightbridge.mesh.agent import TransferAgent
+from weightbridge.mesh.mailbox import Mailbox, Pending
 from weightbridge.mesh.registry import REGISTER_WAIT_S, calls
 from weightbridge.mesh.transport import MeshTransport
 from weightbridge.types import WorkerId
@@ -68,6 +73,10 @@ class MeshControl:
         updates")."""
         self._last_send: asyncio.Future | None = None
         """The newest `PeerCall.SEND_ROUND` in flight (`call_async`)."""
+        self._box: Mailbox | None = None
+        self._own_box = False
+        self._inboxes: dict[WorkerId, object] = {}
+        """Each peer's mailbox inbox port, asked for once (`_inbox`)."""
         self.use(group)
 
     def use(self, group: "TransferGroup") -> None:
@@ -145,8 +154,53 @@ class MeshControl:
                                       self.group.name, call, args))
 
     def _issue(self, peer: WorkerId, call: PeerCall, args: tuple):
+        """``call`` to ``peer``: through the mailboxes when bounded (`mailed`), else an
+        endpoint call (a peer that dies while probing or setting up fails it)."""
+        if mailed(call):
+            try:
+                return self._mailbox().send(self._inbox(peer), call, args)
+            except TimeoutError:  # (asking for its inbox; Monarch's says only "TimeoutError")
+                return Pending.failed(_timed_out(call, [peer], self.group.config
+                                                 .peer_timeout_s), call)
+            except Exception as e:  # noqa: BLE001  (raised where its answer would be)
+                return Pending.failed(e, call)
         calls["sent", call.value] += 1
         return self._agent(peer).serve.call_one(self.group.name, call, *args)
+
+    def _mailbox(self) -> Mailbox:
+        """This process's mailbox of the group: its agent's (asked for once; the calls it
+        answers come back to it), or, in a process without one (the controller), this
+        object's own, answers only."""
+        if self._box is None:
+            name = self.group.name
+            box = registry.mailbox(name)
+            if box is None:
+                me = getattr(registry.local(name), "worker", None)
+                if me is not None:
+                    self._agent(me).inbox.call_one(name).get(timeout=self.group.config
+                                                             .peer_timeout_s)
+                    box = registry.mailbox(name)
+                else:
+                    box, self._own_box = Mailbox(name, serve=False), True
+            self._box = box
+        return self._box
+
+    def _inbox(self, peer: WorkerId):
+        port = self._inboxes.get(peer)
+        if port is None:  # a race only asks twice; either port serves
+            calls["sent", "inbox"] += 1
+            port = self._agent(peer).inbox.call_one(self.group.name).get(
+                timeout=self.group.config.peer_timeout_s)
+            port.return_undeliverable = False  # (module docstring of weightbridge.mesh.mailbox)
+            self._inboxes[peer] = port
+        return port
+
+    def close(self) -> None:
+        """End the threads of this object's own mailbox (a controller's); a worker's is its
+        agent's, closed with the group."""
+        if self._own_box and self._box is not None:
+            self._box.close()
+            self._box = None
 
     def _issue_run(self, mesh, call: PeerCall, args: tuple):
         """``call`` to every agent of ``mesh`` (`_run`), one message."""
@@ -159,9 +213,11 @@ class MeshControl:
         futures = [self._local(call, a) if p == me else self._issue(p, call, a)
                    for p, a in zip(peers, args)]
         out, timeout = [], self._timeout(call)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for peer, f in zip(peers, futures):
-            try:
-                out.append(f.get(timeout=timeout))
+            try:  # (one deadline for all: peers that died cost one timeout, not one each)
+                out.append(f.get(timeout=None if deadline is None else
+                                 max(0.0, deadline - time.monotonic())))
             except TimeoutError:  # Monarch's says only "TimeoutError"
                 out.append(PeerFailed(_timed_out(call, [peer], timeout)))
             except Exception as e:  # noqa: BLE001  (raised below, after every peer answered)
@@ -189,7 +245,7 @@ class MeshControl:
             except TimeoutError:
                 raise _timed_out(call, [me], self._timeout(call)) from None
             return out
-        run = None if return_errors else self._run(peers)
+        run = None if return_errors or mailed(call) else self._run(peers)
         if run is None:
             return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
         try:
@@ -208,10 +264,11 @@ class MeshControl:
         pieces = []  # all issued before any wait: one message per run of consecutive ranks
         if me is not None:  # (its answer goes back to its place below)
             pieces.append(_one_value(asyncio.wrap_future(self._local(call, args).future)))
-        for run in self._runs([p for p in peers if p != me]):
+        rest = [p for p in peers if p != me]
+        for run in ([[p] for p in rest] if mailed(call) else self._runs(rest)):
             mesh = self._run(run)
-            pieces.append(_values(self._issue_run(mesh, call, args))
-                          if mesh is not None else _one_value(self._issue(run[0], call, args)))
+            pieces.append(_values(self._issue_run(mesh, call, args)) if mesh is not None else
+                          _one_value(_awaitable(self._issue(run[0], call, args))))
         answers = asyncio.ensure_future(_surfaced(_flattened(pieces, None if me is None else
                                                              list(peers).index(me))))
         if call is PeerCall.SEND_ROUND:
@@ -236,6 +293,17 @@ def _timed_out(call: PeerCall, peers: Sequence[WorkerId], timeout: float) -> Tim
     names = ", ".join(str(p) for p in peers)
     return TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
                         f"(TransferConfig.timeout_s): a peer is stalled or its process died")
+
+
+def mailed(call: PeerCall) -> bool:
+    """Whether ``call`` goes through the mailboxes (`weightbridge.mesh.mailbox`): every call
+    bounded by a timeout. Probing and setup stay endpoint calls."""
+    return not call.unbounded
+
+
+def _awaitable(future):
+    """A `Pending` (mailbox) as an asyncio future; a Monarch future as it is."""
+    return asyncio.wrap_future(future.future) if isinstance(future, Pending) else future
 
 
 async def _one_value(future) -> list:

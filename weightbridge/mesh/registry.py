@@ -60,6 +60,20 @@ def local(group: str):
         return _registry.get(group)
 
 
+_mailboxes: dict[str, object] = {}
+"""Each group's `weightbridge.mesh.mailbox.Mailbox` in this process (its agent's)."""
+
+
+def mailbox(group: str, make=None):
+    """This process's mailbox of ``group``; made with ``make()`` when there is none and
+    ``make`` is given, else None."""
+    with _registered:
+        box = _mailboxes.get(group)
+        if box is None and make is not None:
+            box = _mailboxes[group] = make()
+        return box
+
+
 _pools: dict[str, dict[bool, ThreadPoolExecutor]] = {}
 _pools_lock = threading.Lock()
 
@@ -79,7 +93,11 @@ def submit(group: str, call: PeerCall, fn, *args) -> Future:
 
 
 def shutdown(group: str) -> None:
-    """End ``group``'s threads (those running finish their call)."""
+    """End ``group``'s threads (those running finish their call) and close its mailbox."""
+    with _registered:
+        box = _mailboxes.pop(group, None)
+    if box is not None:
+        box.close()
     with _pools_lock:
         pools = _pools.pop(group, {})
     for pool in pools.values():

@@ -1,0 +1,173 @@
+"""`Mailbox`: one process's Monarch ports for a transfer group's peer calls, opened once.
+
+Monarch 0.7 keeps state for every reply port an endpoint call opens, and never frees it:
+about 1.5 KB in the caller and 0.6 KB in the callee per call (`benchmarks/message_memory.py`),
+most of a worker's memory growth over many updates. A mailbox opens two ports, once: peers
+send their calls to its inbox as plain messages naming the caller's reply port, and it answers
+each through that port, so a call costs tens of bytes (docs/integration.md, "Memory over many
+updates").
+
+    caller's MeshControl                              peer's TransferAgent
+    ---------------------                             --------------------
+    box.send(inbox, call, args) -- (id, call, args, reply) -->  inbox: serve on the group's
+    pending[id] <------------------- (id, ok, value) ---------  threads, answer through reply
+
+Every port is sent through with ``return_undeliverable`` off: a message to a process that
+stopped is dropped. Monarch 0.7 returns an undeliverable message to the sending *actor* and
+fails it, so a dead peer would otherwise take the user's actor down. The caller's wait is
+bounded (`MeshControl._timeout`), as for every bounded peer call; calls that may take
+unbounded time (probing, setup) stay endpoint calls, whose failure Monarch reports.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import itertools
+import threading
+from concurrent.futures import Future, InvalidStateError
+
+from monarch.actor import ActorError, Channel
+
+from weightbridge.coordination.control import PeerCall
+from weightbridge.errors import describe
+from weightbridge.mesh import registry
+
+
+class Mailbox:
+    """The ports of one group's calls in this process: ``inbox`` (with ``serve``: calls from
+    peers, served here) and a reply port (answers to this process's calls).
+
+    Open it in the actor context that should own the ports (the process's `TransferAgent`,
+    or the controller's client): each port lives as long as that actor, and the threads
+    reading them run in its context. `close` ends both threads.
+    """
+
+    def __init__(self, group: str, *, serve: bool):
+        self.group = group
+        self.inbox = None
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._reply, replies = Channel.open()
+        self._ports = [self._reply]
+        _start(f"weightbridge-replies-{group}", self._read_replies, replies)
+        if serve:
+            self.inbox, requests = Channel.open()
+            self._ports.append(self.inbox)
+            _start(f"weightbridge-inbox-{group}", self._serve, requests)
+
+    # -- calling ------------------------------------------------------------------------------
+
+    def send(self, inbox, call: PeerCall, args: tuple) -> "Pending":
+        """Send ``call`` to the peer whose mailbox's inbox is ``inbox``; its answer arrives on
+        the returned `Pending` (forgotten here once it is done or given up on)."""
+        future: Future = Future()
+        with self._lock:
+            key = next(self._ids)
+            self._pending[key] = future
+        future.add_done_callback(lambda _: self._forget(key))
+        registry.calls["sent", call.value] += 1
+        try:
+            inbox.send((key, call, args, self._reply))
+        except BaseException:
+            future.cancel()
+            raise
+        return Pending(future, call)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _read_replies(self, replies) -> None:
+        while (message := replies.recv().get()) is not None:
+            key, ok, value = message
+            with self._lock:
+                future = self._pending.get(key)
+            if future is None:  # given up on (timed out): nothing waits for it
+                continue
+            try:
+                future.set_result(value) if ok else future.set_exception(value)
+            except InvalidStateError:  # cancelled meanwhile
+                pass
+
+    # -- serving --------------------------------------------------------------------------------
+
+    def _serve(self, requests) -> None:
+        while (message := requests.recv().get()) is not None:
+            key, call, args, reply = message
+            group = self.group
+            reply.return_undeliverable = False  # a caller that stopped: the answer is dropped
+            registry.calls["served", call.value] += 1
+            try:
+                # The call's thread runs in this one's context (Monarch's current actor).
+                context = contextvars.copy_context()
+                future = registry.submit(group, call, context.run, _serve_one, group, call,
+                                         args)
+            except Exception as e:  # noqa: BLE001  (the caller hears it as the call's error)
+                _answer(reply, key, call, False, e)
+                continue
+            future.add_done_callback(lambda f, r=reply, k=key, c=call: _answered(r, k, c, f))
+
+    def close(self) -> None:
+        """End the threads reading the ports; every call still waiting fails."""
+        for port in self._ports:
+            port.send(None)
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+        for future in pending:
+            future.cancel()
+
+
+class Pending:
+    """A call sent through a `Mailbox`: ``get`` as a Monarch future's."""
+
+    def __init__(self, future: Future, call: PeerCall):
+        self.future, self.call = future, call
+
+    @classmethod
+    def failed(cls, error: Exception, call: PeerCall) -> "Pending":
+        """A call that could not be sent: ``get`` raises ``error``."""
+        future: Future = Future()
+        future.set_exception(error)
+        return cls(future, call)
+
+    def get(self, timeout: float | None = None):
+        """The peer's answer; its error as a served call's (`ActorError`). On a timeout the
+        call is given up on (a late answer is dropped)."""
+        try:
+            return self.future.result(timeout)
+        except TimeoutError:
+            self.future.cancel()
+            raise
+
+
+def _start(name: str, target, *args) -> None:
+    context = contextvars.copy_context()  # Monarch's current actor: the ports' owner
+    threading.Thread(target=context.run, args=(target, *args), name=name, daemon=True).start()
+
+
+def _serve_one(group: str, call: PeerCall, args: tuple):
+    try:
+        return call.serve(registry.lookup(group), *args)
+    except Exception as e:  # noqa: BLE001  (the same error a call through the agent raises)
+        raise served_error(e, call) from e
+
+
+def served_error(error: Exception, call: PeerCall) -> ActorError:
+    """``error`` as the caller of an endpoint call sees a served call's error."""
+    return ActorError(error, f"Actor call TransferAgent.serve({call.value}) failed.")
+
+
+def _answered(reply, key: int, call: PeerCall, future: Future) -> None:
+    error = future.exception()
+    _answer(reply, key, call, error is None, future.result() if error is None else error)
+
+
+def _answer(reply, key: int, call: PeerCall, ok: bool, value) -> None:
+    if not ok and not isinstance(value, ActorError):
+        value = served_error(value, call)
+    try:
+        reply.send((key, ok, value))
+    except Exception as e:  # noqa: BLE001  (a result or error that does not pickle)
+        reply.send((key, False, served_error(RuntimeError(
+            f"the answer to {call.value} could not be sent back: {describe(e)}"), call)))
