@@ -7,7 +7,7 @@ import pytest
 
 from weightbridge.config import Mode
 from weightbridge.coordination.protocol import (EngineCoordinator, Relay, SenderStage, StagingSlots,
-                                                WorkerVersions)
+                                                TrainerVersions, WorkerVersions)
 
 # -- modes ---------------------------------------------------------------------------------------
 
@@ -227,3 +227,34 @@ def test_a_version_landed_before_a_replan_stays_claimable_and_one_landing_never_
     slots.replanned(first_slot=4)
     slots.complete(4)
     assert slots.claim(0) == (3, 2) and slots.claim(1) == (3, 2)
+
+
+# -- a trainer's live versions (sync, RS) --------------------------------------------------------
+
+def test_a_trainer_waits_for_its_version_and_hears_how_it_went():
+    tv = TrainerVersions()
+    tv.enter(1)
+    assert tv.waiting() == 1 and tv.outcome(1) is None
+    tv.transferred(1)
+    assert tv.outcome(1) == ("done", "") and tv.waiting() is None  # (not offered again)
+    tv.leave()
+    with pytest.raises(ValueError, match="after version 1: versions must increase"):
+        tv.enter(1)
+    tv.enter(3)
+    tv.failed(3, "transfer", "rollout 2 lost")
+    assert tv.outcome(3) == ("transfer", "rollout 2 lost") and tv.waiting() is None
+    tv.leave()
+    assert tv.outcome(3) is None and tv.done == 1  # failed: not done, and forgotten
+
+
+def test_a_failure_no_call_waits_for_is_not_kept():
+    # Staged modes: trainer 0 reports every failed transfer to every trainer, whose
+    # send_weights returned long ago. SenderAdapter kept each such report in a dict nothing
+    # read (one entry per failed update, for the life of the group).
+    tv = TrainerVersions()
+    for v in range(1, 1001):
+        tv.failed(v, "transfer", "lost")
+    assert tv._failure is None
+    tv.enter(1001)
+    tv.failed(1000, "transfer", "an older version's report, late")
+    assert tv.outcome(1001) is None and tv.waiting() == 1001

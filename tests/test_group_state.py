@@ -413,13 +413,13 @@ class SlowToLeave(SenderAdapter):
 
     def on_ready(self):
         answer = super().on_ready()
-        if self._sending == 1 and self._done >= 1:
+        if self.versions.sending == 1 and self.versions.done >= 1:
             self.asked.set()
         return answer
 
     def _await_rank0(self, predicate, what):
         super()._await_rank0(predicate, what)
-        if self._done == 1:
+        if self.versions.done == 1:
             self.asked.wait(30)
 
 

@@ -299,3 +299,65 @@ class SenderStage:
     def cancel(self) -> None:
         """The transfer did not start after all (another trainer staged a newer version)."""
         self.busy = False
+
+
+class TrainerVersions:
+    """One trainer's versions as trainer 0 moves them: the live half (sync, RS: the trainer
+    waits inside ``send_weights(v)`` while its parameters are read), as `SenderStage` is the
+    staged half (SS, async).
+
+    ``enter(v)`` when send_weights(v) starts waiting, ``leave()`` when it returns; trainer 0's
+    word arrives as ``transferred(v)`` or ``failed(v, kind, message)``; the waiting call reads
+    ``outcome(v)``. A failure is kept only while a call waits for that version (nothing else
+    reads it: in the staged modes trainer 0 raises it itself), so nothing grows per update.
+    """
+
+    def __init__(self):
+        self.done = 0
+        """Newest version whose transfer finished (any mode)."""
+        self.ready = 0
+        """Newest version send_weights waited with."""
+        self.sending: int | None = None
+        """The version send_weights waits with now (None: not inside it)."""
+        self._failure: tuple[int, str, str] | None = None
+        """(version, kind, message) trainer 0 reported for ``sending``."""
+
+    def enter(self, version: int) -> None:
+        """send_weights(``version``) starts waiting.
+
+        Raises:
+            ValueError: not newer than a version entered or transferred before.
+        """
+        newest = max(self.ready, self.done)
+        if version <= newest:
+            raise ValueError(f"send_weights(version={version}) after version {newest}: "
+                             f"versions must increase")
+        self.ready = self.sending = version
+        self._failure = None
+
+    def waiting(self) -> int | None:
+        """The version trainer 0 may run with this trainer (`PeerCall.READY`): None when not
+        inside send_weights, or still inside a call whose version already finished or failed
+        (trainer 0 may ask for the next one before the waiting thread ran again)."""
+        if self.sending is None or self.sending <= self.done or self._failure is not None:
+            return None
+        return self.sending
+
+    def transferred(self, version: int) -> None:
+        self.done = max(self.done, version)
+
+    def failed(self, version: int, kind: str, message: str) -> None:
+        """Trainer 0 could not move ``version``: ``kind`` names the error class
+        (`weightbridge.errors.KINDS`). Dropped unless a call waits for ``version``."""
+        if version == self.sending:
+            self._failure = (version, kind, message)
+
+    def outcome(self, version: int) -> tuple[str, str] | None:
+        """None while ``version`` is open; ("done", "") once transferred; (kind, message)
+        once failed."""
+        if self._failure is not None and self._failure[0] == version:
+            return self._failure[1:]
+        return ("done", "") if self.done >= version else None
+
+    def leave(self) -> None:
+        self.sending, self._failure = None, None

@@ -12,7 +12,7 @@ import threading
 from weightbridge.config import WAIT_TIMEOUTS, TransferConfig
 from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
-from weightbridge.coordination.protocol import SenderStage, check_version
+from weightbridge.coordination.protocol import SenderStage, TrainerVersions, check_version
 from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
 from weightbridge.coordination.sender_delta import TrainerDelta
 from weightbridge.coordination.sender_membership import TrainerMembership, call_name
@@ -42,20 +42,18 @@ class SenderAdapter(AdapterWorker):
         """This trainer's side of delta updates (``changed=``)."""
         self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
         """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
-        self._ready = 0  # non-SS: the newest version send_weights was called with
-        self._sending: int | None = None  # non-SS: the version send_weights is waiting on now
+        self.versions = TrainerVersions()
+        """This trainer's versions as trainer 0 moves them (the live half; ``stage``: the
+        staged half)."""
         self._calling: int | None = None  # the version of the send_weights call running now
-        self._done = 0  # newest version whose transfer finished
         self._connected = threading.Event()
         self._connect_error: str | None = None
         self._planning = False  # rank 0, inside connect's probe and plan
         # Used on trainer 0 only: the group's sequencing and state.
-        self.rank0 = GroupSequencer(self.worker, control, config, done=lambda: self._done,
-                                    pending=self.on_pending)
+        self.rank0 = GroupSequencer(self.worker, control, config,
+                                    done=lambda: self.versions.done, pending=self.on_pending)
         self._broken: str | None = None
         """Why this trainer can send no more (trainer 0 lost; trainer 0: `rank0.broken`)."""
-        # Any rank: version -> the failure rank 0 reported for it (send_weights raises it).
-        self._failures: dict[int, tuple[str, str]] = {}
         self.membership = TrainerMembership(self.cond, config.timeout_s)
 
     # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
@@ -173,26 +171,23 @@ class SenderAdapter(AdapterWorker):
             self.rank0.raise_background_error()
             return
         with self.cond:
-            if version <= max(self._ready, self._done):
-                raise ValueError(f"send_weights(version={version}) after version "
-                                 f"{max(self._ready, self._done)}: versions must increase")
+            self.versions.enter(version)
             self.changes.begin(version, checked, self.source_map)
-            self._ready = self._sending = version
             self._log(("ready", version))
             self.cond.notify_all()
         try:
             if self.worker.index == 0:
                 self.rank0.run(version)
             # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
-            self._await_rank0(lambda: self._done >= version or version in self._failures,
+            self._await_rank0(lambda: self.versions.outcome(version) is not None,
                               f"the transfer of version {version} did not finish")
             with self.cond:
-                if version in self._failures:
-                    kind, message = self._failures.pop(version)
+                kind, message = self.versions.outcome(version)
+                if kind != "done":
                     raise from_kind(kind, message)
         finally:
             with self.cond:
-                self._sending = None
+                self.versions.leave()
         self._log(("resume", version))
 
     def _await_rank0(self, predicate, what: str) -> None:
@@ -271,7 +266,7 @@ class SenderAdapter(AdapterWorker):
 
     def _join(self, group) -> None:
         self.leader.join()
-        self.leader.joined_at = self._done  # (delta updates: the new engines hold nothing)
+        self.leader.joined_at = self.versions.done  # (delta updates: the new engines hold nothing)
 
     def _leave(self, engine: int) -> None:
         self.leader.leave(engine)
@@ -335,10 +330,7 @@ class SenderAdapter(AdapterWorker):
         only still leaving a call whose version trainer 0 already finished or failed: trainer
         0 may ask for the next version before this thread ran again)."""
         with self.cond:
-            sending = self._sending
-            if sending is None or sending <= self._done or sending in self._failures:
-                return None
-            return sending
+            return self.versions.waiting()
 
     def on_pending(self) -> int | None:
         with self.cond:
@@ -366,14 +358,14 @@ class SenderAdapter(AdapterWorker):
         """Rank 0 could not move ``version``: send_weights raises what ``kind`` names in
         `weightbridge.errors.KINDS` (`TransferFailed` for a lost rollout worker)."""
         with self.cond:
-            self._failures[version] = (kind, message)
+            self.versions.failed(version, kind, message)
             self.cond.notify_all()
 
     def on_transferred(self, version: int) -> None:
         if not self.config.sender_staging:
             self._log(("released", version))
         with self.cond:
-            self._done = max(self._done, version)
+            self.versions.transferred(version)
             self.cond.notify_all()
 
     def on_delta(self):
