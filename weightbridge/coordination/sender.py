@@ -55,6 +55,12 @@ class SenderAdapter(AdapterWorker):
         self._broken: str | None = None
         """Why this trainer can send no more (trainer 0 lost; trainer 0: `rank0.broken`)."""
         self.membership = TrainerMembership(self.cond, config.timeout_s)
+        # The mode, chosen once: where send_weights takes the version from and who releases
+        # the parameters (SS, async: the staged copy, released once copied; sync, RS: the live
+        # parameters, released when trainer 0 says the transfer finished).
+        self._send, self._digest, self._release = (
+            (self._send_staged, self._staged_digest_of, _nothing) if config.sender_staging else
+            (self._send_live, super().on_digest, lambda v: self._log(("released", v))))
 
     # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
 
@@ -162,14 +168,18 @@ class SenderAdapter(AdapterWorker):
         broken = self._broken or self.rank0.broken
         if broken is not None:
             raise TransferFailed(broken)
-        checked = self.changes.check(changed)
-        if self.config.sender_staging:
-            self._stage(version)
-            if self.worker.index == 0:
-                self.rank0.kick()
-            self._log(("resume", version))
-            self.rank0.raise_background_error()
-            return
+        self._send(version, self.changes.check(changed))
+
+    def _send_staged(self, version: int, checked) -> None:
+        """SS, async: copy into the staging buffer and return; trainer 0's drain sends it."""
+        self._stage(version)
+        if self.worker.index == 0:
+            self.rank0.kick()
+        self._log(("resume", version))
+        self.rank0.raise_background_error()
+
+    def _send_live(self, version: int, checked) -> None:
+        """Sync, RS: wait inside until trainer 0 moved ``version`` out of the parameters."""
         with self.cond:
             self.versions.enter(version)
             self.changes.begin(version, checked, self.source_map)
@@ -319,8 +329,9 @@ class SenderAdapter(AdapterWorker):
         self._connected.set()
 
     def on_digest(self, version: int) -> tuple[int, ...]:
-        if not self.config.sender_staging:
-            return super().on_digest(version)
+        return self._digest(version)
+
+    def _staged_digest_of(self, version: int) -> tuple[int, ...]:
         staged, digest = self._staged_digest
         assert staged == version, (staged, version)  # pinned by STAGE_START before the update
         return digest
@@ -362,8 +373,7 @@ class SenderAdapter(AdapterWorker):
             self.cond.notify_all()
 
     def on_transferred(self, version: int) -> None:
-        if not self.config.sender_staging:
-            self._log(("released", version))
+        self._release(version)
         with self.cond:
             self.versions.transferred(version)
             self.cond.notify_all()
@@ -393,3 +403,7 @@ class SenderAdapter(AdapterWorker):
 
     def on_status(self, engine: int) -> str | None:
         return self.rank0.on_status(engine)
+
+
+def _nothing(version: int) -> None:
+    """SS, async: the parameters were released when they were staged."""
