@@ -4,8 +4,11 @@ it releases rollouts waiting for a version.
 A trainer and a TP1 engine (`meshes.adapter_actors`); the handle from before `add_engines` and
 the grown one are closed in either order, twice; a rollout blocked in ``wait_for_version``
 when the group closes returns with `TransferFailed` saying so (long before its own
-3 x ``timeout_s``). Everything spawned is stopped, even on failure.
+3 x ``timeout_s``), and so do trainers waiting inside ``send_weights``. Everything spawned is
+stopped, even on failure.
 """
+
+import time
 
 import pytest
 from monarch.actor import this_host
@@ -71,5 +74,35 @@ def test_close_releases_a_rollout_waiting_for_a_version(rs):
             with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
                 waiting.get(timeout=WAIT_S)
             assert "TransferFailed" in str(e.value), e.value
+        finally:
+            close_group(group, *actors)
+
+
+def test_close_releases_trainers_waiting_in_send_weights():
+    # Sync, and no rollout polls: trainer 0 waits in send_weights(1) for the rollouts, trainer 1
+    # for trainer 0. Before, close() released rollouts only, and the trainers waited out
+    # their own timeout_s (and then the wait for a lost trainer 0).
+    config = TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)
+    with proc_pair(2, 1) as (tprocs, rprocs):
+        group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
+        actors = []
+        try:
+            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", 2)
+            actors.append(trainers)
+            rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
+            actors.append(rollouts)
+            trainers.setup.call(group).get(timeout=120)
+            rollouts.setup.call(group).get(timeout=120)
+            trainers.connect.call().get(timeout=120)
+            sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
+            time.sleep(2.0)  # (both inside send_weights by now; if not, they raise the same)
+            started = time.monotonic()
+            group.close()
+            for call in sending:
+                with pytest.raises(Exception, match=f"transfer group {group.name} was "
+                                                    f"closed") as e:
+                    call.get(timeout=WAIT_S)
+                assert "TransferFailed" in str(e.value), e.value
+            assert time.monotonic() - started < WAIT_S / 2
         finally:
             close_group(group, *actors)

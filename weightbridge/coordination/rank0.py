@@ -76,7 +76,18 @@ class GroupSequencer:
         return self.leader.live_trainers()
 
     def poll_until(self, predicate, what, *, deadline: bool = True) -> None:
-        poll_until(self, self.cond, predicate, what, deadline=deadline)
+        """Wait for ``predicate``; `TransferFailed` once the group can send no more (`end`)."""
+        poll_until(self, self.cond, lambda: self.broken is not None or predicate(), what,
+                   deadline=deadline)
+        if self.broken is not None:
+            raise TransferFailed(self.broken)
+
+    def end(self, why: str) -> None:
+        """The group was closed (`TransferGroup.close`): every wait here ends, raising
+        `TransferFailed` saying ``why``, and no transfer starts again."""
+        with self.cond:
+            self.broken = self.broken or why
+            self.cond.notify_all()
 
     def call_one(self, peer: WorkerId, call: PeerCall, *args):
         return self.control.call([peer], call, *args)[0]

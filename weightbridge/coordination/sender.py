@@ -189,9 +189,12 @@ class SenderAdapter(AdapterWorker):
             if self.worker.index == 0:
                 self.rank0.run(version)
             # Rank 0 needs up to timeout_s to find a lost rollout, then re-plans and re-sends.
-            self._await_rank0(lambda: self.versions.outcome(version) is not None,
+            self._await_rank0(lambda: (self.versions.outcome(version) is not None
+                                       or self._broken is not None),
                               f"the transfer of version {version} did not finish")
             with self.cond:
+                if self._broken is not None and self.versions.outcome(version) is None:
+                    raise TransferFailed(f"{self.worker}: {self._broken}")
                 kind, message = self.versions.outcome(version)
                 if kind != "done":
                     raise from_kind(kind, message)
@@ -371,6 +374,15 @@ class SenderAdapter(AdapterWorker):
         with self.cond:
             self.versions.failed(version, kind, message)
             self.cond.notify_all()
+
+    def on_fail(self, message: str) -> None:
+        """The group was closed (`TransferGroup.close` releases every worker with this): a
+        send_weights waiting here, trainer 0's sequencing, and every later call raise
+        `TransferFailed` saying ``message``."""
+        with self.cond:
+            self._broken = self._broken or message
+            self.cond.notify_all()
+        self.rank0.end(message)
 
     def on_transferred(self, version: int) -> None:
         self._release(version)

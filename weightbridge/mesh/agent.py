@@ -58,9 +58,9 @@ class TransferAgent(Actor):
     @endpoint
     def release(self, group: str, closed: str | None = None) -> None:
         """Forget this proc's worker of ``group``, deregister its RDMA buffers and end this
-        agent's threads. With ``closed`` (why), a rollout worker is failed first: its wait in
-        ``poll_requests`` / ``wait_for_version`` ends, and every later poll raises
-        `TransferFailed` saying ``closed``."""
+        agent's threads. With ``closed`` (why), the worker is failed first: a rollout's wait
+        in ``poll_requests`` / ``wait_for_version`` or a trainer's in ``send_weights`` ends,
+        and every later call raises `TransferFailed` saying ``closed``."""
         worker = registry.take(group)
         on_fail = getattr(worker, "on_fail", None)
         if closed is not None and on_fail is not None:

@@ -154,8 +154,9 @@ class TransferGroup:
         stay. Safe on any handle of the group (from before or after `add_engines`), any
         number of times: the first call closes, later ones return.
 
-        Rollouts waiting in ``poll_requests`` or ``wait_for_version`` return at once: their
-        call, and every later one, raises `TransferFailed` saying the group was closed.
+        Rollouts waiting in ``poll_requests`` or ``wait_for_version``, and trainers waiting
+        in ``send_weights``, return at once: their call, and every later one, raises
+        `TransferFailed` saying the group was closed.
 
         Raises:
             Exception: an agent mesh that did not release or stop (its proc died); every
