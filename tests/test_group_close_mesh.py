@@ -9,6 +9,7 @@ stopped, even on failure.
 """
 
 import time
+from contextlib import contextmanager
 
 import pytest
 from monarch.actor import this_host
@@ -55,54 +56,49 @@ def test_close_is_idempotent_on_every_handle():
         joining.stop().get(timeout=60)
 
 
-@pytest.mark.parametrize("rs", [False, True], ids=["sync", "rs"])
-def test_close_releases_a_rollout_waiting_for_a_version(rs):
-    config = TransferConfig(timeout_s=WAIT_S, receiver_staging=rs, round_bytes=64 << 10)
-    with proc_pair(1, 1) as (tprocs, rprocs):
+@contextmanager
+def _connected(num_trainers: int, config: TransferConfig):
+    """(group, trainers, rollouts): ``num_trainers`` TP trainers and one TP1 engine,
+    connected; the group and the actors are closed on exit, also on failure."""
+    with proc_pair(num_trainers, 1) as (tprocs, rprocs):
         group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
         actors = []
         try:
-            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", 1)
+            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", num_trainers)
             actors.append(trainers)
             rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
             actors.append(rollouts)
             trainers.setup.call(group).get(timeout=120)
             rollouts.setup.call(group).get(timeout=120)
             trainers.connect.call().get(timeout=120)
-            waiting = rollouts.wait_version.call(1, {1: None})  # nothing will send version 1
-            group.close()
-            with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
-                waiting.get(timeout=WAIT_S)
-            assert "TransferFailed" in str(e.value), e.value
+            yield group, trainers, rollouts
         finally:
             close_group(group, *actors)
+
+
+@pytest.mark.parametrize("rs", [False, True], ids=["sync", "rs"])
+def test_close_releases_a_rollout_waiting_for_a_version(rs):
+    config = TransferConfig(timeout_s=WAIT_S, receiver_staging=rs, round_bytes=64 << 10)
+    with _connected(1, config) as (group, _, rollouts):
+        waiting = rollouts.wait_version.call(1, {1: None})  # nothing will send version 1
+        group.close()
+        with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
+            waiting.get(timeout=WAIT_S)
+        assert "TransferFailed" in str(e.value), e.value
 
 
 def test_close_releases_trainers_waiting_in_send_weights():
     # Sync, and no rollout polls: trainer 0 waits in send_weights(1) for the rollouts, trainer 1
     # for trainer 0. Before, close() released rollouts only, and the trainers waited out
     # their own timeout_s (and then the wait for a lost trainer 0).
-    config = TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)
-    with proc_pair(2, 1) as (tprocs, rprocs):
-        group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
-        actors = []
-        try:
-            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", 2)
-            actors.append(trainers)
-            rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
-            actors.append(rollouts)
-            trainers.setup.call(group).get(timeout=120)
-            rollouts.setup.call(group).get(timeout=120)
-            trainers.connect.call().get(timeout=120)
-            sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
-            time.sleep(2.0)  # (both inside send_weights by now; if not, they raise the same)
-            started = time.monotonic()
-            group.close()
-            for call in sending:
-                with pytest.raises(Exception, match=f"transfer group {group.name} was "
-                                                    f"closed") as e:
-                    call.get(timeout=WAIT_S)
-                assert "TransferFailed" in str(e.value), e.value
-            assert time.monotonic() - started < WAIT_S / 2
-        finally:
-            close_group(group, *actors)
+    with _connected(2, TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)) as (
+            group, trainers, _):
+        sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
+        time.sleep(2.0)  # (both inside send_weights by now; if not, they raise the same)
+        started = time.monotonic()
+        group.close()
+        for call in sending:
+            with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
+                call.get(timeout=WAIT_S)
+            assert "TransferFailed" in str(e.value), e.value
+        assert time.monotonic() - started < WAIT_S / 2
