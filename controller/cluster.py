@@ -95,6 +95,14 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return done
 
 
+def link_burst_bytes(bytes_per_s: float) -> int:
+    """The token bucket of a link shaped to ``bytes_per_s``: about 5 ms of traffic, at least
+    64 KB; small enough that bursts do not beat the rate, large enough for the kernel's timer
+    resolution. A link that idled sends this much unshaped (the simulator models it:
+    `Cluster.link_burst_bytes`)."""
+    return max(64 << 10, int(bytes_per_s * 0.005))
+
+
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be made here (not root, no iproute2, no CAP_NET_ADMIN), or None."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -248,9 +256,7 @@ class EmulatedCluster:
                "u32", "match", "u16", value, mask, "at", "2", "flowid", "10:1")
 
     def _tbf(self) -> list[str]:
-        # The bucket holds ~5 ms of traffic (at least 64 KB): small enough that bursts do not
-        # beat the rate, large enough for the kernel's timer resolution.
-        burst = max(64 << 10, int(self.link_bytes_per_s * 0.005))
+        burst = link_burst_bytes(self.link_bytes_per_s)
         return ["tbf", "rate", f"{self.link_mbit:g}mbit", "burst", str(burst),
                 "latency", f"{QUEUE_S * 1000:g}ms"]
 

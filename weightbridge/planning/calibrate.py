@@ -70,6 +70,8 @@ class Run:
     """Per update: the measured EWTT."""
     load: str
     """``uptime`` when the point ran (the machine is shared)."""
+    link_burst: float = 0.0
+    """Bytes every host link sends unshaped after idling (its token bucket; 0: none)."""
 
     @property
     def measured_s(self) -> float:
@@ -83,12 +85,15 @@ class Run:
 
 def point_cluster(run: Run) -> Cluster:
     """The emulated cluster of ``run``: every host one link of ``link_rate`` each direction,
-    shared by its procs, any of which may use all of it; loopback inside a host unshaped."""
+    shared by its procs, any of which may use all of it, with the run's token bucket; loopback
+    inside a host unshaped."""
     plan = run.plan
     places = list(plan.trainers) + list(plan.rollouts)
     per_node = max(sum(1 for p in places if p.node == n) for n in {p.node for p in places})
     return Cluster(gpus_per_node=per_node, inter_node_bandwidth=run.link_rate,
-                   intra_node_bandwidth=1e12, nic_bandwidth=run.link_rate)
+                   intra_node_bandwidth=1e12, nic_bandwidth=run.link_rate,
+                   # runs pickled before the field have no bucket recorded
+                   link_burst_bytes=getattr(run, "link_burst", 0.0))
 
 
 def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0) -> Overheads:

@@ -55,12 +55,18 @@ class Cluster:
     """Bytes per second one GPU's own NIC sends (and receives); None: its share of the node,
     ``inter_node_bandwidth / gpus_per_node``. An emulated host whose procs share one link:
     the link's rate (any proc may use all of it)."""
+    link_burst_bytes: float = 0.0
+    """Bytes a node's link (and a GPU's NIC) may send unshaped after idling: a token bucket,
+    as `tc tbf` shapes the emulated cluster's links (`controller.cluster.link_burst_bytes`);
+    0: none, the link's rate from the first byte (a real link). The calibrated model only."""
 
     def __post_init__(self) -> None:
         if (self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0
                 or self.intra_node_bandwidth <= 0
-                or (self.nic_bandwidth is not None and self.nic_bandwidth <= 0)):
-            raise ValueError(f"{self} needs gpus_per_node >= 1 and positive bandwidths")
+                or (self.nic_bandwidth is not None and self.nic_bandwidth <= 0)
+                or not self.link_burst_bytes >= 0):
+            raise ValueError(f"{self} needs gpus_per_node >= 1, positive bandwidths and "
+                             f"link_burst_bytes >= 0")
 
     @property
     def gpu_nic_bandwidth(self) -> float:

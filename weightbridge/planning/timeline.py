@@ -20,7 +20,9 @@ per worker after the last one left (the controller hears them one after another)
 Links are shared max-min fairly (TCP-like) by the writes in flight: each worker's NIC
 (`Cluster.gpu_nic_bandwidth`) and each node's link (`Cluster.inter_node_bandwidth`), both
 scaled by `Overheads.link_efficiency`, one direction each; INTERNAL writes use NVLink
-(`Cluster.intra_node_bandwidth` per worker, each direction). EWTT runs from the first pack to
+(`Cluster.intra_node_bandwidth` per worker, each direction). A shaped link with a token
+bucket (`Cluster.link_burst_bytes`, the emulated cluster's `tc tbf`) sends that many bytes
+unshaped after idling (`weightbridge.planning.fluid`). EWTT runs from the first pack to
 the last assemble (or write), as `controller.timing` measures it.
 
 Typical usage::
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from weightbridge.planning.fluid import FluidNetwork
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
 from weightbridge.types import QUANT_DTYPE, dtype_itemsize
 
@@ -94,70 +97,6 @@ def timeline_ewtt(plan, cluster, overheads: Overheads, depth: int) -> float:
     return _Update(plan, cluster, overheads, depth).run()
 
 
-class _Network:
-    """Flows over capacity-limited resources, rates max-min fair, recomputed on every change."""
-
-    def __init__(self, capacity: np.ndarray, penalized: np.ndarray, penalty: float):
-        self.capacity = capacity.astype(np.float64)
-        self.penalized, self.penalty = penalized, penalty
-        self.flows: dict[int, list] = {}  # id -> [resources, remaining bytes, on_done]
-        self.rate: dict[int, float] = {}
-        self.next_id = 0
-
-    def add(self, resources: tuple[int, ...], nbytes: float, on_done) -> None:
-        self.flows[self.next_id] = [resources, float(nbytes), on_done]
-        self.next_id += 1
-        self._rates()
-
-    def next_finish(self) -> float:
-        """Seconds until the next flow finishes at current rates (inf: none in flight)."""
-        return min((f[1] / self.rate[i] for i, f in self.flows.items()), default=math.inf)
-
-    def advance(self, dt: float) -> list:
-        """Move every flow ``dt`` seconds on; the callbacks of the flows that finished."""
-        done = []
-        for i, f in list(self.flows.items()):
-            f[1] -= self.rate[i] * dt
-            if f[1] <= 1e-6 * max(1.0, self.rate[i] * 1e-9):
-                done.append(f[2])
-                del self.flows[i]
-        if done:
-            self._rates()
-        return done
-
-    def _rates(self) -> None:
-        """Progressive filling: raise every unfrozen flow's rate until a resource saturates."""
-        ids = list(self.flows)
-        if not ids:
-            self.rate = {}
-            return
-        # Every flow lists 4 resources; shorter lists are padded with the last, unlimited one.
-        res = np.array([self.flows[i][0] for i in ids], dtype=np.int64)
-        left = self.capacity.copy()
-        if self.penalty:
-            count = np.bincount(res.ravel(), minlength=len(left))
-            left /= 1 + self.penalty * np.maximum(count - 1, 0) * self.penalized
-        capacity = left.copy()
-        rate = np.zeros(len(ids))
-        live = np.ones(len(ids), dtype=bool)
-        level = 0.0
-        while live.any():
-            count = np.bincount(res[live].ravel(), minlength=len(left))
-            used = count > 0
-            share = np.full(len(left), math.inf)
-            share[used] = left[used] / count[used]
-            step = share.min()
-            if not math.isfinite(step):  # only the unlimited resource left (not reached)
-                break
-            level += step
-            left[used] -= step * count[used]
-            full = used & (left <= 1e-9 * capacity)
-            hit = live & full[res].any(1)
-            rate[hit] = level
-            live &= ~hit
-        self.rate = dict(zip(ids, rate.tolist()))
-
-
 class _Update:
     """The sequencer of one update as callbacks on a clock (see the module doc). Every
     callback runs at its own time (``self.now``)."""
@@ -170,13 +109,15 @@ class _Update:
         nodes = {n: k for k, n in enumerate(dict.fromkeys(p.node for p in places))}
         self.node = [nodes[p.node] for p in places]
         self.N = len(nodes)
-        # resources: [worker NIC out, worker NIC in, node out, node in, NVLink out, NVLink in]
+        # resources: [worker NIC out, worker NIC in, node out, node in, NVLink out, NVLink in,
+        # unlimited]; the RDMA ones (the first 2W + 2N) pay the flow penalty and may burst
         rdma = oh.link_efficiency
-        self.net = _Network(np.concatenate([
+        shaped = np.arange(4 * self.W + 2 * self.N + 1) < 2 * self.W + 2 * self.N
+        self.net = FluidNetwork(np.concatenate([
             np.full(2 * self.W, cluster.gpu_nic_bandwidth * rdma),
             np.full(2 * self.N, cluster.inter_node_bandwidth * rdma),
             np.full(2 * self.W, cluster.intra_node_bandwidth), [math.inf]]),
-            np.arange(4 * self.W + 2 * self.N + 1) < 2 * self.W + 2 * self.N, oh.flow_penalty)
+            shaped, oh.flow_penalty, burst=shaped * float(cluster.link_burst_bytes))
         self.unlimited = 4 * self.W + 2 * self.N
         self.steps = _steps(plan)
         self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
@@ -199,7 +140,7 @@ class _Update:
     def run(self) -> float:
         self.maybe_send(0)
         while self.heap or self.net.flows:
-            t_net = self.now + self.net.next_finish()
+            t_net = self.now + self.net.next_event()
             if self.heap and self.heap[0][0] <= t_net:
                 t, _, fn = heapq.heappop(self.heap)
                 done = self.net.advance(t - self.now)
