@@ -27,6 +27,10 @@ measured apart by `benchmarks/control_scaling.py`; the rest fitted as before). T
 are modelled with the token bucket the run recorded (`Run.link_burst`); ``--no-burst``
 models them without it.
 
+``--hops RUN`` prints every point's median gap between steps (``--rounds LABEL R...``: those
+rounds' spans); ``--stages RUN`` every point's write stages against their bytes at the link's
+rate, and how far apart a step's workers start.
+
 Measured EWTT of a point: the median over its updates after the first (the first warms caches).
 """
 
@@ -237,6 +241,38 @@ def hops(runs: list[Run]) -> None:
     print(f"correlation {statistics.correlation(xs, ys):+.2f}")
 
 
+def stages(runs: list[Run]) -> None:
+    """Per point, medians over rounds and updates: how long a write stage (receive, external)
+    lasts from its first worker's start to its last one's end, against its busiest worker's
+    bytes at the link's rate; and how far apart the workers of a step start."""
+    from weightbridge.planning.calibrate import WRITE_STAGES, _numbered
+    from weightbridge.planning.timeline import _steps
+
+    for run in runs:
+        steps, T = _steps(run.plan), len(run.plan.trainers)
+        took: dict[str, list] = {"receive": [], "external": []}
+        ratio: dict[str, list] = {"receive": [], "external": []}
+        spread = []
+        for spans in run.updates():
+            by_step: dict[tuple, list] = {}
+            for w, ss in _numbered(spans, T).items():
+                for stage, r, a, b in ss:
+                    by_step.setdefault((stage, r), []).append((w, a, b))
+            for (stage, r), ws in by_step.items():
+                if len(ws) > 1 and stage in ("external", "assemble"):
+                    spread.append(max(a for _, a, _ in ws) - min(a for _, a, _ in ws))
+                if stage in took:
+                    wire = max(sum(n for _, _, n in steps[(w, r, WRITE_STAGES[stage])][1])
+                               for w, _, _ in ws) / run.link_rate
+                    took[stage].append(max(b for *_, b in ws) - min(a for _, a, _ in ws))
+                    ratio[stage].append(took[stage][-1] / wire)
+        cols = "  ".join(f"{st} {1e3 * statistics.median(took[st]):6.1f} ms = "
+                         f"{statistics.median(ratio[st]):4.1f}x its bytes"
+                         for st in took if took[st])
+        start = f"  starts {1e3 * statistics.median(spread):5.1f} ms apart" if spread else ""
+        print(f"{run.label:<22} {cols}{start}")
+
+
 def show_rounds(runs: list[Run], label: str, rounds) -> None:
     """Every span of ``rounds`` of the second update of point ``label``, ms from its start."""
     from weightbridge.planning.calibrate import _numbered
@@ -264,6 +300,9 @@ def main() -> int:
     parser.add_argument("--hops", help="a pickled run: print every point's median hop gap")
     parser.add_argument("--rounds", nargs="+", metavar=("LABEL", "ROUND"),
                         help="with --hops RUN: print these rounds' spans of point LABEL")
+    parser.add_argument("--stages", help="a pickled run: every point's write stages against "
+                        "their bytes at the link's rate, and how far apart a step's workers "
+                        "start")
     parser.add_argument("--fanout-s", type=float, default=0.0,
                         help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
     parser.add_argument("--no-burst", action="store_true",
@@ -279,6 +318,8 @@ def main() -> int:
         Path(args.collect).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
               f"{args.collect}  ({_load()})")
+    if args.stages:
+        stages(pickle.loads(Path(args.stages).read_bytes()))
     if args.hops and args.rounds:
         show_rounds(pickle.loads(Path(args.hops).read_bytes()), args.rounds[0],
                     {int(r) for r in args.rounds[1:]})
