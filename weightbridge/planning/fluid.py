@@ -1,10 +1,9 @@
 """Flows over capacity-limited resources, shared max-min fairly, for the update model.
 
 A flow is some bytes crossing a few resources (a worker's NIC out, the destination's NIC in,
-the two nodes' links, or NVLink out and in); every resource has a capacity in bytes/s, an
-unlimited one (inf) pads the shorter lists. The
-rates are recomputed by progressive filling whenever a flow starts or ends, or a token bucket
-runs dry.
+the two nodes' links, or NVLink out and in); every resource has a capacity in bytes/s, and an
+unlimited one (inf) pads the shorter lists. The rates are recomputed by progressive filling
+whenever a flow starts or ends, or a token bucket runs dry.
 
 A shaped link may hold a token bucket (``burst`` bytes), as `tc tbf` shapes the emulated
 cluster's links: after idling it sends up to ``burst`` bytes unshaped, then its rate. The
