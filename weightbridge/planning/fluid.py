@@ -38,6 +38,8 @@ class FluidNetwork:
         self.burst = (np.zeros(len(capacity)) if burst is None
                       else burst.astype(np.float64))
         self.tokens = self.burst.copy()
+        self.shaped = self.burst > 0
+        self.refill = np.where(self.shaped, self.capacity, 0.0)  # bytes/s into each bucket
         self.flows: dict[int, list] = {}  # id -> [resources, remaining bytes, on_done]
         self.rate: dict[int, float] = {}
         self.used = np.zeros(len(capacity))  # bytes/s through each resource
@@ -60,10 +62,10 @@ class FluidNetwork:
     def advance(self, dt: float) -> list:
         """Move every flow and bucket ``dt`` seconds on; the callbacks of the flows that
         finished."""
-        shaped = self.burst > 0
+        shaped = self.shaped
         if shaped.any():
             idle_or_bursting = shaped & ((self.used == 0) | (self.tokens > 0))
-            net_in = np.where(shaped, self.capacity, 0.0) - self.used
+            net_in = self.refill - self.used
             filled = self.tokens + net_in * dt
             # A bucket due to run dry within a picosecond of dt is dry now: the clock cannot
             # step by less than its own rounding, and an unshaped burst drains in nanoseconds.
