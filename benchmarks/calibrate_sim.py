@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cluster import attached, configs  # noqa: E402
-from weightbridge.planning.calibrate import Run, fit_overheads, point_cluster  # noqa: E402
+from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
+                                             point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "calibrate_sim"
@@ -39,7 +40,8 @@ OUT = Path(__file__).resolve().parents[1] / "out" / "calibrate_sim"
 
 def collect(args) -> list[Run]:
     """Every bench_cluster point, WeightBridge only: plan, link rate and every update's spans."""
-    from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason
+    from controller.cluster import (TRANSPORT_ENV, EmulatedCluster, link_burst_bytes,
+                                    unavailable_reason)
 
     reason = unavailable_reason()
     if reason:
@@ -69,7 +71,8 @@ def collect(args) -> list[Run]:
             runs.append(Run(label=f"{sweep}={x}", plan=plan, link_rate=rate, depth=args.depth,
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports),
-                            load=_uptime()))
+                            load=_uptime(), link_burst=link_burst_bytes(rate),
+                            cpus=os.cpu_count()))
             print(f"[{sweep}={x}] measured EWTT "
                   + " ".join(f"{r.timing.ewtt_s:.3f}s" for r in reports)
                   + f"  ({runs[-1].load})", flush=True)
@@ -95,7 +98,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=3)
     args = parser.parse_args()
     if args.source:
-        runs = pickle.loads(Path(args.source).read_bytes())
+        runs = load_runs(args.source)
     else:
         t0 = time.perf_counter()
         runs = collect(args)
@@ -103,7 +106,7 @@ def main() -> int:
         name = f"runs_procs{args.rollout_procs}.pkl"
         (OUT / name).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> {OUT / name}")
-    pool = pickle.loads(Path(args.fit_from).read_bytes()) if args.fit_from else runs
+    pool = load_runs(args.fit_from) if args.fit_from else runs
     fitted = [r for r in pool if r.label in args.fit]
     if not fitted:
         raise SystemExit(f"--fit {args.fit} names none of the points "

@@ -29,7 +29,6 @@ Prints one line per deployment and overhead set with the paper's measured ratio 
 from __future__ import annotations
 
 import argparse
-import pickle
 import sys
 import time
 from dataclasses import replace
@@ -72,9 +71,9 @@ def main() -> int:
         print(f"fanout_s fitted on ({dep.name}) to the paper's {PAPER_EWTT_OVER_IDEAL[dep.name]}x:"
               f" {x:.3g} s per worker", flush=True)
     if args.fitted:
-        from weightbridge.planning.calibrate import fit_overheads
+        from weightbridge.planning.calibrate import fit_overheads, load_runs
 
-        runs = pickle.loads(Path(args.fitted).read_bytes())
+        runs = load_runs(args.fitted)
         got = fit_overheads([r for r in runs if r.label in args.fit])
         sets["fitted"] = replace(H100, control_s=got.control_s, step_s=got.step_s,
                                  write_s=got.write_s, flow_penalty=got.flow_penalty)

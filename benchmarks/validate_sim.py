@@ -25,7 +25,10 @@ scaled by one factor fitted on the calibration points; and the same point's EWTT
 model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
 measured apart by `benchmarks/control_scaling.py`; the rest fitted as before). The links
 are modelled with the token bucket the run recorded (`Run.link_burst`); ``--no-burst``
-models them without it.
+models them without it. Every proc shares the cores the run recorded (`Run.cpus`, the one
+machine the emulated hosts run on); ``--shared-cpus N`` models N instead (0: each worker its
+own core, as before). The fit reads the controller's cost per message from how far apart a
+step's workers start (`Overheads.stagger_s`); ``--no-stagger`` fits none.
 
 ``--hops RUN`` prints every point's median gap between steps (``--rounds LABEL R...``: those
 rounds' spans); ``--stages RUN`` every point's write stages against their bytes at the link's
@@ -49,7 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cluster import attached  # noqa: E402
-from weightbridge.planning.calibrate import Run, fit_overheads, point_cluster  # noqa: E402
+from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
+                                             point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
 
 
@@ -146,7 +150,7 @@ def collect(points, updates: int) -> list[Run]:
             if bad:
                 raise SystemExit(f"[{p.label}] {bad[0].line()}")
             runs.append(Run(label=p.label, plan=plan, link_rate=rate, depth=p.depth,
-                            link_burst=link_burst_bytes(rate),
+                            link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports), load=_load()))
             print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
@@ -161,14 +165,14 @@ def _load() -> str:
 
 
 def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run], *,
-             fanout_s: float = 0.0) -> dict:
-    """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given), predict ``runs``; print the
-    table; the summary."""
+             fanout_s: float = 0.0, stagger: bool = True) -> dict:
+    """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given; ``stagger``: fit the
+    stagger), predict ``runs``; print the table; the summary."""
     fitted = [r for r in fit_runs if r.label in calibrate]
     if not fitted:
         raise SystemExit(f"--calibrate {list(calibrate)} names none of "
                          f"{[r.label for r in fit_runs]}")
-    overheads = fit_overheads(fitted, fanout_s=fanout_s)
+    overheads = fit_overheads(fitted, fanout_s=fanout_s, stagger=stagger)
     const = statistics.mean(r.measured_s for r in fitted)
     scale = statistics.mean(r.measured_s / simulate(r.plan, point_cluster(r)).ewtt
                             for r in fitted)
@@ -245,7 +249,7 @@ def stages(runs: list[Run]) -> None:
     """Per point, medians over rounds and updates: how long a write stage (receive, external)
     lasts from its first worker's start to its last one's end, against its busiest worker's
     bytes at the link's rate; and how far apart the workers of a step start."""
-    from weightbridge.planning.calibrate import WRITE_STAGES, _numbered
+    from weightbridge.planning.calibrate import WRITE_STAGES, _numbered, step_starts
     from weightbridge.planning.timeline import _steps
 
     for run in runs:
@@ -254,13 +258,12 @@ def stages(runs: list[Run]) -> None:
         ratio: dict[str, list] = {"receive": [], "external": []}
         spread = []
         for spans in run.updates():
+            spread += [v[-1][0] - v[0][0] for v in step_starts(spans, T).values() if len(v) > 1]
             by_step: dict[tuple, list] = {}
             for w, ss in _numbered(spans, T).items():
                 for stage, r, a, b in ss:
                     by_step.setdefault((stage, r), []).append((w, a, b))
             for (stage, r), ws in by_step.items():
-                if len(ws) > 1 and stage in ("external", "assemble"):
-                    spread.append(max(a for _, a, _ in ws) - min(a for _, a, _ in ws))
                 if stage in took:
                     wire = max(sum(n for _, _, n in steps[(w, r, WRITE_STAGES[stage])][1])
                                for w, _, _ in ws) / run.link_rate
@@ -305,6 +308,12 @@ def main() -> int:
                         "start")
     parser.add_argument("--fanout-s", type=float, default=0.0,
                         help="Overheads.fanout_s, measured by benchmarks/control_scaling.py")
+    parser.add_argument("--shared-cpus", type=int,
+                        help="model every proc on this many shared cores (0: each proc its "
+                             "own); default: what each run recorded (`Run.cpus`)")
+    parser.add_argument("--no-stagger", action="store_true",
+                        help="fit no cost per control message (Overheads.stagger_s 0: the "
+                             "model before it)")
     parser.add_argument("--no-burst", action="store_true",
                         help="model the links without their token bucket (as before it was "
                              "modelled): every byte at the link's rate")
@@ -319,19 +328,23 @@ def main() -> int:
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
               f"{args.collect}  ({_load()})")
     if args.stages:
-        stages(pickle.loads(Path(args.stages).read_bytes()))
+        stages(load_runs(args.stages))
     if args.hops and args.rounds:
-        show_rounds(pickle.loads(Path(args.hops).read_bytes()), args.rounds[0],
+        show_rounds(load_runs(args.hops), args.rounds[0],
                     {int(r) for r in args.rounds[1:]})
     elif args.hops:
-        hops(pickle.loads(Path(args.hops).read_bytes()))
+        hops(load_runs(args.hops))
     if args.fit_from and args.predict:
-        fit_runs = pickle.loads(Path(args.fit_from).read_bytes())
-        runs = pickle.loads(Path(args.predict).read_bytes())
+        fit_runs = load_runs(args.fit_from)
+        runs = load_runs(args.predict)
         if args.no_burst:
             fit_runs, runs = ([replace(r, link_burst=0.0) for r in rs] for rs in (fit_runs, runs))
+        if args.shared_cpus is not None:
+            fit_runs, runs = ([replace(r, cpus=args.shared_cpus) for r in rs]
+                              for rs in (fit_runs, runs))
         print(f"fit: {args.fit_from}; predict: {args.predict}")
-        validate(fit_runs, runs, args.calibrate, fit_runs, fanout_s=args.fanout_s)
+        validate(fit_runs, runs, args.calibrate, fit_runs, fanout_s=args.fanout_s,
+                 stagger=not args.no_stagger)
     return 0
 
 

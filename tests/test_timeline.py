@@ -1,13 +1,16 @@
 """The calibrated update model (timeline) and the fit of its overheads: pure, no Monarch."""
 
+import dataclasses
 import math
+import pickle
 
 import pytest
 
 from weightbridge import Cluster, Placement, SourceMap, plan_transfer
 from weightbridge.types import ParamSpec, Piece, Region
 from weightbridge import simulate
-from weightbridge.planning.calibrate import Run, _line, fit_overheads, point_cluster
+from weightbridge.planning.calibrate import (Run, _line, fit_overheads, load_runs,
+                                              point_cluster)
 from weightbridge.planning.timeline import Overheads
 
 LINK = Cluster(gpus_per_node=1, inter_node_bandwidth=1e6, intra_node_bandwidth=1e9)
@@ -57,6 +60,46 @@ def test_a_third_arena_hides_control_latency_behind_the_link():
              for d in (2, 3)}
     # every round's steps hold 6 messages (send, forward, land: out and back)
     assert 0 < costs[3] < costs[2] < plan.num_rounds * 6 * 0.005
+
+
+def test_workers_on_shared_cores_split_them():
+    """One round, 1 -> 4 rollouts on free links: the trainer issues 4 writes alone, then the
+    4 rollouts issue 3 forwards each at once; on shared cores those 12 writes' CPU is split."""
+    plan = _plan(1, 4, round_bytes=2 * MODEL)
+    assert plan.num_rounds == 1
+    costs = Overheads(write_s=0.01)
+
+    def ewtt(cpus: float) -> float:
+        free = Cluster(gpus_per_node=1, inter_node_bandwidth=1e12, intra_node_bandwidth=1e12,
+                       shared_cpus=cpus)
+        return simulate(plan, free, overheads=costs, depth=2).ewtt
+
+    own = ewtt(0)
+    assert own == pytest.approx(4 * 0.01 + 3 * 0.01, rel=1e-4)
+    assert ewtt(1) == pytest.approx(4 * 0.01 + 12 * 0.01, rel=1e-4)
+    assert ewtt(2) == pytest.approx(4 * 0.01 + 6 * 0.01, rel=1e-4)
+    assert ewtt(4) == pytest.approx(own, rel=1e-6)  # as many cores as busy workers
+    with pytest.raises(ValueError, match="shared_cpus >= 0"):
+        Cluster(gpus_per_node=1, inter_node_bandwidth=1, intra_node_bandwidth=1,
+                shared_cpus=-1)
+
+
+def test_the_controller_takes_its_share_of_the_cores():
+    """1 -> 1 in three rounds, a step cost on the workers and a send cost on the controller:
+    with as many shared cores as procs (trainer, rollout, controller) each runs at full speed;
+    with one core fewer the controller's sends slow the workers down, which they would not
+    if only the workers ran on the cores."""
+    plan = _plan(1, 1, round_bytes=MODEL // 2)
+    assert plan.num_rounds == 3
+
+    def ewtt(cpus: float) -> float:
+        free = Cluster(gpus_per_node=1, inter_node_bandwidth=1e12, intra_node_bandwidth=1e12,
+                       shared_cpus=cpus)
+        return simulate(plan, free, overheads=Overheads(stagger_s=0.01, step_s=0.02),
+                        depth=2).ewtt
+
+    assert ewtt(3) == pytest.approx(ewtt(100), rel=1e-9)
+    assert ewtt(2) > ewtt(3) + 0.005
 
 
 def test_overheads_and_depth_are_validated():
@@ -156,3 +199,60 @@ def test_fit_takes_fanout_out_of_the_control_latency():
               ewtt_s=(t + 2 * control,), load="")
     assert fit_overheads([run], fanout_s=fanout).control_s == pytest.approx(control, rel=0.01)
     assert fit_overheads([run]).control_s == pytest.approx(control + fanout, rel=0.01)
+
+
+def test_the_controller_sends_one_message_at_a_time():
+    """One round, 1 -> 4 rollouts on free links, no cost but the stagger: the controller's
+    9 messages (the trainer's send, 4 forwards, 4 lands) leave one after another, so the last
+    assemble starts 8 staggers after the first write; the land's messages wait for the
+    forward's even though its replies came in before."""
+    plan = _plan(1, 4, round_bytes=2 * MODEL)
+    assert plan.num_rounds == 1
+    free = Cluster(gpus_per_node=1, inter_node_bandwidth=1e12, intra_node_bandwidth=1e12)
+    est = simulate(plan, free, overheads=Overheads(stagger_s=0.01), depth=2)
+    assert est.ewtt == pytest.approx(8 * 0.01, abs=1e-6)
+    # with a control latency the queue drains while a step's replies travel: each step's
+    # last message leaves 3 staggers after its first; 4 hops from the first write on
+    est = simulate(plan, free, overheads=Overheads(stagger_s=0.01, control_s=0.1), depth=2)
+    assert est.ewtt == pytest.approx(2 * 3 * 0.01 + 4 * 0.1, abs=1e-6)
+
+
+def test_fit_reads_the_stagger_and_takes_it_out_of_the_control_latency():
+    """Spans of a 1 -> 3 transfer made by hand: the rollouts assemble each round two control
+    latencies after the trainer's writes landed, the k-th of them to start k staggers later
+    (in no fixed order). The fit reads both apart; without the stagger, the median rollout's
+    stagger is counted in the latency."""
+    plan = _plan(1, 3, round_bytes=MODEL // 4)
+    control, stagger, rate = 0.002, 0.001, 1e6
+    spans = {("trainer", 0): [], **{("rollout", j): [] for j in range(3)}}
+    t = 0.0
+    for r in range(plan.num_rounds):
+        end = t + int(plan.tables.send_bytes[0][r]) / rate
+        spans[("trainer", 0)] += [("pack", r, int(t * 1e9), int(t * 1e9)),
+                                  ("receive", r, int(t * 1e9), int(end * 1e9))]
+        for k, j in enumerate((2, 0, 1) if r % 2 else (1, 2, 0)):
+            start = int((end + 2 * control + k * stagger) * 1e9)
+            spans[("rollout", j)].append(("assemble", r, start, start))
+        t = end
+    run = Run(label="x", plan=plan, link_rate=rate, depth=100, spans=(spans,),
+              ewtt_s=(t + 2 * control + 2 * stagger,), load="")
+    got = fit_overheads([run])
+    assert got.stagger_s == pytest.approx(stagger, rel=0.01)
+    assert got.control_s == pytest.approx(control, rel=0.01)
+    assert fit_overheads([run], stagger=False).control_s == pytest.approx(
+        control + stagger / 2, rel=0.01)
+
+
+def test_runs_pickled_before_a_field_was_added_load_with_its_default(tmp_path, monkeypatch):
+    """A `Run` pickled without `cpus` (as before the field) loads with cpus 0, so its
+    cluster has no shared cores; one that recorded them keeps them."""
+    run = Run(label="x", plan=_plan(1, 1), link_rate=1e6, depth=2, spans=(), ewtt_s=(1.0,),
+              load="", cpus=2)
+    before = [f.name for f in dataclasses.fields(Run) if f.name != "cpus"]
+    monkeypatch.setattr(Run, "__getstate__", lambda self: [getattr(self, n) for n in before])
+    (tmp_path / "old.pkl").write_bytes(pickle.dumps([run]))  # as a Run without the field
+    monkeypatch.undo()
+    (tmp_path / "new.pkl").write_bytes(pickle.dumps([run]))
+    for name, cpus in (("old.pkl", 0), ("new.pkl", 2)):
+        (loaded,) = load_runs(tmp_path / name)
+        assert loaded.cpus == cpus and point_cluster(loaded).shared_cpus == cpus

@@ -10,9 +10,13 @@ is read off the spans it shows in, not tuned per point:
 - link efficiency: per host link and direction, the bytes of the writes crossing it over the
   union of those writes' spans, over the configured rate; the best link of all updates (a
   saturated one: elsewhere the spans include waits on other links);
+- stagger (the controller's cost per message: it sends one at a time): how far apart the
+  rollouts of one step (a forward, a land) start, over the rollouts less one (median over
+  steps);
 - control latency: median over rollouts and rounds of the gap between the last reply of a
   step and the start of the next step's span on a rollout (its forward after the trainers'
-  sends, its assemble after the forwards), less its checksum time: two messages and a step;
+  sends, its assemble after the forwards), less its checksum time and its stagger (the k-th
+  to start, k stagger): two messages and a step;
 - step cost: the gap between a trainer's writes landing and its next pack, where the next
   send was already waiting (median);
 - fanout (per worker a step waits for): not read off transfer spans, but given
@@ -30,8 +34,10 @@ Typical usage::
 from __future__ import annotations
 
 import math
+import pickle
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -72,6 +78,9 @@ class Run:
     """``uptime`` when the point ran (the machine is shared)."""
     link_burst: float = 0.0
     """Bytes every host link sends unshaped after idling (its token bucket; 0: none)."""
+    cpus: int = 0
+    """Cores of the machine the emulated cluster ran on, which all its procs share (0: not
+    recorded: each worker its own)."""
 
     @property
     def measured_s(self) -> float:
@@ -83,23 +92,31 @@ class Run:
         return self.spans[1:] or self.spans
 
 
+def load_runs(path) -> list[Run]:
+    """The `Run`s pickled at ``path``; a field added to `Run` since they were pickled takes
+    its default (a slotted dataclass unpickles without it)."""
+    runs = pickle.loads(Path(path).read_bytes())
+    return [Run(**{f.name: getattr(r, f.name, f.default) for f in fields(Run)}) for r in runs]
+
+
 def point_cluster(run: Run) -> Cluster:
     """The emulated cluster of ``run``: every host one link of ``link_rate`` each direction,
     shared by its procs, any of which may use all of it, with the run's token bucket; loopback
-    inside a host unshaped."""
+    inside a host unshaped; every proc on the cores of the one machine (`Run.cpus`)."""
     plan = run.plan
     places = list(plan.trainers) + list(plan.rollouts)
     per_node = max(sum(1 for p in places if p.node == n) for n in {p.node for p in places})
     return Cluster(gpus_per_node=per_node, inter_node_bandwidth=run.link_rate,
                    intra_node_bandwidth=1e12, nic_bandwidth=run.link_rate,
-                   # runs pickled before the field have no bucket recorded
-                   link_burst_bytes=getattr(run, "link_burst", 0.0))
+                   link_burst_bytes=run.link_burst, shared_cpus=run.cpus)
 
 
-def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0) -> Overheads:
+def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0,
+                  stagger: bool = True) -> Overheads:
     """Fit every `Overheads` field but ``fanout_s`` from the spans of ``runs`` (see the
     module doc); ``fanout_s`` (measured apart: `benchmarks/control_scaling.py`) is kept, and
-    taken out of the gaps the control latency is read from."""
+    taken out of the gaps the control latency is read from. ``stagger=False``: messages cost
+    the controller nothing (``stagger_s`` 0), as the model was before it had the cost."""
     if not runs:
         raise ValueError("fit_overheads needs at least one measured Run")
     copy_x, copy_y, sum_x, sum_y, efficiency = [], [], [], [], []
@@ -123,7 +140,8 @@ def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0) -> Overheads:
     _, sum_per_byte = _line(sum_x, sum_y)
     base = Overheads(copy_fixed_s=copy_fixed, copy_bandwidth=_rate(copy_per_byte),
                      checksum_bandwidth=_rate(sum_per_byte),
-                     link_efficiency=min(1.0, max(efficiency)), fanout_s=fanout_s)
+                     link_efficiency=min(1.0, max(efficiency)), fanout_s=fanout_s,
+                     stagger_s=_stagger(runs) if stagger else 0.0)
     two_hops = statistics.median(g for run in runs for g in _hop_gaps(run, base))
     step = statistics.median(_queued_gaps(runs, two_hops) or [0.0])
     base = replace(base, step_s=step, control_s=max(0.0, (two_hops - step) / 2))
@@ -183,15 +201,37 @@ def _union(intervals: list) -> float:
     return total
 
 
+def step_starts(spans: Mapping, num_trainers: int) -> dict[tuple[str, int], list]:
+    """(stage, round) -> sorted [(start, worker)] of the rollouts' forward ("external") and
+    assemble spans of one update: when each worker of a step began it."""
+    out: dict[tuple[str, int], list] = {}
+    for w, ss in _numbered(spans, num_trainers).items():
+        if w >= num_trainers:
+            for stage, r, start, _ in ss:
+                if stage in ("external", "assemble"):
+                    out.setdefault((stage, r), []).append((start, w))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _stagger(runs: Sequence[Run]) -> float:
+    """Median over the steps of more than one rollout: first to last start over workers - 1."""
+    per = [(v[-1][0] - v[0][0]) / (len(v) - 1) for run in runs for spans in run.updates()
+           for v in step_starts(spans, len(run.plan.trainers)).values() if len(v) > 1]
+    return statistics.median(per) if per else 0.0
+
+
 def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
-    """Reply-to-next-step gaps seen on rollouts, less their checksum time and the fanout of
-    the step before (its workers: the trainers before a forward, the rollouts before a land
-    after a forward): two messages and a step each."""
+    """Reply-to-next-step gaps seen on rollouts, less their checksum time, their stagger (the
+    k-th of a step to start: k stagger) and the fanout of the step before (its workers: the
+    trainers before a forward, the rollouts before a land after a forward): two messages and
+    a step each."""
     steps, T = _steps(run.plan), len(run.plan.trainers)
     R = len(run.plan.rollouts)
     out = []
     for spans in run.updates():
         by = _numbered(spans, T)
+        nth = {(key, w): k for key, v in step_starts(spans, T).items()
+               for k, (_, w) in enumerate(v)}
         ends: dict[tuple[int, str], float] = {}
         for w, ss in by.items():
             for stage, r, _, end in ss:
@@ -213,7 +253,7 @@ def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
                     continue
                 if before is not None:
                     out.append(start - before - nbytes / oh.checksum_bandwidth
-                               - oh.fanout_s * waited)
+                               - oh.fanout_s * waited - oh.stagger_s * nth[((stage, r), w)])
     return out
 
 

@@ -59,14 +59,18 @@ class Cluster:
     """Bytes a node's link (and a GPU's NIC) may send unshaped after idling: a token bucket,
     as `tc tbf` shapes the emulated cluster's links (`controller.cluster.link_burst_bytes`);
     0: none, the link's rate from the first byte (a real link). The calibrated model only."""
+    shared_cpus: float = 0.0
+    """CPU cores that every worker's steps and the controller's sends share: the emulated
+    cluster runs all its hosts' procs on one machine (`os.cpu_count()` there); 0: every proc
+    its own CPU (a real cluster). The calibrated model only (`weightbridge.planning.timeline`)."""
 
     def __post_init__(self) -> None:
         if (self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0
                 or self.intra_node_bandwidth <= 0
                 or (self.nic_bandwidth is not None and self.nic_bandwidth <= 0)
-                or not self.link_burst_bytes >= 0):
-            raise ValueError(f"{self} needs gpus_per_node >= 1, positive bandwidths and "
-                             f"link_burst_bytes >= 0")
+                or not self.link_burst_bytes >= 0 or not self.shared_cpus >= 0):
+            raise ValueError(f"{self} needs gpus_per_node >= 1, positive bandwidths, "
+                             f"link_burst_bytes >= 0 and shared_cpus >= 0")
 
     @property
     def gpu_nic_bandwidth(self) -> float:

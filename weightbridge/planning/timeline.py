@@ -14,8 +14,16 @@ what an update does (`weightbridge.coordination.sequencer`, `session.ControlStep
     land(r)    on every rollout: message, step cost, checksum what arrived, assemble (copy),
                reply
 
-A step waits for every worker taking part; it has all their answers ``Overheads.fanout_s``
-per worker after the last one left (the controller hears them one after another).
+The controller sends its messages one at a time, ``Overheads.stagger_s`` each, in the order it
+issues them across all steps (a trainer's send of round r+1 may queue behind the forward of
+round r); each arrives ``control_s`` after it left. A step waits for every worker taking part:
+it has all their answers ``Overheads.fanout_s`` per worker after the last one left (the
+controller hears them one after another).
+
+With `Cluster.shared_cpus` (the emulated cluster: every proc on one machine's cores) the
+workers' step costs, checksums, copies and write issues, and the controller's sends, share
+those cores fairly, each proc one core at most (one thread at a time: its GIL). Without it
+each of those costs is a plain delay.
 
 Links are shared max-min fairly (TCP-like) by the writes in flight: each worker's NIC
 (`Cluster.gpu_nic_bandwidth`) and each node's link (`Cluster.inter_node_bandwidth`), both
@@ -33,9 +41,11 @@ Typical usage::
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -75,10 +85,14 @@ class Overheads:
     """Cost per worker a step waits for: a step on n workers has all its answers
     ``fanout_s * n`` after the last one left its worker (the controller reaches and hears
     the workers one after another; `benchmarks/control_scaling.py` measures it)."""
+    stagger_s: float = 0.0
+    """How long the controller takes to send one message: it sends one at a time, in the
+    order it issues them across all steps, so the k-th message queued behind others leaves
+    ``k * stagger_s`` after the first (measured as the spread of a step's start times)."""
 
     def __post_init__(self) -> None:
         bad = [n for n in ("control_s", "step_s", "write_s", "copy_fixed_s", "flow_penalty",
-                            "fanout_s")
+                            "fanout_s", "stagger_s")
                if not getattr(self, n) >= 0]
         bad += [n for n in ("copy_bandwidth", "checksum_bandwidth") if not getattr(self, n) > 0]
         if not 0 < self.link_efficiency <= 1:
@@ -119,11 +133,20 @@ class _Update:
             np.full(2 * self.W, cluster.intra_node_bandwidth), [math.inf]]),
             shaped, oh.flow_penalty, burst=shaped * float(cluster.link_burst_bytes))
         self.unlimited = 4 * self.W + 2 * self.N
+        # CPU: a worker serves its steps on one thread at a time (the GIL: capacity 1 each),
+        # and so does the controller (index W); with shared cores, all their threads share
+        # them (index W + 1), processor-sharing fairly
+        self.cpus = None
+        if cluster.shared_cpus:
+            self.cpus = FluidNetwork(np.concatenate([np.ones(self.W + 1),
+                                                     [cluster.shared_cpus]]),
+                                     np.zeros(self.W + 2, dtype=bool), 0.0)
         self.steps = _steps(plan)
         self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
+        self.outbox: collections.deque = collections.deque()  # the controller's messages
         self.first_start = math.inf
         self.last_end = 0.0
         self.queue: list[list] = [[] for _ in range(self.num_trainers)]
@@ -139,22 +162,55 @@ class _Update:
 
     def run(self) -> float:
         self.maybe_send(0)
-        while self.heap or self.net.flows:
-            t_net = self.now + self.net.next_event()
-            if self.heap and self.heap[0][0] <= t_net:
-                t, _, fn = heapq.heappop(self.heap)
-                done = self.net.advance(t - self.now)
-                self.now = t
-                for cb in done:
-                    cb()
+        nets = [self.net] + ([self.cpus] if self.cpus else [])
+        while self.heap or any(n.flows for n in nets):
+            t_net = self.now + min(n.next_event() for n in nets)
+            timed = bool(self.heap) and self.heap[0][0] <= t_net
+            t = self.heap[0][0] if timed else t_net
+            fn = heapq.heappop(self.heap)[2] if timed else None
+            done = [cb for n in nets for cb in n.advance(t - self.now)]
+            self.now = t
+            for cb in done:
+                cb()
+            if fn is not None:
                 fn()
-            else:
-                done = self.net.advance(t_net - self.now)
-                self.now = t_net
-                for cb in done:
-                    cb()
         assert all(self.landed), "the model left rounds unlanded"
         return self.last_end - self.first_start
+
+    def cpu(self, w: int, seconds: float, then) -> None:
+        """``then()`` once worker ``w`` (``W``: the controller) has had ``seconds`` of CPU: at
+        once on its own core, or (`Cluster.shared_cpus`) its fair share of the cores all
+        procs share."""
+        if self.cpus is None or seconds <= 0:
+            self.at(self.now + seconds, then)
+        else:
+            self.cpus.add((w, self.W + 1), seconds, then)
+
+    def send(self, then) -> None:
+        """The controller sends a message, which arrives ``control_s`` later: ``then()``.
+        It sends one at a time, ``stagger_s`` of its CPU each: a message waits for those
+        before it."""
+        self.outbox.append(then)
+        if len(self.outbox) == 1:
+            self._send_first()
+
+    def _send_first(self) -> None:
+        self.at(self.now + self.oh.control_s, self.outbox[0])  # it leaves now
+        self.cpu(self.W, self.oh.stagger_s, self._sent)
+
+    def _sent(self) -> None:
+        self.outbox.popleft()
+        if self.outbox:
+            self._send_first()
+
+    def step(self, w: int, seconds: float, then) -> None:
+        """A control message to worker ``w``, which serves it with ``seconds`` of CPU, then
+        ``then()``."""
+        self.send(partial(self.cpu, w, seconds, then))
+
+    def reply(self, join: "_Join") -> None:
+        """A worker's answer reaches the sequencer ``control_s`` later."""
+        self.at(self.now + self.oh.control_s, join.arrive)
 
     def join(self, count: int, then) -> "_Join":
         """Calls ``then`` ``fanout_s * count`` after the ``count``-th answer came in."""
@@ -178,48 +234,43 @@ class _Update:
             return
         replies = self.join(self.num_trainers, lambda: self.forward(r, EXTERNAL))
         for i in range(self.num_trainers):
-            c = self.oh.control_s
-            self.at(self.now + c, lambda i=i, c=c: self.enqueue(i, r, replies, c))
+            self.send(partial(self.enqueue, i, r, replies))
         self.maybe_send(r + 1)
 
-    def enqueue(self, i: int, r: int, replies: "_Join", c: float) -> None:
-        """A trainer serves its sends one at a time, in arrival order; ``c``: its reply's
-        latency."""
-        self.queue[i].append((r, replies, c))
+    def enqueue(self, i: int, r: int, replies: "_Join") -> None:
+        """A trainer serves its sends one at a time, in arrival order."""
+        self.queue[i].append((r, replies))
         if not self.busy[i]:
             self.serve(i)
 
     def serve(self, i: int) -> None:
         oh = self.oh
-        r, replies, c = self.queue[i].pop(0)
+        r, replies = self.queue[i].pop(0)
         self.busy[i] = True
-        start = self.now + oh.step_s
+        work = oh.step_s
         pack, writes = self.steps.get((i, r, RECEIVE), (0, ()))
         if pack:
-            self.first_start = min(self.first_start, start)
-            start += oh.copy_fixed_s + pack / oh.copy_bandwidth
+            self.first_start = min(self.first_start, self.now + oh.step_s)
+            work += oh.copy_fixed_s + pack / oh.copy_bandwidth
 
         def done() -> None:
             self.busy[i] = False
-            self.at(self.now + c, replies.arrive)
+            self.reply(replies)
             if self.queue[i]:
                 self.serve(i)
-        self.write(i, writes, start, done)
+        self.cpu(i, work, partial(self.write, i, writes, done))
 
     def forward(self, r: int, stage: int) -> None:
-        oh = self.oh
         then = ((lambda: self.forward(r, INTERNAL)) if stage == EXTERNAL else
                 (lambda: self.land(r)))
         if (r, stage) not in self.active:  # the sequencer issues only steps with writes
             then()
             return
-        R = self.W - self.num_trainers
-        replies = self.join(R, then)
+        replies = self.join(self.W - self.num_trainers, then)
         for j in range(self.num_trainers, self.W):
             _, writes = self.steps.get((j, r, stage), (0, ()))
-            c = oh.control_s
-            self.write(j, writes, self.now + c + oh.step_s,
-                       lambda c=c: self.at(self.now + c, replies.arrive))
+            self.step(j, self.oh.step_s,
+                      partial(self.write, j, writes, partial(self.reply, replies)))
 
     def land(self, r: int) -> None:
         oh = self.oh
@@ -227,27 +278,28 @@ class _Update:
         def landed() -> None:
             self.landed[r] = True
             self.maybe_send(r + self.depth)
-        R = self.W - self.num_trainers
-        replies = self.join(R, landed)
+        replies = self.join(self.W - self.num_trainers, landed)
         for j in range(self.num_trainers, self.W):
             received = self.steps.get((j, r, "land"), 0)
-            c = oh.control_s
-            end = self.now + c + oh.step_s
+            work = oh.step_s
             if received:
-                end += (received / oh.checksum_bandwidth + oh.copy_fixed_s
-                        + received / oh.copy_bandwidth)
-                self.last_end = max(self.last_end, end)
-            self.at(end + c, replies.arrive)
+                work += (received / oh.checksum_bandwidth + oh.copy_fixed_s
+                         + received / oh.copy_bandwidth)
+            self.step(j, work, partial(self.assembled, bool(received), replies))
 
-    def write(self, w: int, writes, start: float, done) -> None:
-        """From ``start``: checksum and issue worker ``w``'s ``writes`` [(stage, dst, bytes)];
-        ``done()`` once all landed (at ``start`` when there are none)."""
+    def assembled(self, received: bool, replies: "_Join") -> None:
+        if received:
+            self.last_end = max(self.last_end, self.now)
+        self.reply(replies)
+
+    def write(self, w: int, writes, done) -> None:
+        """Checksum and issue worker ``w``'s ``writes`` [(stage, dst, bytes)]; ``done()``
+        once all landed (at once when there are none)."""
         if not writes:
-            self.at(start, done)
+            self.at(self.now, done)
             return
         oh = self.oh
         total = sum(n for _, _, n in writes)
-        start += total / oh.checksum_bandwidth + oh.write_s * len(writes)
         left = [len(writes)]
 
         def landed() -> None:
@@ -259,7 +311,7 @@ class _Update:
         def begin() -> None:
             for stage, dst, nbytes in writes:
                 self.net.add(self.resources(stage, w, dst), nbytes, landed)
-        self.at(start, begin)
+        self.cpu(w, total / oh.checksum_bandwidth + oh.write_s * len(writes), begin)
 
     def resources(self, stage: int, src: int, dst: int) -> tuple[int, ...]:
         W, N = self.W, self.N
