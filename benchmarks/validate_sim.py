@@ -1,7 +1,7 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
-        --collect out/validate_sim/run1.pkl                       # ~4 min, needs root
+        --collect out/validate_sim/run1.pkl                       # ~6 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
@@ -20,10 +20,12 @@ default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separat
 point it prints measured, predicted and error beside three baselines: ``const``, one EWTT (the
 mean measured on the calibration points of RUN1) for every point; ``bare``, the model
 without overheads (`simulate(plan, cluster)`); and, a stronger one, ``k x bare``: that model
-scaled by one factor fitted on the calibration points; and the same point's EWTT measured in RUN1
-(run-to-run drift). Held-out points are those not in ``--calibrate``. ``--fanout-s X``: the
-model with a control cost that grows with the workers a step waits for (`Overheads.fanout_s`,
-measured apart by `benchmarks/control_scaling.py`; the rest fitted as before). The links
+scaled by one factor fitted on the calibration points. Beside them: the same point's EWTT
+measured in RUN1 (run-to-run drift), and ``noise``, how far apart the point's own updates lie
+in RUN2 ((slowest - fastest) / median). Held-out points are those not in ``--calibrate``.
+``--fanout-s X``: the model with a control cost that grows with the workers a step waits
+for (`Overheads.fanout_s`, measured apart by `benchmarks/control_scaling.py`; the rest fitted
+as before). The links
 are modelled with the token bucket the run recorded (`Run.link_burst`); ``--no-burst``
 models them without it. Every proc shares the cores the run recorded (`Run.cpus`, the one
 machine the emulated hosts run on); ``--shared-cpus N`` models N instead (0: each worker its
@@ -182,7 +184,7 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
     before = {r.label: r.measured_s for r in reference}
     print(f"{'point':<22} {'held':>4} {'rounds':>6} {'measured':>8} {'predicted':>9} {'error':>7}"
           f" {'const err':>9} {'bare':>7} {'bare err':>8} {'k*bare err':>10} {'other run':>9}"
-          f" {'drift':>6}  load")
+          f" {'drift':>6} {'noise':>6}  load")
     held, wins, kwins, drifts = [], 0, 0, []
     for run in runs:
         cluster = point_cluster(run)
@@ -203,7 +205,8 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
         print(f"{run.label:<22} {'yes' if is_held else 'no':>4} {run.plan.num_rounds:6d} "
               f"{m:7.3f}s {est:8.3f}s {100 * err:+6.1f}% {100 * cerr:+8.1f}% {bare:6.3f}s "
               f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% "
-              f"{'' if other is None else f'{other:8.3f}s':>9} {drift:>6}  {run.load}")
+              f"{'' if other is None else f'{other:8.3f}s':>9} {drift:>6} "
+              f"{100 * _noise(run):5.1f}%  {run.load}")
     by = {r.label: r.measured_s for r in runs}
     again = by.get(REPEATED + " again")
     measured = [r.measured_s for r in runs]
@@ -222,6 +225,12 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
         print(f"run-to-run drift (same point, the two runs): median "
               f"{100 * statistics.median(drifts):.1f}%, worst {100 * max(drifts):.1f}%")
     return summary
+
+
+def _noise(run: Run) -> float:
+    """How far apart the point's measured updates lie: (slowest - fastest) / their median."""
+    measured = run.ewtt_s[1:] or run.ewtt_s
+    return (max(measured) - min(measured)) / run.measured_s
 
 
 def hops(runs: list[Run]) -> None:
@@ -295,7 +304,8 @@ def show_rounds(runs: list[Run], label: str, rounds) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collect", help="run every point and pickle the runs to this path")
-    parser.add_argument("--updates", type=int, default=4)
+    parser.add_argument("--updates", type=int, default=8,
+                        help="updates per point; its EWTT is the median of all but the first")
     parser.add_argument("--points", nargs="+", help="labels of the points to collect (all)")
     parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
@@ -318,6 +328,8 @@ def main() -> int:
                         help="model the links without their token bucket (as before it was "
                              "modelled): every byte at the link's rate")
     args = parser.parse_args()
+    if args.updates < 2:
+        parser.error(f"--updates must be >= 2 (the first only warms caches), got {args.updates}")
     if args.collect:
         t0 = time.perf_counter()
         print(f"collect: {_load()}", flush=True)

@@ -9,7 +9,9 @@ is read off the spans it shows in, not tuned per point:
   it writes in between), least squares on the bytes written;
 - link efficiency: per host link and direction, the bytes of the writes crossing it over the
   union of those writes' spans, over the configured rate; the best link of all updates (a
-  saturated one: elsewhere the spans include waits on other links);
+  saturated one: elsewhere the spans include waits on other links). With a token bucket
+  (`Run.link_burst`) the bytes each busy period sent unshaped (a full bucket, or what the idle
+  gap before it refilled) are not counted: they are the bucket, not the link's goodput;
 - stagger (the controller's cost per message: it sends one at a time): how far apart the
   rollouts of one step (a forward, a land) start, over the rollouts less one (median over
   steps);
@@ -176,7 +178,8 @@ def _rate(per_byte: float) -> float:
 
 
 def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
-    """Bytes/s of the busiest host link direction over the union of its writes' spans."""
+    """Bytes/s of the busiest host link direction over the union of its writes' spans, less
+    what its token bucket sent unshaped."""
     plan, T = run.plan, len(run.plan.trainers)
     node = [p.node for p in list(plan.trainers) + list(plan.rollouts)]
     busy: dict[tuple[str, str], list] = {}
@@ -189,16 +192,34 @@ def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
                 for link in ((node[w], "out"), (node[dst], "in")):
                     busy.setdefault(link, []).append((start, end))
                     moved[link] = moved.get(link, 0) + n
-    return max(moved[k] / _union(v) for k, v in busy.items())
+    return max((moved[k] - _burst_credit(v, run.link_rate, run.link_burst)) / _union(v)
+               for k, v in busy.items())
+
+
+def _merged(intervals: list) -> list[tuple[float, float]]:
+    """The busy periods: ``intervals`` merged where they overlap, by start."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
 def _union(intervals: list) -> float:
-    total, last = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b > last:
-            total += b - max(a, last)
-            last = b
-    return total
+    return sum(b - a for a, b in _merged(intervals))
+
+
+def _burst_credit(intervals: list, rate: float, burst: float) -> float:
+    """Bytes a link with a token bucket of ``burst`` bytes (refilled at ``rate`` while idle)
+    sent unshaped over the busy periods of ``intervals``: a full bucket before the first, and
+    what each idle gap refilled before the others."""
+    if not burst:
+        return 0.0
+    periods = _merged(intervals)
+    return burst + sum(min(burst, rate * (a - end)) for (_, end), (a, _) in
+                       zip(periods, periods[1:]))
 
 
 def step_starts(spans: Mapping, num_trainers: int) -> dict[tuple[str, int], list]:
