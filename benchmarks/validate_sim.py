@@ -1,7 +1,7 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
-        --collect out/validate_sim/run1.pkl                       # ~6 min, needs root
+        --collect out/validate_sim/run1.pkl                       # ~6.5 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
@@ -25,12 +25,12 @@ measured in RUN1 (run-to-run drift), and ``noise``, how far apart the point's ow
 in RUN2 ((slowest - fastest) / median). Held-out points are those not in ``--calibrate``.
 ``--fanout-s X``: the model with a control cost that grows with the workers a step waits
 for (`Overheads.fanout_s`, measured apart by `benchmarks/control_scaling.py`; the rest fitted
-as before). The links
-are modelled with the token bucket the run recorded (`Run.link_burst`); ``--no-burst``
-models them without it. Every proc shares the cores the run recorded (`Run.cpus`, the one
-machine the emulated hosts run on); ``--shared-cpus N`` models N instead (0: each worker its
-own core, as before). The fit reads the controller's cost per message from how far apart a
-step's workers start (`Overheads.stagger_s`); ``--no-stagger`` fits none.
+as before). The links are modelled with the token bucket the run recorded
+(`Run.link_burst`); ``--no-burst`` models them without it. Every proc shares the cores the
+run recorded (`Run.cpus`, the one machine the emulated hosts run on); ``--shared-cpus N``
+models N instead (0: each worker its own core, as before). The fit reads the controller's
+cost per message from how far apart a step's workers start (`Overheads.stagger_s`);
+``--no-stagger`` fits none.
 
 ``--hops RUN`` prints every point's median gap between steps (``--rounds LABEL R...``: those
 rounds' spans); ``--stages RUN`` every point's write stages against their bytes at the link's

@@ -154,6 +154,9 @@ def test_the_link_rate_fit_does_not_count_a_refilled_burst_as_goodput():
     out and still reads 90% (counting them, it read 1.0: more than the link can carry)."""
     oh = fit_overheads([_synthetic_run(burst=2000)])
     assert oh.link_efficiency == pytest.approx(0.9, rel=0.01)
+    # Where every write fit its bucket, the links show no goodput: left at 1, not 0.
+    whole = dataclasses.replace(_synthetic_run(), link_burst=1e9)
+    assert fit_overheads([whole]).link_efficiency == 1.0
 
 
 def test_a_block_quantizing_pack_costs_the_source_bytes_it_reads():

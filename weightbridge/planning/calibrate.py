@@ -11,7 +11,8 @@ is read off the spans it shows in, not tuned per point:
   union of those writes' spans, over the configured rate; the best link of all updates (a
   saturated one: elsewhere the spans include waits on other links). With a token bucket
   (`Run.link_burst`) the bytes each busy period sent unshaped (a full bucket, or what the idle
-  gap before it refilled) are not counted: they are the bucket, not the link's goodput;
+  gap before it refilled) are not counted: they are the bucket, not the link's goodput (where
+  every write fit its bucket no goodput shows, and the efficiency is left at 1);
 - stagger (the controller's cost per message: it sends one at a time): how far apart the
   rollouts of one step (a forward, a land) start, over the rollouts less one (median over
   steps);
@@ -142,7 +143,7 @@ def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0,
     _, sum_per_byte = _line(sum_x, sum_y)
     base = Overheads(copy_fixed_s=copy_fixed, copy_bandwidth=_rate(copy_per_byte),
                      checksum_bandwidth=_rate(sum_per_byte),
-                     link_efficiency=min(1.0, max(efficiency)), fanout_s=fanout_s,
+                     link_efficiency=min(1.0, max(efficiency)) or 1.0, fanout_s=fanout_s,
                      stagger_s=_stagger(runs) if stagger else 0.0)
     two_hops = statistics.median(g for run in runs for g in _hop_gaps(run, base))
     step = statistics.median(_queued_gaps(runs, two_hops) or [0.0])
@@ -192,7 +193,7 @@ def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
                 for link in ((node[w], "out"), (node[dst], "in")):
                     busy.setdefault(link, []).append((start, end))
                     moved[link] = moved.get(link, 0) + n
-    return max((moved[k] - _burst_credit(v, run.link_rate, run.link_burst)) / _union(v)
+    return max(max(0.0, moved[k] - _burst_credit(v, run.link_rate, run.link_burst)) / _union(v)
                for k, v in busy.items())
 
 
