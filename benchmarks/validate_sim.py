@@ -238,7 +238,7 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
 
 def _noise(run: Run) -> float:
     """How far apart the point's measured updates lie: (slowest - fastest) / their median."""
-    measured = run.ewtt_s[1:] or run.ewtt_s
+    measured = run.measured_ewtt_s
     return (max(measured) - min(measured)) / run.measured_s
 
 

@@ -86,9 +86,14 @@ class Run:
     recorded: each worker its own)."""
 
     @property
+    def measured_ewtt_s(self) -> tuple[float, ...]:
+        """The EWTTs that count: of the updates after the first (the first warms caches)."""
+        return self.ewtt_s[1:] or self.ewtt_s
+
+    @property
     def measured_s(self) -> float:
-        """Median EWTT over the updates after the first (the first warms caches)."""
-        return statistics.median(self.ewtt_s[1:] or self.ewtt_s)
+        """Median of `measured_ewtt_s`."""
+        return statistics.median(self.measured_ewtt_s)
 
     def updates(self) -> tuple[Mapping, ...]:
         """The spans of the updates the fit uses (all but the first, when there are more)."""
@@ -193,8 +198,12 @@ def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
                 for link in ((node[w], "out"), (node[dst], "in")):
                     busy.setdefault(link, []).append((start, end))
                     moved[link] = moved.get(link, 0) + n
-    return max(max(0.0, moved[k] - _burst_credit(v, run.link_rate, run.link_burst)) / _union(v)
-               for k, v in busy.items())
+    best = 0.0
+    for link, intervals in busy.items():
+        periods = _merged(intervals)
+        sent = moved[link] - _burst_credit(periods, run.link_rate, run.link_burst)
+        best = max(best, max(0.0, sent) / sum(b - a for a, b in periods))
+    return best
 
 
 def _merged(intervals: list) -> list[tuple[float, float]]:
@@ -208,17 +217,12 @@ def _merged(intervals: list) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
-def _union(intervals: list) -> float:
-    return sum(b - a for a, b in _merged(intervals))
-
-
-def _burst_credit(intervals: list, rate: float, burst: float) -> float:
+def _burst_credit(periods: list, rate: float, burst: float) -> float:
     """Bytes a link with a token bucket of ``burst`` bytes (refilled at ``rate`` while idle)
-    sent unshaped over the busy periods of ``intervals``: a full bucket before the first, and
+    sent unshaped over its busy ``periods`` (`_merged`): a full bucket before the first, and
     what each idle gap refilled before the others."""
     if not burst:
         return 0.0
-    periods = _merged(intervals)
     return burst + sum(min(burst, rate * (a - end)) for (_, end), (a, _) in
                        zip(periods, periods[1:]))
 
