@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cluster import attached, configs  # noqa: E402
+from benchmarks.machine import load  # noqa: E402
 from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
@@ -71,16 +71,13 @@ def collect(args) -> list[Run]:
             runs.append(Run(label=f"{sweep}={x}", plan=plan, link_rate=rate, depth=args.depth,
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports),
-                            load=_uptime(), link_burst=link_burst_bytes(rate),
+                            load=load(), link_burst=link_burst_bytes(rate),
                             cpus=os.cpu_count()))
             print(f"[{sweep}={x}] measured EWTT "
                   + " ".join(f"{r.timing.ewtt_s:.3f}s" for r in reports)
                   + f"  ({runs[-1].load})", flush=True)
     return runs
 
-
-def _uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> int:

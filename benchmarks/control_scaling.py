@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.machine import load  # noqa: E402
 
 LAYOUTS = ((2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (6, 2), (8, 2))
 """(hosts, procs per host) measured."""
@@ -56,10 +57,6 @@ def measure(addresses, per_host: int, calls: int) -> list[float]:
         owner.stop().get(timeout=60)
 
 
-def _load() -> str:
-    out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return "load " + out.split("load average:")[-1].strip()
-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,14 +73,14 @@ def main() -> int:
     with EmulatedCluster(8, link_mbit=args.link_mbit, insecure=True) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        print(f"{args.calls} calls per layout, {args.link_mbit:g} Mbit/s links ({_load()})",
+        print(f"{args.calls} calls per layout, {args.link_mbit:g} Mbit/s links ({load()})",
               flush=True)
         for hosts, per in LAYOUTS:
             ts = measure(cluster.addresses[:hosts], per, args.calls)
             measured[(hosts, per)] = statistics.median(ts)
             print(f"  {hosts} hosts x {per} = {hosts * per:2d} procs: median "
                   f"{1e3 * measured[(hosts, per)]:6.2f} ms, p90 "
-                  f"{1e3 * float(np.percentile(ts, 90)):6.2f} ms  ({_load()})", flush=True)
+                  f"{1e3 * float(np.percentile(ts, 90)):6.2f} ms  ({load()})", flush=True)
     n = np.array([h * p for h, p in FIT], dtype=float)
     b, a = np.polyfit(n, [measured[k] for k in FIT], 1)
     print(f"fit on {[f'{h}x{p}' for h, p in FIT]}: t(n) = {1e3 * a:.2f} ms + {1e3 * b:.3f} ms "

@@ -1,7 +1,7 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
-        --collect out/validate_sim/run1.pkl                       # ~6.5 min, needs root
+        --collect out/validate_sim/run1.pkl                       # ~10 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
@@ -10,7 +10,12 @@
 ``--collect`` (needs root) runs WeightBridge (`MeshTransfer`) at every point of `POINTS` on one
 emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the
 rate blocks, and pickles every point's plan, link rate, depth and every update's actor spans
-(`weightbridge.planning.calibrate.Run`). The points vary link rate (50 and 200 Mbit/s), round
+(`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
+``--spawns`` fresh sets of procs: on this saturated 2-core machine one set of procs can run
+a controller-bound point 30% slower than the next, for as long as it lives (4 Dec,
+docs/performance.md), so a point measured on one set does not repeat. Beside ``uptime``
+every point records the cores its updates kept busy: the cluster's own, other processes' and
+steal (`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link rate (50 and 200 Mbit/s), round
 size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout replicas (1-4), trainer
 nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT spans over 10x. One
 point (`REPEATED`) is measured a second time at the end of its block: the machine's own drift.
@@ -45,7 +50,6 @@ import argparse
 import os
 import pickle
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -53,7 +57,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 from benchmarks.bench_cluster import attached  # noqa: E402
+from benchmarks.machine import CpuMeter, CpuUse, load  # noqa: E402
 from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
@@ -118,8 +125,9 @@ def set_rate(cluster, mbit: float) -> None:
                     str(int(cluster.link_bytes_per_s * QUEUE_S)), ns=ns)
 
 
-def collect(points, updates: int) -> list[Run]:
-    """Every point (and `REPEATED` again), WeightBridge only: plan, rate and spans."""
+def collect(points, updates: int, spawns: int) -> list[Run]:
+    """Every point (and `REPEATED` again), WeightBridge only: plan, rate and spans of
+    ``updates`` updates on each of ``spawns`` fresh sets of procs."""
     from controller.cluster import (TRANSPORT_ENV, EmulatedCluster, link_burst_bytes,
                                     unavailable_reason)
 
@@ -136,37 +144,61 @@ def collect(points, updates: int) -> list[Run]:
     with EmulatedCluster(8, link_mbit=order[0].mbit, insecure=True) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        from controller.driver import MeshTransfer
-        from meshes.spec import RolloutSpec, TrainerSpec
-        from weightbridge import TransferConfig
-
         for p in order:
             if p.mbit != cluster.link_mbit:
                 set_rate(cluster, p.mbit)
             rate = p.mbit * 1e6 / 8
-            tspec, rspec = TrainerSpec.parse(p.trainer), RolloutSpec.parse(p.rollout)
-            config = TransferConfig(round_bytes=p.round_kib << 10, depth=p.depth)
-            with attached(cluster.addresses, tspec, rspec) as procs:
-                with MeshTransfer(tspec, rspec, p.model, procs=procs, config=config,
-                                  link_rate=rate) as mt:
-                    plan = mt.connect()
-                    reports = [mt.update(v) for v in range(1, updates + 1)]
+            plan, reports, use = None, [], []
+            for _ in range(spawns):
+                spawn_plan, spawn_reports, spawn_use = _spawn(cluster, p, updates)
+                if plan is not None and not _same_plan(plan, spawn_plan):
+                    raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
+                                     f"planning must be deterministic")
+                plan = plan or spawn_plan
+                reports += spawn_reports
+                use.append(spawn_use)
             bad = [r for r in reports if r.mismatched]
             if bad:
                 raise SystemExit(f"[{p.label}] {bad[0].line()}")
+            cores = CpuUse(*(statistics.mean(getattr(u, f) for u in use)
+                             for f in ("ours", "others", "steal")))
             runs.append(Run(label=p.label, plan=plan, link_rate=rate, depth=p.depth,
                             link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
                             spans=tuple(dict(r.timing.spans) for r in reports),
-                            ewtt_s=tuple(r.timing.ewtt_s for r in reports), load=_load()))
+                            ewtt_s=tuple(r.timing.ewtt_s for r in reports),
+                            load=f"{load()}; {cores}", spawns=spawns))
             print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
-                  + " ".join(f"{r.timing.ewtt_s:.3f}s" for r in reports)
+                  + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
+                                        reports[k:k + updates])
+                               for k in range(0, len(reports), updates))
                   + f"  ({runs[-1].load})", flush=True)
     return runs
 
 
-def _load() -> str:
-    out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    return "load " + out.split("load average:")[-1].strip()
+def _spawn(cluster, p: Point, updates: int):
+    """(plan, reports, `CpuUse` over the updates) of ``updates`` updates of point ``p`` on
+    a fresh set of procs, stopped after."""
+    from controller.driver import MeshTransfer
+    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge import TransferConfig
+
+    tspec, rspec = TrainerSpec.parse(p.trainer), RolloutSpec.parse(p.rollout)
+    config = TransferConfig(round_bytes=p.round_kib << 10, depth=p.depth)
+    with attached(cluster.addresses, tspec, rspec) as procs:
+        with MeshTransfer(tspec, rspec, p.model, procs=procs, config=config,
+                          link_rate=p.mbit * 1e6 / 8) as mt:
+            plan = mt.connect()
+            meter = CpuMeter()
+            reports = [mt.update(v) for v in range(1, updates + 1)]
+            return plan, reports, meter.read()  # read while the procs still run
+
+
+def _same_plan(a, b) -> bool:
+    """Whether plans ``a`` and ``b`` move the same bytes between the same workers in the
+    same rounds and stages."""
+    ta, tb = a.tables, b.tables
+    return all(np.array_equal(getattr(ta, f), getattr(tb, f))
+               for f in ("src", "dst", "stage", "round", "nbytes"))
 
 
 def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run], *,
@@ -313,8 +345,11 @@ def show_rounds(runs: list[Run], label: str, rounds) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--collect", help="run every point and pickle the runs to this path")
-    parser.add_argument("--updates", type=int, default=8,
-                        help="updates per point; its EWTT is the median of all but the first")
+    parser.add_argument("--updates", type=int, default=3,
+                        help="updates per spawn; a point's EWTT is the median over its "
+                             "spawns of all updates but each spawn's first")
+    parser.add_argument("--spawns", type=int, default=4,
+                        help="fresh sets of procs per point, one after another")
     parser.add_argument("--points", nargs="+", help="labels of the points to collect (all)")
     parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")
@@ -338,16 +373,19 @@ def main() -> int:
                              "modelled): every byte at the link's rate")
     args = parser.parse_args()
     if args.updates < 2:
-        parser.error(f"--updates must be >= 2 (the first only warms caches), got {args.updates}")
+        parser.error(f"--updates must be >= 2 (each spawn's first only warms caches), got "
+                     f"{args.updates}")
+    if args.spawns < 1:
+        parser.error(f"--spawns must be >= 1, got {args.spawns}")
     if args.collect:
         t0 = time.perf_counter()
-        print(f"collect: {_load()}", flush=True)
+        print(f"collect: {load()}", flush=True)
         points = [p for p in POINTS if not args.points or p.label in args.points]
-        runs = collect(points, args.updates)
+        runs = collect(points, args.updates, args.spawns)
         Path(args.collect).parent.mkdir(parents=True, exist_ok=True)
         Path(args.collect).write_bytes(pickle.dumps(runs))
         print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
-              f"{args.collect}  ({_load()})")
+              f"{args.collect}  ({load()})")
     if args.stages:
         stages(load_runs(args.stages))
     if args.hops and args.rounds:

@@ -261,11 +261,13 @@ def test_fit_reads_the_stagger_and_takes_it_out_of_the_control_latency():
 
 
 def test_runs_pickled_before_a_field_was_added_load_with_its_default(tmp_path, monkeypatch):
-    """A `Run` pickled without `cpus` (as before the field) loads with cpus 0, so its
-    cluster has no shared cores; one that recorded them keeps them."""
+    """A `Run` pickled without `cpus` and the fields after it (as before they were added)
+    loads with cpus 0, so its cluster has no shared cores, and one spawn; one that recorded
+    them keeps them."""
     run = Run(label="x", plan=_plan(1, 1), link_rate=1e6, depth=2, spans=(), ewtt_s=(1.0,),
               load="", cpus=2)
-    before = [f.name for f in dataclasses.fields(Run) if f.name != "cpus"]
+    names = [f.name for f in dataclasses.fields(Run)]
+    before = names[:names.index("cpus")]  # a slotted dataclass pickles its fields in order
     monkeypatch.setattr(Run, "__getstate__", lambda self: [getattr(self, n) for n in before])
     (tmp_path / "old.pkl").write_bytes(pickle.dumps([run]))  # as a Run without the field
     monkeypatch.undo()
@@ -273,3 +275,19 @@ def test_runs_pickled_before_a_field_was_added_load_with_its_default(tmp_path, m
     for name, cpus in (("old.pkl", 0), ("new.pkl", 2)):
         (loaded,) = load_runs(tmp_path / name)
         assert loaded.cpus == cpus and point_cluster(loaded).shared_cpus == cpus
+        assert loaded.spawns == 1
+
+
+def test_a_run_on_several_sets_of_procs_drops_each_sets_first_update():
+    """Each spawn's first update warms its fresh procs' caches: it does not count."""
+    spans = tuple({("trainer", 0): [("pack", 0, k, k + 1)]} for k in range(6))
+    run = Run(label="x", plan=_plan(1, 1), link_rate=1e6, depth=2, spans=spans,
+              ewtt_s=(9.0, 1.0, 2.0, 9.0, 3.0, 4.0), load="", spawns=2)
+    assert run.measured_ewtt_s == (1.0, 2.0, 3.0, 4.0) and run.measured_s == 2.5
+    assert run.updates() == spans[1:3] + spans[4:]
+    one = dataclasses.replace(run, spawns=1)
+    assert one.measured_ewtt_s == (1.0, 2.0, 9.0, 3.0, 4.0) and one.updates() == spans[1:]
+    assert dataclasses.replace(run, spawns=6).measured_ewtt_s == run.ewtt_s  # one update each: all count
+    for spawns in (0, 4):
+        with pytest.raises(ValueError, match="spawns of equal length"):
+            dataclasses.replace(run, spawns=spawns)

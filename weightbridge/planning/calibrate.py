@@ -78,17 +78,29 @@ class Run:
     ewtt_s: tuple[float, ...]
     """Per update: the measured EWTT."""
     load: str
-    """``uptime`` when the point ran (the machine is shared)."""
+    """What the machine was doing when the point ran (it is shared): ``uptime``'s load and,
+    since 4 Dec, the cores busy by the emulated cluster, by other processes and by steal."""
     link_burst: float = 0.0
     """Bytes every host link sends unshaped after idling (its token bucket; 0: none)."""
     cpus: int = 0
     """Cores of the machine the emulated cluster ran on, which all its procs share (0: not
     recorded: each worker its own)."""
+    spawns: int = 1
+    """Fresh sets of procs the point ran on, one after another, each for an equal share of
+    the updates (in order): how fast a saturated machine serves a set of procs varies from
+    one set to the next, so a point measured on one set need not repeat on another."""
+
+    def __post_init__(self) -> None:
+        if self.spawns < 1 or len(self.ewtt_s) % self.spawns:
+            raise ValueError(f"Run {self.label!r}: {len(self.ewtt_s)} EWTTs do not split into "
+                             f"{self.spawns} spawns of equal length; give spawns >= 1 that "
+                             f"divides the number of updates")
 
     @property
     def measured_ewtt_s(self) -> tuple[float, ...]:
-        """The EWTTs that count: of the updates after the first (the first warms caches)."""
-        return self.ewtt_s[1:] or self.ewtt_s
+        """The EWTTs that count: of each spawn's updates after its first (the first warms
+        caches), where a spawn ran more than one."""
+        return self._counted(self.ewtt_s)
 
     @property
     def measured_s(self) -> float:
@@ -96,8 +108,14 @@ class Run:
         return statistics.median(self.measured_ewtt_s)
 
     def updates(self) -> tuple[Mapping, ...]:
-        """The spans of the updates the fit uses (all but the first, when there are more)."""
-        return self.spans[1:] or self.spans
+        """The spans of the updates the fit uses (those of `measured_ewtt_s`)."""
+        return self._counted(self.spans)
+
+    def _counted(self, per_update: tuple) -> tuple:
+        n = len(per_update) // self.spawns
+        if n < 2:
+            return per_update
+        return tuple(x for k, x in enumerate(per_update) if k % n)
 
 
 def load_runs(path) -> list[Run]:

@@ -1,0 +1,35 @@
+"""`benchmarks.machine.CpuMeter`: the cores a benchmark's own process tree kept busy, apart
+from everything else on the machine."""
+
+import subprocess
+import sys
+import time
+
+from benchmarks.machine import CpuMeter, load
+
+SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass"
+
+
+def test_a_child_spinning_counts_as_ours():
+    meter = CpuMeter()
+    child = subprocess.Popen([sys.executable, "-c", SPIN.format(s=30)])
+    try:
+        time.sleep(1.0)
+        use = meter.read()  # read while the child still runs: an exited one is not seen
+    finally:
+        child.kill()
+        child.wait()
+    # about one core: at least half of it even where the machine is busy
+    assert 0.5 <= use.ours <= 1.2, use
+    assert use.others >= 0 and use.steal >= 0
+    assert str(use).startswith("cores: ours ")
+
+
+def test_idle_waiting_is_not_ours():
+    meter = CpuMeter()
+    time.sleep(0.5)
+    assert meter.read().ours < 0.2
+
+
+def test_load_reads_uptime():
+    assert load().startswith("load ") and load().count(",") == 2
