@@ -8,17 +8,18 @@
         --predict out/validate_sim/run2.pkl
 
 ``--collect`` (needs root) runs WeightBridge (`MeshTransfer`) at every point of `POINTS` on one
-emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the
-rate blocks, and pickles every point's plan, link rate, depth and every update's actor spans
+emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the rate
+blocks, and pickles every point's plan, link rate, depth and every update's actor spans
 (`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
-``--spawns`` fresh sets of procs: on this saturated 2-core machine one set of procs can run
-a controller-bound point 30% slower than the next, for as long as it lives (4 Dec,
-docs/performance.md), so a point measured on one set does not repeat. Beside ``uptime``
-every point records the cores its updates kept busy: the cluster's own, other processes' and
-steal (`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link rate (50 and 200 Mbit/s), round
-size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout replicas (1-4), trainer
-nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT spans over 10x. One
-point (`REPEATED`) is measured a second time at the end of its block: the machine's own drift.
+``--spawns`` fresh sets of procs: on this saturated 2-core machine one set of procs can run a
+controller-bound point 30% slower than the next, for as long as it lives (4 Dec,
+docs/performance.md), so a point measured on one set does not repeat. Beside ``uptime`` every point
+records the cores its updates kept busy: the cluster's own, other processes' and steal
+(`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link
+rate (50 and 200 Mbit/s), round size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout
+replicas (1-4), trainer nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT
+spans over 10x. One point (`REPEATED`) is measured a second time at the end of its block: the
+machine's own drift.
 
 ``--fit-from RUN1 --predict RUN2`` fits `Overheads` on the calibration points (``--calibrate``,
 default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separate run. Per

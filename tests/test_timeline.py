@@ -287,7 +287,8 @@ def test_a_run_on_several_sets_of_procs_drops_each_sets_first_update():
     assert run.updates() == spans[1:3] + spans[4:]
     one = dataclasses.replace(run, spawns=1)
     assert one.measured_ewtt_s == (1.0, 2.0, 9.0, 3.0, 4.0) and one.updates() == spans[1:]
-    assert dataclasses.replace(run, spawns=6).measured_ewtt_s == run.ewtt_s  # one update each: all count
+    # one update per spawn: each one counts
+    assert dataclasses.replace(run, spawns=6).measured_ewtt_s == run.ewtt_s
     for spawns in (0, 4):
         with pytest.raises(ValueError, match="spawns of equal length"):
             dataclasses.replace(run, spawns=spawns)
