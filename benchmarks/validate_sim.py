@@ -1,7 +1,7 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
-        --collect out/validate_sim/run1.pkl                       # ~10 min, needs root
+        --collect out/validate_sim/run1.pkl                       # ~14 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
@@ -12,7 +12,7 @@ emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate
 blocks, and pickles every point's plan, link rate, depth and every update's actor spans
 (`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
 ``--spawns`` fresh sets of procs: on this saturated 2-core machine one set of procs can run a
-controller-bound point 30% slower than the next, for as long as it lives (4 Dec,
+controller-bound point up to 68% slower than the next, for as long as it lives (4 Dec,
 docs/performance.md), so a point measured on one set does not repeat. Beside ``uptime`` every point
 records the cores its updates kept busy: the cluster's own, other processes' and steal
 (`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link
@@ -42,7 +42,8 @@ cost per message from how far apart a step's workers start (`Overheads.stagger_s
 rounds' spans); ``--stages RUN`` every point's write stages against their bytes at the link's
 rate, and how far apart a step's workers start.
 
-Measured EWTT of a point: the median over its updates after the first (the first warms caches).
+Measured EWTT of a point: the median over its sets of procs of every update after each set's first
+(the first warms caches).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                 if plan is not None and not _same_plan(plan, spawn_plan):
                     raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
                                      f"planning must be deterministic")
-                plan = plan or spawn_plan
+                if plan is None:
+                    plan = spawn_plan
                 reports += spawn_reports
                 use.append(spawn_use)
             bad = [r for r in reports if r.mismatched]
