@@ -174,7 +174,7 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                   + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
                                         reports[k:k + updates])
                                for k in range(0, len(reports), updates))
-                  + f"  ({runs[-1].load})", flush=True)
+                  + f"; measured {runs[-1].measured_s:.3f}s  ({runs[-1].load})", flush=True)
     return runs
 
 
