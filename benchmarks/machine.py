@@ -23,6 +23,21 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def core_ms(repeats: int = 5) -> float:
+    """Median ms one core takes for a fixed piece of interpreter work (about 15 ms on this
+    machine idle): how fast a core is right now (its clock, a neighbour guest on the same
+    physical core), which `CpuUse` does not see. Take it while the measured work is not
+    running."""
+    took = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i * i % 7
+        took.append(time.perf_counter() - t0)
+    return 1e3 * sorted(took)[repeats // 2]
+
+
 def load() -> str:
     """``"load 1.2, 0.8, 0.5"``: the machine's load averages over 1, 5 and 15 minutes."""
     out = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

@@ -1,7 +1,7 @@
 """Validate the calibrated simulator on held-out points of a separate run, over a wide range.
 
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
-        --collect out/validate_sim/run1.pkl                       # ~14 min, needs root
+        --collect out/validate_sim/run1.pkl                    # ~22-25 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
@@ -11,9 +11,10 @@
 emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the rate
 blocks, and pickles every point's plan, link rate, depth and every update's actor spans
 (`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
-``--spawns`` fresh sets of procs: on this saturated 2-core machine one set of procs can run a
-controller-bound point up to 68% slower than the next, for as long as it lives (4 Dec,
-docs/performance.md), so a point measured on one set does not repeat. Beside ``uptime`` every point
+``--spawns`` fresh sets of procs (`MORE_SETS` times as many at the controller-bound
+six-proc points): on this saturated 2-core machine one set of procs can run a controller-bound
+point up to 68% slower than the next, for as long as it lives (4 Dec, docs/performance.md), so a
+point measured on one set does not repeat. Beside ``uptime`` every point
 records the cores its updates kept busy: the cluster's own, other processes' and steal
 (`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link
 rate (50 and 200 Mbit/s), round size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout
@@ -62,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_cluster import attached  # noqa: E402
-from benchmarks.machine import CpuMeter, CpuUse, load  # noqa: E402
+from benchmarks.machine import CpuMeter, CpuUse, core_ms, load  # noqa: E402
 from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
@@ -70,7 +71,8 @@ from weightbridge.planning.simulate import simulate  # noqa: E402
 
 @dataclass(frozen=True)
 class Point:
-    """One configuration: layouts, model, link rate (Mbit/s), round size (KiB), depth."""
+    """One configuration: layouts, model, link rate (Mbit/s), round size (KiB), depth, and
+    how many times ``--spawns`` sets of procs it takes."""
 
     label: str
     trainer: str
@@ -79,17 +81,25 @@ class Point:
     mbit: float
     round_kib: int
     depth: int
+    spawn_factor: int = 1
 
 
+MORE_SETS = 3
+"""Sets-of-procs factor of the controller-bound points on six procs or more (200 Mbit/s): their
+speed is set by the set of procs, so the median over 4 sets moves by about +-10% and over 12
+by about +-4% (`t2 r4` and `r4 d2`, 12 sets twice, 4 Dec, docs/performance.md); a set there
+costs seconds."""
 T2 = "nodes=1,gpus=2,tp=2"
 R1 = "nodes=1,gpus=1"
 R2 = "nodes=1,gpus=2,tp=2"
 POINTS = (
     Point("200M tiny r1", T2, f"engines=1,{R1}", "tiny", 200, 512, 3),
-    Point("200M tiny t2 r4 128K", "nodes=2,gpus=1,ep=2", f"engines=4,{R1}", "tiny", 200, 128, 3),
+    Point("200M tiny t2 r4 128K", "nodes=2,gpus=1,ep=2", f"engines=4,{R1}", "tiny", 200, 128, 3,
+          MORE_SETS),
     Point("200M med r2", T2, f"engines=2,{R1}", "medium", 200, 512, 3),
-    Point("200M med r4 d2 256K", T2, f"engines=4,{R1}", "medium", 200, 256, 2),
-    Point("200M med t4 p2", "nodes=4,gpus=1,ep=4", f"engines=2,{R2}", "medium", 200, 512, 3),
+    Point("200M med r4 d2 256K", T2, f"engines=4,{R1}", "medium", 200, 256, 2, MORE_SETS),
+    Point("200M med t4 p2", "nodes=4,gpus=1,ep=4", f"engines=2,{R2}", "medium", 200, 512, 3,
+          MORE_SETS),
     Point("200M med r1 p2 1M", T2, f"engines=1,{R2}", "medium", 200, 1024, 3),
     Point("50M med r1", T2, f"engines=1,{R1}", "medium", 50, 512, 3),
     Point("50M med r4", T2, f"engines=4,{R1}", "medium", 50, 512, 3),
@@ -150,8 +160,9 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
             if p.mbit != cluster.link_mbit:
                 set_rate(cluster, p.mbit)
             rate = p.mbit * 1e6 / 8
-            plan, reports, use = None, [], []
-            for _ in range(spawns):
+            plan, reports, use, core = None, [], [], []
+            for _ in range(spawns * p.spawn_factor):
+                core.append(core_ms())  # before the set: the core's own speed, procs idle
                 spawn_plan, spawn_reports, spawn_use = _spawn(cluster, p, updates)
                 if plan is not None and not _same_plan(plan, spawn_plan):
                     raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
@@ -169,11 +180,12 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                             link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports),
-                            load=f"{load()}; {cores}", spawns=spawns))
+                            load=f"{load()}; {cores}; core {min(core):.1f}-{max(core):.1f} ms",
+                            spawns=spawns * p.spawn_factor))
             print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
                   + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
-                                        reports[k:k + updates])
-                               for k in range(0, len(reports), updates))
+                                        reports[k * updates:(k + 1) * updates])
+                               + f" (core {ms:.1f} ms)" for k, ms in enumerate(core))
                   + f"; measured {runs[-1].measured_s:.3f}s  ({runs[-1].load})", flush=True)
     return runs
 
@@ -352,7 +364,8 @@ def main() -> int:
                         help="updates per spawn; a point's EWTT is the median over its "
                              "spawns of all updates but each spawn's first")
     parser.add_argument("--spawns", type=int, default=4,
-                        help="fresh sets of procs per point, one after another")
+                        help="fresh sets of procs per point, one after another "
+                             f"({MORE_SETS}x at the controller-bound six-proc points)")
     parser.add_argument("--points", nargs="+", help="labels of the points to collect (all)")
     parser.add_argument("--fit-from", help="a pickled run: fit on its calibration points")
     parser.add_argument("--predict", help="a pickled run (a separate one): predict its points")

@@ -1,11 +1,12 @@
-"""`benchmarks.machine.CpuMeter`: the cores a benchmark's own process tree kept busy, apart
-from everything else on the machine."""
+"""`benchmarks.machine`: the cores a benchmark's own process tree kept busy, apart from everything
+else on the machine, and how fast one core is right now."""
 
+import os
 import subprocess
 import sys
 import time
 
-from benchmarks.machine import CpuMeter, load
+from benchmarks.machine import CpuMeter, core_ms, load
 
 SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass"
 
@@ -33,3 +34,19 @@ def test_idle_waiting_is_not_ours():
 
 def test_load_reads_uptime():
     assert load().startswith("load ") and load().count(",") == 2
+
+
+def test_core_ms_is_slower_with_the_cores_taken():
+    idle = core_ms()
+    assert idle > 0
+    # Every core spun by another process: the probe's core is shared, so its work takes longer.
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=30)])
+                for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        time.sleep(0.5)
+        busy = core_ms()
+    finally:
+        for child in spinners:
+            child.kill()
+            child.wait()
+    assert busy > 1.3 * idle, (idle, busy)
