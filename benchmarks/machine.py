@@ -4,6 +4,8 @@
 this benchmark's own processes (it and every process it started: the emulated cluster's
 workers and their procs), every other process, and steal (time the hypervisor gave another
 guest): a point measured while others used the cores is not one to fit or judge a model on.
+`core_ms` times a fixed piece of work on one core: a core that runs slower without being
+stolen (its clock, a neighbour guest) shows there and nowhere in `CpuUse`.
 
 Typical usage::
 

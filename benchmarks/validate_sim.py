@@ -162,7 +162,7 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
             rate = p.mbit * 1e6 / 8
             plan, reports, use, core = None, [], [], []
             for _ in range(spawns * p.spawn_factor):
-                core.append(core_ms())  # before the set: the core's own speed, procs idle
+                core.append(core_ms())  # between sets: the last one stopped, the next not started
                 spawn_plan, spawn_reports, spawn_use = _spawn(cluster, p, updates)
                 if plan is not None and not _same_plan(plan, spawn_plan):
                     raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
