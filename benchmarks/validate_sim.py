@@ -160,8 +160,9 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
             if p.mbit != cluster.link_mbit:
                 set_rate(cluster, p.mbit)
             rate = p.mbit * 1e6 / 8
+            sets = spawns * p.spawn_factor
             plan, reports, use, core = None, [], [], []
-            for _ in range(spawns * p.spawn_factor):
+            for _ in range(sets):
                 core.append(core_ms())  # between sets: the last one stopped, the next not started
                 spawn_plan, spawn_reports, spawn_use = _spawn(cluster, p, updates)
                 if plan is not None and not _same_plan(plan, spawn_plan):
@@ -181,7 +182,7 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports),
                             load=f"{load()}; {cores}; core {min(core):.1f}-{max(core):.1f} ms",
-                            spawns=spawns * p.spawn_factor))
+                            spawns=sets))
             print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
                   + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
                                         reports[k * updates:(k + 1) * updates])
