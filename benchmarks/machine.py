@@ -4,13 +4,20 @@
 this benchmark's own processes (it and every process it started: the emulated cluster's
 workers and their procs), every other process, and steal (time the hypervisor gave another
 guest): a point measured while others used the cores is not one to fit or judge a model on.
-`core_ms` times a fixed piece of work on one core: a core that runs slower without being
-stolen (its clock, a neighbour guest) shows there and nowhere in `CpuUse`.
+`CoreProbe` times a fixed piece of work, every 0.1 s in a child process of its own, in the
+CPU time of the thread that ran it: a core that runs slower without being stolen (a neighbour
+guest on the same physical core, its clock) shows there and nowhere in `CpuUse`. Waiting for
+a core does not count, but how busy the cores are still moves the reading: the work takes
+about 1.0 ms on a core woken from idle and 0.55-0.7 ms on busy ones (4 Dec), so compare
+readings taken under the same load (the same point of two runs).
 
 Typical usage::
 
     meter = CpuMeter()
-    ...                                   # the measured work
+    with CoreProbe() as probe:
+        t0 = time.monotonic()
+        ...                               # the measured work
+        samples = probe.samples(t0, time.monotonic())
     print(meter.read())                   # "cores: ours 1.83, others 0.02, steal 0.00"
 """
 
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,19 +34,67 @@ from pathlib import Path
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def core_ms(repeats: int = 5) -> float:
-    """Median ms one core takes for a fixed piece of interpreter work (about 15 ms on this
-    machine idle): how fast a core is right now (its clock, a neighbour guest on the same
-    physical core), which `CpuUse` does not see. Take it while the measured work is not
-    running."""
-    took = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        total = 0
-        for i in range(200_000):
-            total += i * i % 7
-        took.append(time.perf_counter() - t0)
-    return 1e3 * sorted(took)[repeats // 2]
+PROBE_PERIOD_S = 0.1
+"""How often `CoreProbe` runs its work: about 1% of one core."""
+
+
+@dataclass(frozen=True)
+class CoreSample:
+    """One run of `CoreProbe`'s fixed work, in CPU ms of the thread that ran it."""
+
+    at: float
+    """When it ran (``time.monotonic()``, the same clock in every process)."""
+    interp_ms: float
+    """A fixed interpreter loop (what the controller and the actors' Python spend)."""
+    copy_ms: float
+    """A copy of 4 MiB, past the core's own caches (what packs and assembles spend)."""
+
+
+class CoreProbe:
+    """A child process that runs a fixed piece of work every `PROBE_PERIOD_S` until closed;
+    `samples` gives those that ran in an interval. Each costs about 1 ms of one core."""
+
+    def __init__(self) -> None:
+        self._log = tempfile.NamedTemporaryFile("r", prefix="core-probe-", suffix=".txt")
+        self._child = subprocess.Popen([sys.executable, __file__, self._log.name],
+                                       stdin=subprocess.DEVNULL)
+
+    def samples(self, start: float, end: float) -> list[CoreSample]:
+        """The samples taken between ``start`` and ``end`` (``time.monotonic()``)."""
+        if self._child.poll() is not None:
+            raise RuntimeError(f"the core probe exited with {self._child.returncode}")
+        rows = (line.split() for line in Path(self._log.name).read_text().splitlines())
+        return [CoreSample(*map(float, row)) for row in rows
+                if len(row) == 3 and start <= float(row[0]) <= end]
+
+    def close(self) -> None:
+        self._child.kill()
+        self._child.wait()
+        self._log.close()
+
+    def __enter__(self) -> CoreProbe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _probe(path: str) -> None:
+    """`CoreProbe`'s child: append a `CoreSample` to ``path`` every `PROBE_PERIOD_S`."""
+    src, dst = bytearray(4 << 20), bytearray(4 << 20)
+    parent = os.getppid()
+    with open(path, "a") as out:
+        while os.getppid() == parent:  # not left running by a parent that died unclosed
+            t0 = time.thread_time_ns()
+            total = 0
+            for i in range(10_000):
+                total += i * i % 7
+            t1 = time.thread_time_ns()
+            dst[:] = src
+            t2 = time.thread_time_ns()
+            out.write(f"{time.monotonic():.4f} {(t1 - t0) / 1e6:.4f} {(t2 - t1) / 1e6:.4f}\n")
+            out.flush()
+            time.sleep(PROBE_PERIOD_S)
 
 
 def load() -> str:
@@ -109,3 +166,7 @@ def _tree_ticks(root: int) -> dict[int, int]:
             out[pid] = ticks[pid]
             todo += children.get(pid, [])
     return out
+
+
+if __name__ == "__main__":
+    _probe(sys.argv[1])

@@ -16,7 +16,9 @@ six-proc points): on this saturated 2-core machine one set of procs can run a co
 point up to 68% slower than the next, for as long as it lives (4 Dec, docs/performance.md), so a
 point measured on one set does not repeat. Beside ``uptime`` every point
 records the cores its updates kept busy: the cluster's own, other processes' and steal
-(`benchmarks.machine.CpuMeter`), which says whether anything else was running. The points vary link
+(`benchmarks.machine.CpuMeter`), which says whether anything else was running, and how fast a
+core was while they ran (`benchmarks.machine.CoreProbe`, `Run.core_samples`; the progress line
+prints each set's median interpreter/copy ms). The points vary link
 rate (50 and 200 Mbit/s), round size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout
 replicas (1-4), trainer nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT
 spans over 10x. One point (`REPEATED`) is measured a second time at the end of its block: the
@@ -37,7 +39,10 @@ as before). The links are modelled with the token bucket the run recorded
 run recorded (`Run.cpus`, the one machine the emulated hosts run on); ``--shared-cpus N``
 models N instead (0: each worker its own core, as before). The fit reads the controller's
 cost per message from how far apart a step's workers start (`Overheads.stagger_s`);
-``--no-stagger`` fits none.
+``--no-stagger`` fits none. ``--cores``: the fitted CPU costs scaled by how much slower the
+cores ran in the predicted run than in the fit run (`core_factor`: the median over the points
+of each point's ratio, the ``cores`` column; `Overheads.on_slower_cores`), for runs that
+recorded it; the summary says how the points' core speeds and EWTTs moved together.
 
 ``--hops RUN`` prints every point's median gap between steps (``--rounds LABEL R...``: those
 rounds' spans); ``--stages RUN`` every point's write stages against their bytes at the link's
@@ -63,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from benchmarks.bench_cluster import attached  # noqa: E402
-from benchmarks.machine import CpuMeter, CpuUse, core_ms, load  # noqa: E402
+from benchmarks.machine import CoreProbe, CpuMeter, CpuUse, load  # noqa: E402
 from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
 from weightbridge.planning.simulate import simulate  # noqa: E402
@@ -153,7 +158,8 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
         last = max(i for i, q in enumerate(order) if q.mbit == p.mbit)
         order.insert(last + 1, replace(p, label=p.label + " again"))
     runs = []
-    with EmulatedCluster(8, link_mbit=order[0].mbit, insecure=True) as cluster:
+    with EmulatedCluster(8, link_mbit=order[0].mbit, insecure=True) as cluster, \
+            CoreProbe() as probe:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         for p in order:
@@ -162,9 +168,8 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
             rate = p.mbit * 1e6 / 8
             sets = spawns * p.spawn_factor
             plan, reports, use, core = None, [], [], []
-            for _ in range(sets):
-                core.append(core_ms())  # between sets: the last one stopped, the next not started
-                spawn_plan, spawn_reports, spawn_use = _spawn(cluster, p, updates)
+            for k in range(sets):
+                spawn_plan, spawn_reports, spawn_use, window = _spawn(cluster, p, updates)
                 if plan is not None and not _same_plan(plan, spawn_plan):
                     raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
                                      f"planning must be deterministic")
@@ -172,6 +177,7 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                     plan = spawn_plan
                 reports += spawn_reports
                 use.append(spawn_use)
+                core += [(k, s.interp_ms, s.copy_ms) for s in probe.samples(*window)]
             bad = [r for r in reports if r.mismatched]
             if bad:
                 raise SystemExit(f"[{p.label}] {bad[0].line()}")
@@ -181,19 +187,18 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
                             link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
                             spans=tuple(dict(r.timing.spans) for r in reports),
                             ewtt_s=tuple(r.timing.ewtt_s for r in reports),
-                            load=f"{load()}; {cores}; core {min(core):.1f}-{max(core):.1f} ms",
-                            spawns=sets))
+                            load=f"{load()}; {cores}", spawns=sets, core_samples=tuple(core)))
             print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
                   + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
                                         reports[k * updates:(k + 1) * updates])
-                               + f" (core {ms:.1f} ms)" for k, ms in enumerate(core))
+                               + f" (core {_core(core, k)})" for k in range(sets))
                   + f"; measured {runs[-1].measured_s:.3f}s  ({runs[-1].load})", flush=True)
     return runs
 
 
 def _spawn(cluster, p: Point, updates: int):
-    """(plan, reports, `CpuUse` over the updates) of ``updates`` updates of point ``p`` on
-    a fresh set of procs, stopped after."""
+    """(plan, reports, `CpuUse` over the updates, their (start, end) ``time.monotonic()``) of
+    ``updates`` updates of point ``p`` on a fresh set of procs, stopped after."""
     from controller.driver import MeshTransfer
     from meshes.spec import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
@@ -204,9 +209,18 @@ def _spawn(cluster, p: Point, updates: int):
         with MeshTransfer(tspec, rspec, p.model, procs=procs, config=config,
                           link_rate=p.mbit * 1e6 / 8) as mt:
             plan = mt.connect()
-            meter = CpuMeter()
+            meter, start = CpuMeter(), time.monotonic()
             reports = [mt.update(v) for v in range(1, updates + 1)]
-            return plan, reports, meter.read()  # read while the procs still run
+            # read while the procs still run
+            return plan, reports, meter.read(), (start, time.monotonic())
+
+
+def _core(samples, k: int) -> str:
+    """Set ``k``'s median `CoreProbe` times: ``"0.66/0.45 ms"`` (interpreter/copy)."""
+    mine = [s for s in samples if s[0] == k]
+    if not mine:
+        return "-"
+    return "/".join(f"{statistics.median(s[i] for s in mine):.2f}" for i in (1, 2)) + " ms"
 
 
 def _same_plan(a, b) -> bool:
@@ -218,9 +232,10 @@ def _same_plan(a, b) -> bool:
 
 
 def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Run], *,
-             fanout_s: float = 0.0, stagger: bool = True) -> dict:
+             fanout_s: float = 0.0, stagger: bool = True, cores: bool = False) -> dict:
     """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given; ``stagger``: fit the
-    stagger), predict ``runs``; print the table; the summary."""
+    stagger), predict ``runs`` (``cores``: the CPU costs scaled by how much slower the cores
+    ran than in ``reference``, `core_factor`); print the table; the summary."""
     fitted = [r for r in fit_runs if r.label in calibrate]
     if not fitted:
         raise SystemExit(f"--calibrate {list(calibrate)} names none of "
@@ -232,15 +247,27 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
     print(f"fitted on {[r.label for r in fitted]}: {overheads}")
     print(f"const = {const:.3f}s (mean measured EWTT of the calibration points); k x bare: "
           f"k = {scale:.3f} (their mean measured / no-overhead EWTT)")
-    before = {r.label: r.measured_s for r in reference}
+    before = {r.label: r for r in reference}
+    predicting = overheads
+    if cores:
+        factor = core_factor(runs, reference)
+        if factor is None:
+            raise SystemExit("--cores: these runs did not record how fast the cores were "
+                             "(Run.core_samples, collected since 4 Dec); collect them again "
+                             "or leave --cores out")
+        predicting = overheads.on_slower_cores(factor)
+        print(f"cores x{factor:.3f} as slow as in the fit run (the median of the points' "
+              f"ratios, column cores): CPU costs scaled to {predicting}")
     print(f"{'point':<22} {'held':>4} {'rounds':>6} {'measured':>8} {'predicted':>9} {'error':>7}"
           f" {'const err':>9} {'bare':>7} {'bare err':>8} {'k*bare err':>10} {'other run':>9}"
-          f" {'drift':>6} {'noise':>6}  load")
-    held, wins, kwins, drifts, repeated = [], 0, 0, [], []
+          f" {'drift':>6} {'noise':>6} {'cores':>6}  load")
+    held, wins, kwins, drifts, repeated, tracked = [], 0, 0, [], [], []
     for run in runs:
         cluster = point_cluster(run)
         m = run.measured_s
-        est = simulate(run.plan, cluster, overheads=overheads, depth=run.depth).ewtt
+        other = before.get(run.label)
+        ratio = core_ratio(run, other)
+        est = simulate(run.plan, cluster, overheads=predicting, depth=run.depth).ewtt
         bare = simulate(run.plan, cluster).ewtt
         err, cerr, berr = est / m - 1, const / m - 1, bare / m - 1
         kerr = scale * bare / m - 1
@@ -249,17 +276,20 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
             held.append(abs(err))
             wins += abs(err) < abs(cerr)
             kwins += abs(err) < abs(kerr)
-        other = before.get(run.label)
+        other = None if other is None else other.measured_s
         drift = "" if other is None else f"{100 * (m / other - 1):+5.1f}%"
         if other is not None:
             drifts.append(abs(m / other - 1))
+            if ratio is not None:
+                tracked.append((ratio, m / other))
             if is_held and abs(m / other - 1) <= REPEATS:
                 repeated.append(abs(err))
         print(f"{run.label:<22} {'yes' if is_held else 'no':>4} {run.plan.num_rounds:6d} "
               f"{m:7.3f}s {est:8.3f}s {100 * err:+6.1f}% {100 * cerr:+8.1f}% {bare:6.3f}s "
               f"{100 * berr:+7.1f}% {100 * kerr:+9.1f}% "
               f"{'' if other is None else f'{other:8.3f}s':>9} {drift:>6} "
-              f"{100 * _noise(run):5.1f}%  {run.load}")
+              f"{100 * _noise(run):5.1f}% {'' if ratio is None else f'x{ratio:.3f}':>6}  "
+              f"{run.load}")
     by = {r.label: r.measured_s for r in runs}
     again = by.get(REPEATED + " again")
     measured = [r.measured_s for r in runs]
@@ -281,7 +311,30 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
               f"other run): {len(repeated)} of {len(held)}; worst |error| "
               f"{100 * max(repeated, default=0.0):.1f}%, median "
               f"{100 * (statistics.median(repeated) if repeated else 0.0):.1f}%")
+    if len(tracked) > 2:
+        cores, ewtts = zip(*tracked)
+        print(f"cores slower by {min(cores):.3f}-{max(cores):.3f}x between the runs, EWTT by "
+              f"{min(ewtts):.3f}-{max(ewtts):.3f}x; correlation "
+              f"{statistics.correlation(cores, ewtts):+.2f} over {len(tracked)} points")
     return summary
+
+
+def core_ratio(run: Run, reference: Run | None) -> float | None:
+    """How much slower the cores ran at ``run``'s point than at the same point of
+    ``reference`` (`Run.core_ms`, a ratio); None where either did not record it."""
+    if reference is None or run.core_ms is None or reference.core_ms is None:
+        return None
+    return run.core_ms / reference.core_ms
+
+
+def core_factor(runs: list[Run], reference: list[Run]) -> float | None:
+    """How much slower the cores ran in ``runs`` than in ``reference``: the median over the
+    points both recorded of `core_ratio` (None: none did). One factor for the run: a point's
+    own ratio also moves with how busy it kept the cores (the probe's share of them), and
+    one ratio per point scattered twice as far as the points' EWTTs (runs 26-27)."""
+    by = {r.label: r for r in reference}
+    ratios = [x for x in (core_ratio(r, by.get(r.label)) for r in runs) if x is not None]
+    return statistics.median(ratios) if ratios else None
 
 
 def _noise(run: Run) -> float:
@@ -385,6 +438,9 @@ def main() -> int:
     parser.add_argument("--no-stagger", action="store_true",
                         help="fit no cost per control message (Overheads.stagger_s 0: the "
                              "model before it)")
+    parser.add_argument("--cores", action="store_true",
+                        help="scale each point's fitted CPU costs by how much slower its "
+                             "cores ran than at the same point of the fit run (Run.core_ms)")
     parser.add_argument("--no-burst", action="store_true",
                         help="model the links without their token bucket (as before it was "
                              "modelled): every byte at the link's rate")
@@ -420,7 +476,7 @@ def main() -> int:
                               for rs in (fit_runs, runs))
         print(f"fit: {args.fit_from}; predict: {args.predict}")
         validate(fit_runs, runs, args.calibrate, fit_runs, fanout_s=args.fanout_s,
-                 stagger=not args.no_stagger)
+                 stagger=not args.no_stagger, cores=args.cores)
     return 0
 
 

@@ -1,12 +1,13 @@
 """`benchmarks.machine`: the cores a benchmark's own process tree kept busy, apart from everything
-else on the machine, and how fast one core is right now."""
+else on the machine, and how fast a core was while it ran."""
 
-import os
 import subprocess
 import sys
 import time
 
-from benchmarks.machine import CpuMeter, core_ms, load
+import pytest
+
+from benchmarks.machine import PROBE_PERIOD_S, CoreProbe, CpuMeter, load
 
 SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass"
 
@@ -36,17 +37,28 @@ def test_load_reads_uptime():
     assert load().startswith("load ") and load().count(",") == 2
 
 
-def test_core_ms_is_slower_with_the_cores_taken():
-    idle = core_ms()
-    assert idle > 0
-    # Every core spun by another process: the probe's core is shared, so its work takes longer.
-    spinners = [subprocess.Popen([sys.executable, "-c", SPIN.format(s=30)])
-                for _ in range(2 * (os.cpu_count() or 1))]
+def test_core_probe_samples_an_interval_every_period():
+    with CoreProbe() as probe:
+        time.sleep(0.5)  # the child starts
+        start = time.monotonic()
+        time.sleep(10 * PROBE_PERIOD_S)
+        end = time.monotonic()
+        samples = probe.samples(start, end)
+        later = probe.samples(end, end + 3600)
+    # about one a period (a loaded machine may delay a few)
+    assert 5 <= len(samples) <= 11, samples
+    assert all(start <= s.at <= end for s in samples)
+    assert [s.at for s in samples] == sorted(s.at for s in samples)
+    assert all(s.interp_ms > 0 and s.copy_ms > 0 for s in samples)
+    assert len(later) <= 1
+
+
+def test_a_dead_probe_is_reported_not_read_as_no_samples():
+    probe = CoreProbe()
     try:
-        time.sleep(0.5)
-        busy = core_ms()
+        probe._child.kill()
+        probe._child.wait()
+        with pytest.raises(RuntimeError, match="probe exited"):
+            probe.samples(0.0, time.monotonic())
     finally:
-        for child in spinners:
-            child.kill()
-            child.wait()
-    assert busy > 1.3 * idle, (idle, busy)
+        probe.close()

@@ -44,6 +44,20 @@ def test_goodput_and_control_latency_add_what_they_cost():
                                       rel=1e-6)
 
 
+def test_slower_cores_stretch_what_a_cpu_pays_and_not_the_links():
+    plan = _plan(1, 1, round_bytes=2 * MODEL)  # one round, as above
+    fitted = Overheads(control_s=0.01, copy_bandwidth=1e7, link_efficiency=0.5)
+    slower = fitted.on_slower_cores(2.0)
+    assert (slower.control_s, slower.copy_bandwidth, slower.link_efficiency) == (0.02, 5e6, 0.5)
+    est = simulate(plan, LINK, overheads=slower, depth=2)
+    # the two copies and two control latencies take twice as long; the link's half rate stays
+    assert est.ewtt == pytest.approx(2 * MODEL / 5e6 + MODEL / 0.5e6 + 2 * 0.02, rel=1e-6)
+    assert fitted.on_slower_cores(0.5).on_slower_cores(2.0) == fitted
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="positive finite"):
+            fitted.on_slower_cores(bad)
+
+
 def test_writes_sharing_a_link_split_it_and_pay_the_flow_penalty():
     plan = _plan(2, 1, round_bytes=2 * MODEL)  # two trainers into one rollout link
     fair = simulate(plan, LINK, overheads=Overheads(), depth=2)
@@ -292,3 +306,11 @@ def test_a_run_on_several_sets_of_procs_drops_each_sets_first_update():
     for spawns in (0, 4):
         with pytest.raises(ValueError, match="spawns of equal length"):
             dataclasses.replace(run, spawns=spawns)
+
+
+def test_a_runs_core_speed_is_its_probes_median_interpreter_time():
+    run = Run(label="x", plan=_plan(1, 1), link_rate=1e6, depth=2, spans=(), ewtt_s=(1.0,),
+              load="")
+    assert run.core_ms is None  # not recorded (runs before the probe)
+    probed = dataclasses.replace(run, core_samples=((0, 0.6, 0.4), (0, 0.9, 0.5), (1, 0.5, 9.0)))
+    assert probed.core_ms == 0.6

@@ -89,6 +89,10 @@ class Run:
     """Fresh sets of procs the point ran on, one after another, each for an equal share of
     the updates (in order): how fast a saturated machine serves a set of procs varies from
     one set to the next, so a point measured on one set need not repeat on another."""
+    core_samples: tuple[tuple[int, float, float], ...] = ()
+    """(set of procs, interpreter ms, copy ms) of each run of a fixed piece of work, timed in
+    CPU time every 0.1 s while the point's updates ran (`benchmarks.machine.CoreProbe`): how
+    fast a core was, apart from how busy (empty: not recorded, runs before 4 Dec)."""
 
     def __post_init__(self) -> None:
         if self.spawns < 1 or len(self.ewtt_s) % self.spawns:
@@ -106,6 +110,15 @@ class Run:
     def measured_s(self) -> float:
         """Median of `measured_ewtt_s`."""
         return statistics.median(self.measured_ewtt_s)
+
+    @property
+    def core_ms(self) -> float | None:
+        """Median interpreter ms of `core_samples` (None: not recorded): compared between two
+        runs of the same point, how much slower the cores were in one (the probe's own share
+        of a busy machine is the same in both)."""
+        if not self.core_samples:
+            return None
+        return statistics.median(s[1] for s in self.core_samples)
 
     def updates(self) -> tuple[Mapping, ...]:
         """The spans of the updates the fit uses (those of `measured_ewtt_s`)."""
