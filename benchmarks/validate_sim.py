@@ -439,8 +439,9 @@ def main() -> int:
                         help="fit no cost per control message (Overheads.stagger_s 0: the "
                              "model before it)")
     parser.add_argument("--cores", action="store_true",
-                        help="scale each point's fitted CPU costs by how much slower its "
-                             "cores ran than at the same point of the fit run (Run.core_ms)")
+                        help="scale the fitted CPU costs by how much slower the cores ran "
+                             "than in the fit run (the median over the points of each one's "
+                             "Run.core_ms ratio)")
     parser.add_argument("--no-burst", action="store_true",
                         help="model the links without their token bucket (as before it was "
                              "modelled): every byte at the link's rate")

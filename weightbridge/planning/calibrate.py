@@ -92,7 +92,8 @@ class Run:
     core_samples: tuple[tuple[int, float, float], ...] = ()
     """(set of procs, interpreter ms, copy ms) of each run of a fixed piece of work, timed in
     CPU time every 0.1 s while the point's updates ran (`benchmarks.machine.CoreProbe`): how
-    fast a core was, apart from how busy (empty: not recorded, runs before 4 Dec)."""
+    fast a core was. How busy the cores were moves it too, so compare it only with the same
+    point of another run (empty: not recorded, runs before 4 Dec)."""
 
     def __post_init__(self) -> None:
         if self.spawns < 1 or len(self.ewtt_s) % self.spawns:
