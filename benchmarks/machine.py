@@ -55,17 +55,20 @@ class CoreProbe:
     `samples` gives those that ran in an interval. Each costs about 1 ms of one core."""
 
     def __init__(self) -> None:
+        # The child appends to the log; this handle reads on from where it last stopped.
         self._log = tempfile.NamedTemporaryFile("r", prefix="core-probe-", suffix=".txt")
         self._child = subprocess.Popen([sys.executable, __file__, self._log.name],
                                        stdin=subprocess.DEVNULL)
+        self._taken: list[CoreSample] = []
+        self._partial = ""  # a line the child had not finished writing
 
     def samples(self, start: float, end: float) -> list[CoreSample]:
         """The samples taken between ``start`` and ``end`` (``time.monotonic()``)."""
         if self._child.poll() is not None:
             raise RuntimeError(f"the core probe exited with {self._child.returncode}")
-        rows = (line.split() for line in Path(self._log.name).read_text().splitlines())
-        return [CoreSample(*map(float, row)) for row in rows
-                if len(row) == 3 and start <= float(row[0]) <= end]
+        *lines, self._partial = (self._partial + self._log.read()).split("\n")
+        self._taken += [CoreSample(*map(float, line.split())) for line in lines]
+        return [s for s in self._taken if start <= s.at <= end]
 
     def close(self) -> None:
         self._child.kill()

@@ -265,8 +265,7 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
     for run in runs:
         cluster = point_cluster(run)
         m = run.measured_s
-        other = before.get(run.label)
-        ratio = core_ratio(run, other)
+        ratio = core_ratio(run, before.get(run.label))
         est = simulate(run.plan, cluster, overheads=predicting, depth=run.depth).ewtt
         bare = simulate(run.plan, cluster).ewtt
         err, cerr, berr = est / m - 1, const / m - 1, bare / m - 1
@@ -276,7 +275,7 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
             held.append(abs(err))
             wins += abs(err) < abs(cerr)
             kwins += abs(err) < abs(kerr)
-        other = None if other is None else other.measured_s
+        other = before[run.label].measured_s if run.label in before else None
         drift = "" if other is None else f"{100 * (m / other - 1):+5.1f}%"
         if other is not None:
             drifts.append(abs(m / other - 1))
