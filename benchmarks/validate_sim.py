@@ -4,6 +4,8 @@
         --collect out/validate_sim/run1.pkl                    # ~22-25 min, needs root
     flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
         --collect out/validate_sim/run2.pkl
+    flock /tmp/wb-cluster.lock .venv/bin/python benchmarks/validate_sim.py \
+        --collect out/validate_sim/run3.pkl out/validate_sim/run4.pkl   # interleaved
     .venv/bin/python benchmarks/validate_sim.py --fit-from out/validate_sim/run1.pkl \\
         --predict out/validate_sim/run2.pkl
 
@@ -22,7 +24,11 @@ prints each set's median interpreter/copy ms). The points vary link
 rate (50 and 200 Mbit/s), round size (64 KiB - 1 MiB), model (tiny: 2.6 MB, medium: 18 MB), rollout
 replicas (1-4), trainer nodes (1-4), procs per rollout node (1-2) and depth (2-3); measured EWTT
 spans over 10x. One point (`REPEATED`) is measured a second time at the end of its block: the
-machine's own drift.
+machine's own drift. ``--collect RUN1 RUN2`` collects two runs at once, interleaved: each
+point's sets alternate between them, so both runs see the same machine through every point
+and differ only by their sets of procs; predicting one from the other then measures
+the model's error without the machine's drift between two runs taken minutes apart (~32 min:
+1889 s on 5 Dec).
 
 ``--fit-from RUN1 --predict RUN2`` fits `Overheads` on the calibration points (``--calibrate``,
 default `CALIBRATION`) of RUN1 only, and predicts every point of RUN2, a separate run. Per
@@ -142,11 +148,14 @@ def set_rate(cluster, mbit: float) -> None:
                     str(int(cluster.link_bytes_per_s * QUEUE_S)), ns=ns)
 
 
-def collect(points, updates: int, spawns: int) -> list[Run]:
-    """Every point (and `REPEATED` again), WeightBridge only: plan, rate and spans of
-    ``updates`` updates on each of ``spawns`` fresh sets of procs."""
-    from controller.cluster import (TRANSPORT_ENV, EmulatedCluster, link_burst_bytes,
-                                    unavailable_reason)
+def collect(points, updates: int, spawns: int, runs: int = 1) -> list[list[Run]]:
+    """``runs`` runs of every point (and `REPEATED` again), WeightBridge only: plan, rate and
+    spans of ``updates`` updates on each of ``spawns`` fresh sets of procs per run.
+
+    With ``runs`` > 1 a point's sets alternate between the runs (set k goes to run
+    k % ``runs``), so the runs see the same machine through every point: what still differs
+    between them is their sets of procs, not the machine's drift from one run to the next."""
+    from controller.cluster import TRANSPORT_ENV, EmulatedCluster, unavailable_reason
 
     reason = unavailable_reason()
     if reason:
@@ -157,7 +166,7 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
         p = order[rep[0]]
         last = max(i for i, q in enumerate(order) if q.mbit == p.mbit)
         order.insert(last + 1, replace(p, label=p.label + " again"))
-    runs = []
+    collected = [[] for _ in range(runs)]
     with EmulatedCluster(8, link_mbit=order[0].mbit, insecure=True) as cluster, \
             CoreProbe() as probe:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
@@ -165,35 +174,49 @@ def collect(points, updates: int, spawns: int) -> list[Run]:
         for p in order:
             if p.mbit != cluster.link_mbit:
                 set_rate(cluster, p.mbit)
-            rate = p.mbit * 1e6 / 8
             sets = spawns * p.spawn_factor
-            plan, reports, use, core = None, [], [], []
-            for k in range(sets):
+            plan = None
+            reports, use, core = ([[] for _ in range(runs)] for _ in range(3))
+            for k in range(sets * runs):
                 spawn_plan, spawn_reports, spawn_use, window = _spawn(cluster, p, updates)
                 if plan is not None and not _same_plan(plan, spawn_plan):
                     raise SystemExit(f"[{p.label}] a fresh set of procs planned differently; "
                                      f"planning must be deterministic")
                 if plan is None:
                     plan = spawn_plan
-                reports += spawn_reports
-                use.append(spawn_use)
-                core += [(k, s.interp_ms, s.copy_ms) for s in probe.samples(*window)]
-            bad = [r for r in reports if r.mismatched]
-            if bad:
-                raise SystemExit(f"[{p.label}] {bad[0].line()}")
-            cores = CpuUse(*(statistics.mean(getattr(u, f) for u in use)
-                             for f in ("ours", "others", "steal")))
-            runs.append(Run(label=p.label, plan=plan, link_rate=rate, depth=p.depth,
-                            link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
-                            spans=tuple(dict(r.timing.spans) for r in reports),
-                            ewtt_s=tuple(r.timing.ewtt_s for r in reports),
-                            load=f"{load()}; {cores}", spawns=sets, core_samples=tuple(core)))
-            print(f"[{p.label}] {plan.num_rounds} rounds, EWTT "
-                  + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
-                                        reports[k * updates:(k + 1) * updates])
-                               + f" (core {_core(core, k)})" for k in range(sets))
-                  + f"; measured {runs[-1].measured_s:.3f}s  ({runs[-1].load})", flush=True)
-    return runs
+                j = k % runs
+                reports[j] += spawn_reports
+                use[j].append(spawn_use)
+                core[j] += [(k // runs, s.interp_ms, s.copy_ms) for s in probe.samples(*window)]
+            for j in range(runs):
+                collected[j].append(_point_run(p, plan, reports[j], use[j], core[j], sets,
+                                               f" (run {j + 1} of {runs})" if runs > 1 else ""))
+    return collected
+
+
+def _point_run(p: Point, plan, reports, use, core, sets: int, which: str) -> Run:
+    """Point ``p``'s `Run` from its ``sets`` sets' reports, `CpuUse` and probe samples,
+    after checking every update's bits; prints its progress line."""
+    from controller.cluster import link_burst_bytes
+
+    bad = [r for r in reports if r.mismatched]
+    if bad:
+        raise SystemExit(f"[{p.label}] {bad[0].line()}")
+    cores = CpuUse(*(statistics.mean(getattr(u, f) for u in use)
+                     for f in ("ours", "others", "steal")))
+    rate = p.mbit * 1e6 / 8
+    run = Run(label=p.label, plan=plan, link_rate=rate, depth=p.depth,
+              link_burst=link_burst_bytes(rate), cpus=os.cpu_count(),
+              spans=tuple(dict(r.timing.spans) for r in reports),
+              ewtt_s=tuple(r.timing.ewtt_s for r in reports),
+              load=f"{load()}; {cores}", spawns=sets, core_samples=tuple(core))
+    per_set = len(reports) // sets
+    print(f"[{p.label}]{which} {plan.num_rounds} rounds, EWTT "
+          + " | ".join(" ".join(f"{r.timing.ewtt_s:.3f}s" for r in
+                                reports[k * per_set:(k + 1) * per_set])
+                       + f" (core {_core(core, k)})" for k in range(sets))
+          + f"; measured {run.measured_s:.3f}s  ({run.load})", flush=True)
+    return run
 
 
 def _spawn(cluster, p: Point, updates: int):
@@ -412,7 +435,10 @@ def show_rounds(runs: list[Run], label: str, rounds) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--collect", help="run every point and pickle the runs to this path")
+    parser.add_argument("--collect", nargs="+", metavar="PATH",
+                        help="run every point and pickle the runs to this path; given two "
+                             "paths or more, collect that many runs at once, each point's "
+                             "sets alternating between them (same machine, separate sets)")
     parser.add_argument("--updates", type=int, default=3,
                         help="updates per spawn; a point's EWTT is the median over its "
                              "spawns of all updates but each spawn's first")
@@ -451,14 +477,19 @@ def main() -> int:
     if args.spawns < 1:
         parser.error(f"--spawns must be >= 1, got {args.spawns}")
     if args.collect:
+        paths = [Path(c) for c in args.collect]
+        if len(set(p.resolve() for p in paths)) < len(paths):
+            parser.error(f"--collect got the same path twice ({' '.join(args.collect)}); give "
+                         f"each interleaved run its own file")
         t0 = time.perf_counter()
         print(f"collect: {load()}", flush=True)
         points = [p for p in POINTS if not args.points or p.label in args.points]
-        runs = collect(points, args.updates, args.spawns)
-        Path(args.collect).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.collect).write_bytes(pickle.dumps(runs))
-        print(f"collected {len(runs)} points in {time.perf_counter() - t0:.0f}s -> "
-              f"{args.collect}  ({load()})")
+        collected = collect(points, args.updates, args.spawns, len(paths))
+        for path, runs in zip(paths, collected):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(pickle.dumps(runs))
+        print(f"collected {len(collected[0])} points in {time.perf_counter() - t0:.0f}s -> "
+              f"{' '.join(args.collect)}  ({load()})")
     if args.stages:
         stages(load_runs(args.stages))
     if args.hops and args.rounds:
