@@ -126,7 +126,7 @@ CALIBRATION = ("200M tiny r1", "50M med r1", "50M med t4", "50M tiny t1 r3 64K",
 64K``, added on 3 Dec with the links' token bucket (chosen on runs 7 and 8, before runs 11
 and 12 were collected), is the only one whose writes fit the bucket: it shows the cost of a
 write that the link-bound points hide. ``200M tiny t2 r4 128K``, added on 5 Dec (chosen on
-runs 30-33, before runs 34 and 35 were collected), is six procs bound by the controller's
+runs 30-33, before runs 34-37 were collected), is six procs bound by the controller's
 messages: their cost per message moves by a third from one half hour to the next on a
 saturated 2-core machine while the other calibration points stay put, so without such a
 point the fit sees only one state of the machine (docs/performance.md)."""
