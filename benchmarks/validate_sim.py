@@ -264,10 +264,11 @@ def validate(fit_runs: list[Run], runs: list[Run], calibrate, reference: list[Ru
     """Fit on ``calibrate`` of ``fit_runs`` (``fanout_s`` given; ``stagger``: fit the
     stagger), predict ``runs`` (``cores``: the CPU costs scaled by how much slower the cores
     ran than in ``reference``, `core_factor`); print the table; the summary."""
-    unknown = [c for c in calibrate if c not in {r.label for r in fit_runs}]
+    labels = [r.label for r in fit_runs]
+    unknown = [c for c in calibrate if c not in labels]
     if unknown:
         raise SystemExit(f"--calibrate names {unknown}, not points of the fit run; its points "
-                         f"are {[r.label for r in fit_runs]} (quote each label whole)")
+                         f"are {labels} (quote each label whole)")
     fitted = [r for r in fit_runs if r.label in calibrate]
     overheads = fit_overheads(fitted, fanout_s=fanout_s, stagger=stagger)
     const = statistics.mean(r.measured_s for r in fitted)
