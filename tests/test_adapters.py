@@ -44,7 +44,8 @@ def _reference(rank_in_engine: int) -> dict[int, dict[str, torch.Tensor]]:
 REFERENCE = {k: _reference(k) for k in range(ENGINE_TP)}
 
 
-def _group(options: TransferConfig, hook=None, receiver_cls=lambda rank: ReceiverAdapter):
+def _group(options: TransferConfig, hook=None, receiver_cls=lambda rank: ReceiverAdapter,
+           after=None):
     """Trainers and engines on one LocalControl; ``receiver_cls(rank)`` picks each rollout's
     adapter class (tests substitute faulty ones)."""
     control = LocalControl()
@@ -63,7 +64,9 @@ def _group(options: TransferConfig, hook=None, receiver_cls=lambda rank: Receive
             rollouts.append((shard, control.add(receiver_cls(e * ENGINE_TP + k)(
                 shard.params, shard.load_weights, SPEC, rank=e * ENGINE_TP + k, engine=e,
                 engine_rank=k, engine_size=ENGINE_TP, control=control,
-                transport=control.transport, config=options, before_update_hook=hook))))
+                transport=control.transport, config=options, before_update_hook=hook,
+                after_update_hook=None if after is None else
+                (lambda v, shard=shard, k=k: after(shard, k, v))))))
     return control, trainers, rollouts
 
 
@@ -72,10 +75,11 @@ def _same(params, want) -> bool:
                for n in want)
 
 
-def _run(options: TransferConfig, num_versions: int = NUM_VERSIONS, *, hook=None):
+def _run(options: TransferConfig, num_versions: int = NUM_VERSIONS, *, hook=None, after=None):
     """Trainers send versions 1..n while the engines generate; returns the adapters and, per
-    engine, the set of versions seen by its ranks at every step."""
-    control, trainers, rollouts = _group(options, hook)
+    engine, the set of versions seen by its ranks at every step. ``after(shard, engine_rank,
+    version)`` is every receiver's after_update_hook."""
+    control, trainers, rollouts = _group(options, hook, after=after)
     connect = [threading.Thread(target=a.connect) for _, a in trainers]
     for t in connect:
         t.start()
@@ -198,10 +202,11 @@ MODES = {"sync": (False, False), "ss": (True, False), "rs": (False, True), "asyn
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_mode_installs_bit_exact_versions_in_order_one_version_per_engine_step(mode):
     ss, rs = MODES[mode]
-    hooked = []
+    hooked, after = [], []
     control, trainers, rollouts, steps = _run(
         TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
-                       timeout_s=30), hook=hooked.append)
+                       timeout_s=30), hook=hooked.append,
+        after=lambda shard, k, v: after.append((v, _same(shard.params, REFERENCE[k][v]))))
     for (engine, step), versions in steps.items():
         assert len(versions) == 1, f"engine {engine} ran step {step} with versions {versions}"
     for _, a in rollouts:
@@ -212,6 +217,9 @@ def test_every_mode_installs_bit_exact_versions_in_order_one_version_per_engine_
     # RS: the transfer may then carry a newer staged version, which poll_requests returns).
     installs = sorted(v for v, seqs in _installed(rollouts).items() for _ in seqs)
     assert len(hooked) == len(installs) and sorted(hooked) <= installs
+    # The after-hook ran once per install with the version installed, and found it whole in
+    # the parameters (where an engine rebuilds what it derives from its weights).
+    assert sorted(v for v, _ in after) == installs and all(whole for _, whole in after), after
     assert control.transport.bytes_written > 0
 
 

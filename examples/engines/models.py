@@ -8,7 +8,9 @@ and dtypes (`checkpoint_spec`), and deterministic pseudo-random checkpoints per 
 Sizes are chosen to exercise the engines' layout transformations on 2 CPU cores: a vocabulary of
 120 that vLLM pads to 128, 2 kv heads (replicated once TP exceeds 2), 4 routed experts (EP splits
 them in blocks), DeepSeek-V3's MLA with a q LoRA rank (fused ``q_a_proj`` +
-``kv_a_proj_with_mqa``), one shared expert and one dense first layer.
+``kv_a_proj_with_mqa``), one shared expert and one dense first layer. The Qwen3 models have
+head_dim 32, the smallest vLLM's CPU attention runs, so their engines generate
+(`vllm_engine`); ``qwen3`` is the dense model the GRPO example trains (`examples/grpo`).
 
 Typical usage::
 
@@ -28,7 +30,7 @@ import torch
 
 from weightbridge import CheckpointSpec, TensorSpec
 
-MODELS = ("qwen3_moe", "deepseek_v3")
+MODELS = ("qwen3", "qwen3_moe", "deepseek_v3")
 
 _COMMON = {
     "vocab_size": 120,  # not a multiple of 64: vLLM pads the embedding and lm_head rows
@@ -44,13 +46,26 @@ _COMMON = {
     "eos_token_id": 1,
 }
 
+_QWEN3_ATTENTION = {
+    "num_key_value_heads": 2,
+    "head_dim": 32,  # vLLM's CPU attention refuses head_dim 16 (generation needs >= 32)
+    "attention_bias": False,
+    "rope_theta": 1_000_000.0,
+}
+
 _CONFIGS: dict[str, dict] = {
+    "qwen3": {
+        **_COMMON,
+        **_QWEN3_ATTENTION,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "intermediate_size": 128,
+    },
     "qwen3_moe": {
         **_COMMON,
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
-        "num_key_value_heads": 2,
-        "head_dim": 16,
+        **_QWEN3_ATTENTION,
         "intermediate_size": 128,  # dense MLP size; unused while every layer is MoE
         "moe_intermediate_size": 32,
         "num_experts": 4,
@@ -58,8 +73,6 @@ _CONFIGS: dict[str, dict] = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "norm_topk_prob": True,
-        "attention_bias": False,
-        "rope_theta": 1_000_000.0,
     },
     "deepseek_v3": {
         **_COMMON,
@@ -141,6 +154,15 @@ def checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def write_checkpoint_dir(model: str, state: dict[str, torch.Tensor],
+                         directory: str | Path) -> Path:
+    """``config.json`` and ``model.safetensors`` of ``state``: what a vLLM engine loads from
+    disk (`vllm_engine.VllmEngine`). Returns the directory."""
+    write_config(model, directory)
+    write_safetensors(state, directory)
+    return Path(directory)
+
+
 def write_safetensors(state: dict[str, torch.Tensor], directory: str | Path,
                       filename: str = "model.safetensors") -> Path:
     """Save ``state`` as one safetensors file in ``directory``; returns the file's path."""
@@ -164,7 +186,7 @@ def _config(model: str) -> dict:
 
 def _attention(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
-    if cfg["model_type"] == "qwen3_moe":
+    if cfg["model_type"] in ("qwen3", "qwen3_moe"):
         hd, nkv = cfg["head_dim"], cfg["num_key_value_heads"]
         return [("q_proj.weight", (nh * hd, h)), ("k_proj.weight", (nkv * hd, h)),
                 ("v_proj.weight", (nkv * hd, h)), ("o_proj.weight", (h, nh * hd)),
@@ -179,6 +201,8 @@ def _attention(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
 
 def _mlp(cfg: dict, layer: int) -> list[tuple[str, tuple[int, ...]]]:
     h = cfg["hidden_size"]
+    if cfg["model_type"] == "qwen3":
+        return _ffn("", h, cfg["intermediate_size"])
     if cfg["model_type"] == "qwen3_moe":
         experts, shared, dense = cfg["num_experts"], 0, layer in cfg["mlp_only_layers"]
     else:

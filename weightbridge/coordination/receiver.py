@@ -35,7 +35,7 @@ class ReceiverAdapter(AdapterWorker):
     def __init__(self, params, load_weights, spec, *, rank: int, engine: int, engine_rank: int,
                  engine_size: int, control, transport, config: TransferConfig = TransferConfig(),
                  placement: Placement | None = None, before_update_hook=None,
-                 kernels: CopyKernels | None = None):
+                 after_update_hook=None, kernels: CopyKernels | None = None):
         super().__init__(params, load_weights, spec, rank=rank,
                          placement=placement or Placement(f"rollout-e{engine}", engine=engine),
                          control=control, transport=transport, config=config, kernels=kernels)
@@ -48,7 +48,13 @@ class ReceiverAdapter(AdapterWorker):
                              f"engine_rank, with 0 <= engine_rank < engine_size")
         self.engine_size = engine_size
         self.engine, self.engine_rank = engine, engine_rank
+        for name, hook in (("before_update_hook", before_update_hook),
+                           ("after_update_hook", after_update_hook)):
+            if hook is not None and not callable(hook):
+                raise ValueError(f"{name} must be a callable taking the version (or None), "
+                                 f"got {type(hook).__name__}")
         self.before_update_hook = before_update_hook
+        self.after_update_hook = after_update_hook
         self.versions = WorkerVersions()
         self.coordinator = EngineCoordinator(engine_size) if engine_rank == 0 else None
         self.step = 0
@@ -72,7 +78,11 @@ class ReceiverAdapter(AdapterWorker):
         Rank 0 turns the sender's newest offer into a relay for the next step. The install is
         a join of the running transfer (sync, SS: blocks until the bytes are in the parameters)
         or a local copy out of a staging slot (RS, async). ``before_update_hook(version)`` runs
-        first.
+        first (drop what the old weights computed: a prefix cache); ``after_update_hook(
+        version)`` runs once the version is whole in the parameters, before this call returns
+        (rebuild what the engine derives from its weights: packed copies, scales). If the
+        after-hook raises, the error propagates with the version already installed
+        (``version`` says so): run no inference step before that derived state is rebuilt.
 
         Bytes enter the parameters only inside this call (or `wait_for_version`): a poll that
         gives up waiting for a transfer leaves it before any byte moves toward this worker,
@@ -133,6 +143,8 @@ class ReceiverAdapter(AdapterWorker):
         self._log(("installed", version))
         self._call_engine(engine_workers(self.control, self.engine)[:1], PeerCall.INSTALLED,
                           self.engine_rank, version)
+        if self.after_update_hook is not None:
+            self.after_update_hook(version)
         return version
 
     def _join(self, due: Relay) -> int:

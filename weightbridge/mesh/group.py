@@ -199,9 +199,10 @@ class TransferGroup:
         return worker
 
     def receiver(self, params, load_weights, spec, *, placement: Placement | None = None,
-                 before_update_hook=None, kernels=None, cls=None):
+                 before_update_hook=None, after_update_hook=None, kernels=None, cls=None):
         """This rollout rank's `ReceiverAdapter` (or ``cls``, a subclass); its engine and
-        engine rank follow from its flat rank and ``engine_size``."""
+        engine rank follow from its flat rank and ``engine_size``. The hooks run around each
+        install (`ReceiverAdapter.poll_requests`)."""
         from weightbridge.coordination.receiver import ReceiverAdapter
 
         rank = current_rank().rank + self.rollout_base
@@ -209,7 +210,8 @@ class TransferGroup:
                                  engine=rank // self.engine_size,
                                  engine_rank=rank % self.engine_size,
                                  engine_size=self.engine_size, placement=placement,
-                                 before_update_hook=before_update_hook, kernels=kernels,
+                                 before_update_hook=before_update_hook,
+                                 after_update_hook=after_update_hook, kernels=kernels,
                                  **self._wiring())
         register(self.name, worker)
         return worker
