@@ -5,6 +5,7 @@
 #   bash scripts/dev.sh test [ARGS]  set up, then run the test suite (ARGS go to pytest)
 #   bash scripts/dev.sh engines      set up, then add the real engines (vLLM CPU, torchtitan)
 #   bash scripts/dev.sh engines-test [ARGS]  set up with engines, run tests/engines
+#   bash scripts/dev.sh grpo [ARGS]  set up with engines, then the GRPO example (examples/grpo)
 #   bash scripts/dev.sh gpu-check [ARGS]     set up, then the GPU check (one GPU, under 8 min;
 #                                            says so and exits 0 without CUDA)
 set -euo pipefail
@@ -50,7 +51,8 @@ case "$cmd" in
   test)  setup; exec "$PY" -m pytest "$@" ;;
   engines) engines ;;
   engines-test) engines; exec "$PY" -m pytest -m engines tests/engines "$@" ;;
+  grpo) engines; exec "$PY" -m examples.grpo "$@" ;;
   gpu-check) setup; exec "$PY" benchmarks/gpu_check.py "$@" ;;
-  *) echo "usage: bash scripts/dev.sh {setup|run|test|engines|engines-test|gpu-check} [ARGS]" >&2
+  *) echo "usage: bash scripts/dev.sh {setup|run|test|engines|engines-test|grpo|gpu-check} [ARGS]" >&2
      exit 2 ;;
 esac

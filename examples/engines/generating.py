@@ -74,18 +74,26 @@ class CheckpointTrainer(Actor):
 
 
 class GeneratingRollout(Actor):
-    """One TP rank of a generating vLLM engine; engine e's ranks rendezvous on ports[e]."""
+    """One TP rank of a generating vLLM engine; engine e's ranks rendezvous on ports[e].
+    ``spec``: the checkpoint the trainers send (default: the model's bf16 checkpoint; an fp32
+    trainer's is float32, which vLLM's loaders cast)."""
 
-    def __init__(self, model: str, model_dir: str, tp: int, ports: list[int]):
+    def __init__(self, model: str, model_dir: str, tp: int, ports: list[int], spec=None):
         self.model, self.model_dir, self.tp, self.ports = model, model_dir, tp, ports
+        self.spec = spec or models.checkpoint_spec(model)
         self.engine = None
 
     @endpoint
-    def setup(self, group) -> None:
+    def setup(self, group=None) -> None:
         """Build this rank of its engine from ``model_dir`` (collective over the engine: call
-        on the whole mesh), then its receiver with the engine's hooks."""
+        on the whole mesh), then its receiver with the engine's hooks (none without a group:
+        an engine that only loaded from disk)."""
         from examples.engines.vllm_engine import VllmEngine
 
+        if group is None:
+            self.engine = VllmEngine(self.model_dir, rank=current_rank().rank % self.tp,
+                                     world_size=self.tp, master_port=self.ports[0])
+            return
         if group.engine_size != self.tp:
             raise ValueError(f"the transfer group has engines of {group.engine_size} ranks but "
                              f"these vLLM engines have TP {self.tp}; pass engine_size={self.tp} "
@@ -93,8 +101,7 @@ class GeneratingRollout(Actor):
         engine, rank = divmod(current_rank().rank, self.tp)
         self.engine = VllmEngine(self.model_dir, rank=rank, world_size=self.tp,
                                  master_port=self.ports[engine])
-        self.adapter = group.receiver(self.engine.params, self.engine.load_weights,
-                                      models.checkpoint_spec(self.model),
+        self.adapter = group.receiver(self.engine.params, self.engine.load_weights, self.spec,
                                       before_update_hook=self.engine.before_update,
                                       after_update_hook=self.engine.after_update)
 
@@ -108,6 +115,25 @@ class GeneratingRollout(Actor):
     def generate(self, prompts, max_tokens: int, top_k: int):
         """Greedy generation with the top-k logprobs at each position."""
         return self.engine.generate(prompts, max_tokens=max_tokens, logprobs=top_k)
+
+    @endpoint
+    def sample(self, prompts, max_tokens: int, seeds: list[int], poll: bool
+               ) -> tuple[int, list[list[int]]]:
+        """One sampled completion per prompt (temperature 1, ``seeds[i]`` for prompt i, so
+        every TP rank samples alike). ``poll``: first ``poll_requests()``, the point between
+        generation steps where the engine may switch version. Returns (version, tokens)."""
+        if poll:
+            self.adapter.poll_requests()
+        outs = self.engine.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seeds)
+        return self.adapter.version, [list(o.token_ids) for o in outs]
+
+    @endpoint
+    def digest(self) -> dict[str, str]:
+        """SHA-256 of every parameter's bytes, by name."""
+        import hashlib
+
+        return {n: hashlib.sha256(p.detach().contiguous().view(torch.uint8).numpy()).hexdigest()
+                for n, p in self.engine.params.items()}
 
     @endpoint
     def close(self) -> None:
@@ -213,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         tprocs.stop().get(timeout=60)
     for v, outs in result.completions.items():
         print(f"v{v}: send_weights {result.send_s[v - 1]:.2f}s | tokens "
-              f"{[list(o[0].token_ids) for o in outs][:2]} ...")
+              f"{[list(o.token_ids) for o in outs][:2]} ...")
     return 0
 
 

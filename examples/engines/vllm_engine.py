@@ -8,11 +8,15 @@ Nothing of vLLM is patched: the engine uses three of vLLM's own switches.
 
 - **In-process ranks** (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the engine core and its worker
   run in this process, so the parameters are here, where WeightBridge's RDMA buffers are.
-- **TP > 1 across procs**: ``distributed_executor_backend="external_launcher"``, the
-  torchrun-style mode: each proc builds one rank from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*``
-  (set here from ``rank``, ``world_size`` and ``master_port``); every rank runs its own
-  scheduler, so every rank must call `generate` with the same prompts and sampling settings
-  (vLLM's scheduling is deterministic; the ranks meet in the TP collectives).
+- **TP > 1 across procs**: vLLM's ``external_launcher`` executor, the torchrun-style mode:
+  each proc builds one rank from ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` (set here from
+  ``rank``, ``world_size`` and ``master_port``); every rank runs its own scheduler, so every
+  rank must call `generate` with the same prompts and sampling settings (vLLM's scheduling is
+  deterministic; the ranks meet in the TP collectives). It is given as a subclass (vLLM takes
+  an ``Executor`` class there) that rendezvous at ``tcp://MASTER_ADDR:MASTER_PORT`` instead of
+  ``env://``: the CPU build names each engine's shared-memory TP segment after the init
+  method's port, and ``env://`` gives every engine on a host the same name (a second engine
+  fails with ``create shm in SHMManager failed. errno: 17``).
 - **A model loader of our own** (vLLM's ``register_model_loader``, chosen per engine by
   ``load_format``): vLLM's safetensors loader, plus `vllm_steps.keep_linear_weights` between
   building the model and its first post-load step, so linear layers keep live weights. It
@@ -29,7 +33,7 @@ Typical usage, inside a rollout actor (one per proc)::
                              before_update_hook=engine.before_update,
                              after_update_hook=engine.after_update)
     adapter.connect() ... adapter.poll_requests()   # between generate() calls
-    outs = engine.generate([[2, 3, 4]], max_tokens=8, temperature=0.0, logprobs=5)
+    outs = engine.generate([[2, 3, 4]], max_tokens=8, logprobs=5)   # greedy, top-5
     engine.close()
 """
 
@@ -91,7 +95,7 @@ class VllmEngine:
         self.llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        enforce_eager=True, max_model_len=max_model_len,
                        load_format=LOAD_FORMAT, tensor_parallel_size=world_size,
-                       distributed_executor_backend=("external_launcher" if world_size > 1
+                       distributed_executor_backend=(_tcp_external_launcher() if world_size > 1
                                                      else None),
                        kv_cache_memory_bytes=kv_cache_bytes, enable_prefix_caching=True)
         self.vllm_config = self.llm.llm_engine.vllm_config
@@ -115,21 +119,26 @@ class VllmEngine:
         vllm_steps.refresh_derived(self.model)
 
     def generate(self, prompts: Sequence[Sequence[int]], *, max_tokens: int,
-                 temperature: float = 0.0, logprobs: int = 0, seed: int | None = None,
-                 n: int = 1) -> list[list[Completion]]:
-        """Generate from token-id prompts; per prompt, its ``n`` completions.
+                 temperature: float = 0.0, logprobs: int = 0,
+                 seed: int | Sequence[int] | None = None) -> list[Completion]:
+        """Generate one completion per token-id prompt.
 
-        Under TP every rank must call it with the same arguments at the same step.
-        ``seed`` fixes sampling (per request) so that ranks and reruns agree.
+        ``seed``: one for every request, or one per prompt (sampling is then fixed per
+        request, whatever else runs in the batch). Under TP every rank must call it with the
+        same arguments at the same step.
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature,
-                                logprobs=logprobs or None, seed=seed, ignore_eos=True,
-                                detokenize=False)
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one seed, "
+                             f"or one per prompt")
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                 logprobs=logprobs or None, seed=s, ignore_eos=True,
+                                 detokenize=False) for s in seeds]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                  use_tqdm=False)
-        return [[_completion(c, logprobs) for c in o.outputs] for o in outs]
+        return [_completion(o.outputs[0], logprobs) for o in outs]
 
     def close(self) -> None:
         """Shut the engine down and destroy vLLM's process groups."""
@@ -159,6 +168,19 @@ def _set_process_env(rank: int, world_size: int, master_port: int) -> None:
     if world_size > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port))
+
+
+def _tcp_external_launcher():
+    """vLLM's ``external_launcher`` executor, rendezvous on ``tcp://`` (module docstring)."""
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    class TcpExternalLauncher(ExecutorWithExternalLauncher):
+        def _distributed_args(self) -> tuple[str, int, int]:
+            init, rank, local_rank = super()._distributed_args()
+            return (f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}", rank,
+                    local_rank)
+
+    return TcpExternalLauncher
 
 
 _REGISTERED = False
