@@ -306,3 +306,12 @@ def test_a_rollout_that_stops_polling_does_not_block_the_trainers_and_gets_the_n
         assert _same(shard.params, REFERENCE[a.engine_rank][last])
         got = [v for _, w, v in a.events if w == "installed"]
         assert len(got) < last, f"older versions were superseded, not all installed: {got}"
+
+
+@pytest.mark.parametrize("hook", ["before_update_hook", "after_update_hook"])
+def test_a_hook_that_is_not_callable_is_refused_at_construction(hook):
+    control, shard = LocalControl(), RolloutShard(CONFIG, ENGINE_TP, 0, 1, 0)
+    with pytest.raises(ValueError, match=f"{hook} must be a callable taking the version"):
+        ReceiverAdapter(shard.params, shard.load_weights, SPEC, rank=0, engine=0, engine_rank=0,
+                        engine_size=ENGINE_TP, control=control, transport=control.transport,
+                        **{hook: "engine.refresh"})

@@ -16,9 +16,9 @@ tensors vLLM serves from, at fixed addresses, and the probe sees the real final 
 
 One CPU-only step is switched off: vLLM's CPU linear method packs every linear weight into an
 opaque oneDNN / sgl-kernel handle and replaces the parameter with an empty tensor, where no
-transfer can reach it. The worker sets vLLM's own ``_cpu_skip_gemm_dispatch`` flag (which vLLM
-itself sets on MLA's ``kv_b_proj``) on every linear layer, so linear layers keep their weights
-and compute with ``torch.nn.functional.linear``. For the same reason MLA models get vLLM's
+transfer can reach it. The worker sets vLLM's own ``_cpu_skip_gemm_dispatch`` flag on every
+linear layer (`vllm_steps.keep_linear_weights`), so linear layers keep their weights and
+compute with ``torch.nn.functional.linear``. For the same reason MLA models get vLLM's
 reference ``CPU_MLA`` attention backend explicitly (``--attention-backend CPU_MLA``): on CPUs
 with AMX vLLM would otherwise pick ``AMX_MLA``, which moves ``kv_b_proj`` into packed tensors
 outside the parameters. See docs/engines.md.
@@ -41,7 +41,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from examples.engines import models
+from examples.engines import models, vllm_steps
 
 _DTYPE = "bfloat16"
 
@@ -98,26 +98,19 @@ class VllmWorker:
             ensure_model_parallel_initialized(world_size, 1)
             with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
                 self.model = initialize_model(self.vllm_config)
-            _keep_linear_weights(self.model)
+            vllm_steps.keep_linear_weights(self.model)
             self._first_load(weights)
         self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's in-place reload: ``model.load_weights`` plus ``process_weights_after_loading``.
+        """vLLM's in-place reload: ``model.load_weights`` plus ``process_weights_after_loading``
+        (`vllm_steps.reload`).
 
         Every layer must receive all of its checkpoint tensors in one call (vLLM processes a layer
         once its weights are complete; a layer it gets only part of is reprocessed with the rest
         left unset). Full checkpoints, as the probe and a weight update send, are fine.
         """
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            finalize_layerwise_reload, initialize_layerwise_reload)
-
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            _forget_moe_kernels(self.model)
-            initialize_layerwise_reload(self.model)
-            self.model.load_weights(iter(weights))
-            finalize_layerwise_reload(self.model, self.vllm_config.model_config)
+        vllm_steps.reload(self.model, self.vllm_config, weights)
 
     def close(self) -> None:
         """Destroy vLLM's groups, and the process group if this worker created it.
@@ -167,37 +160,3 @@ def _attention_config(model_config):
     if getattr(model_config, "use_mla", False):
         return AttentionConfig(backend=AttentionBackendEnum.CPU_MLA)
     return AttentionConfig()
-
-
-def _keep_linear_weights(model: torch.nn.Module) -> None:
-    """Stop vLLM's CPU linear method from moving weights into opaque kernel handles.
-
-    On CPU, ``UnquantizedLinearMethod.process_weights_after_loading`` packs each 2-d weight into
-    a oneDNN or sgl-kernel handle and replaces the parameter with an empty one: the served values
-    would live where no transfer can write. vLLM skips that packing for layers flagged
-    ``_cpu_skip_gemm_dispatch`` and computes with ``F.linear`` on the live weight instead.
-    """
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    for module in model.modules():
-        if isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod):
-            module._cpu_skip_gemm_dispatch = True
-
-
-def _forget_moe_kernels(model: torch.nn.Module) -> None:
-    """Make vLLM's reload repack MoE experts as its first load does.
-
-    ``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' own post-load step (on CPU:
-    ``cpu_prepack_moe_weight``, a permutation into the grouped-GEMM layout) only while its
-    ``moe_kernel`` is unset, i.e. on the first load. On a reload it copies the checkpoint-layout
-    values into the packed tensors and skips the repack, so the CPU kernel would read unpacked
-    weights as packed ones. Unsetting ``moe_kernel`` makes every reload take the first-load path;
-    the reload machinery still copies the result back into the same tensors.
-    """
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-        UnquantizedFusedMoEMethod)
-
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, UnquantizedFusedMoEMethod):
-            method.moe_kernel = None

@@ -9,7 +9,7 @@ values.
   loader, make the engine's MLP / MoE blocks and projections compute bit-identical outputs to an
   engine that loaded the same checkpoint at start-up.
 - vLLM 0.32's own in-place reload on CPU skips the MoE repack on reloads (see
-  `examples.engines.vllm_rollout._forget_moe_kernels`): its MoE outputs are wrong exactly when
+  `examples.engines.vllm_steps._forget_moe_kernels`): its MoE outputs are wrong exactly when
   the CPU kernel prepacks, which `VllmWorker` fixes.
 """
 
@@ -86,7 +86,7 @@ def _call(worker, name: str) -> torch.Tensor:
 
 def transferred_outputs(rank: int, world_size: int, port: int, model: str) -> dict:
     """Serve v1, write v3 by replaying the map (no loader), compare outputs with a fresh v3."""
-    from examples.engines import vllm_rollout
+    from examples.engines import vllm_steps
     from examples.engines.vllm_rollout import VllmWorker
 
     v1, v3 = models.checkpoint(model, 1), models.checkpoint(model, 3)
@@ -104,12 +104,12 @@ def transferred_outputs(rank: int, world_size: int, port: int, model: str) -> di
                "changed": {n: not torch.equal(before[n], _call(fresh, n))
                            for n in MODULES[model]}}
         # vLLM's reload alone, without the worker's MoE fix
-        fix = vllm_rollout._forget_moe_kernels
-        vllm_rollout._forget_moe_kernels = lambda model: None
+        fix = vllm_steps._forget_moe_kernels
+        vllm_steps._forget_moe_kernels = lambda model: None
         try:
             worker.load_weights(v3.items())
         finally:
-            vllm_rollout._forget_moe_kernels = fix
+            vllm_steps._forget_moe_kernels = fix
         out["unfixed_reload_moe_equal"] = torch.equal(_call(worker, MOE_BLOCK),
                                                       _call(fresh, MOE_BLOCK))
         w13 = fresh.params[MOE_BLOCK + ".experts.routed_experts.w13_weight"]
