@@ -25,6 +25,28 @@ from monarch.actor import Actor, current_rank, endpoint
 from examples.engines import models
 
 
+def check_engine_size(group, tp: int) -> None:
+    """Refuse a transfer group whose engines are not of this engine's TP degree."""
+    if group.engine_size != tp:
+        raise ValueError(f"the transfer group has engines of {group.engine_size} ranks but "
+                         f"these vLLM engines have TP {tp}; pass engine_size={tp} to "
+                         f"TransferGroup.spawn")
+
+
+def close_all(group, meshes) -> None:
+    """Close the transfer group, then each actor mesh (its ``close`` endpoint, then stop), last
+    spawned first; every one is closed even if an earlier one fails (the first error is
+    raised)."""
+    try:
+        group.close()
+    finally:
+        for mesh in reversed(meshes):
+            try:
+                mesh.close.call().get(timeout=60)
+            finally:
+                mesh.stop().get(timeout=60)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(torch.uint8).clone()
 
@@ -96,10 +118,7 @@ class EngineRollout(Actor):
         disk at start-up."""
         from examples.engines.vllm_rollout import VllmWorker
 
-        if group.engine_size != self.tp:
-            raise ValueError(f"the transfer group has engines of {group.engine_size} ranks but "
-                             f"these vLLM engines have TP {self.tp}; pass "
-                             f"engine_size={self.tp} to TransferGroup.spawn")
+        check_engine_size(group, self.tp)
         engine, engine_rank = divmod(current_rank().rank, group.engine_size)
         self.worker = VllmWorker(self.model, rank=engine_rank, world_size=group.engine_size,
                                  master_port=self.master_ports[engine],

@@ -29,6 +29,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from examples.engines import models
+from examples.engines.actors import check_engine_size, close_all
 
 PROMPTS = ((2, 3, 4, 5), (9, 8, 7), (40, 41, 42, 43, 44, 45), (100,))
 """Fixed token-id prompts of every check."""
@@ -94,10 +95,7 @@ class GeneratingRollout(Actor):
             self.engine = VllmEngine(self.model_dir, rank=current_rank().rank % self.tp,
                                      world_size=self.tp, master_port=self.ports[0])
             return
-        if group.engine_size != self.tp:
-            raise ValueError(f"the transfer group has engines of {group.engine_size} ranks but "
-                             f"these vLLM engines have TP {self.tp}; pass engine_size={self.tp} "
-                             f"to TransferGroup.spawn")
+        check_engine_size(group, self.tp)
         engine, rank = divmod(current_rank().rank, self.tp)
         self.engine = VllmEngine(self.model_dir, rank=rank, world_size=self.tp,
                                  master_port=self.ports[engine])
@@ -186,13 +184,8 @@ def run(procs, *, model: str, tp: int, versions: int, config) -> GenerationRun:
         return GenerationRun(completions, send_s)
     finally:
         try:
-            group.close()
+            close_all(group, meshes)
         finally:
-            for mesh in reversed(meshes):
-                try:
-                    mesh.close.call().get(timeout=60)
-                finally:
-                    mesh.stop().get(timeout=60)
             start_dir.cleanup()
 
 
@@ -212,7 +205,7 @@ def reference_rank(rank: int, world_size: int, port: int, model: str, version: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen3_moe", choices=("qwen3", "qwen3_moe"))
+    ap.add_argument("--model", default="qwen3_moe", choices=models.GENERATING)
     ap.add_argument("--tp", type=int, default=2, choices=(1, 2))
     ap.add_argument("--mode", default="sync", choices=("sync", "ss", "rs", "async"))
     ap.add_argument("--versions", type=int, default=3)

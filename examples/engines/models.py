@@ -30,7 +30,11 @@ import torch
 
 from weightbridge import CheckpointSpec, TensorSpec
 
-MODELS = ("qwen3", "qwen3_moe", "deepseek_v3")
+MODELS = ("qwen3_moe", "deepseek_v3")
+"""The layout models every worker builds (torchtitan, DCP, `vllm_rollout.VllmWorker`)."""
+GENERATING = ("qwen3", "qwen3_moe")
+"""The models a generating `vllm_engine.VllmEngine` runs (vLLM's CPU attention takes their
+head_dim); ``qwen3`` is also the GRPO example's policy (HF transformers)."""
 
 _COMMON = {
     "vocab_size": 120,  # not a multiple of 64: vLLM pads the embedding and lm_head rows
@@ -180,7 +184,7 @@ def write_safetensors(state: dict[str, torch.Tensor], directory: str | Path,
 
 def _config(model: str) -> dict:
     if model not in _CONFIGS:
-        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown model {model!r}; choose one of {', '.join(_CONFIGS)}")
     return _CONFIGS[model]
 
 

@@ -74,7 +74,7 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
         expert_parallel: bool, updates: int, round_bytes: int = 256 << 10) -> EnginesReport:
     """Spawn the actors on (trainer procs, rollout procs), connect, run ``updates`` updates,
     and stop the actors (the procs stay the caller's)."""
-    from examples.engines.actors import EngineRollout, EngineTrainer
+    from examples.engines.actors import EngineRollout, EngineTrainer, close_all
     from weightbridge.mesh.control import TransferGroup
 
     if model not in models.MODELS:
@@ -113,14 +113,7 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
             mismatched.append(bad)
         return EnginesReport(summary, connect_s, send_s, checked, mismatched)
     finally:
-        try:
-            group.close()
-        finally:
-            for mesh in meshes:
-                try:
-                    mesh.close.call().get(timeout=60)
-                finally:
-                    mesh.stop().get(timeout=60)
+        close_all(group, meshes)
 
 
 def main(argv: list[str] | None = None) -> int:

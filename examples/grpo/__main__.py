@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from examples.engines import generating, models
+from examples.engines.actors import close_all
 from examples.engines.transfer import free_ports
 from examples.grpo import plot, task
 from examples.grpo.trainer import MODEL, GrpoTrainer, fp32_spec
@@ -145,13 +146,8 @@ def train(args, mode: str) -> int:
         return 0 if ok else 1
     finally:
         try:
-            group.close()
+            close_all(group, meshes)
         finally:
-            for mesh in reversed(meshes):
-                try:
-                    mesh.close.call().get(timeout=60)
-                finally:
-                    mesh.stop().get(timeout=60)
             rprocs.stop().get(timeout=60)
             tprocs.stop().get(timeout=60)
             start_dir.cleanup()
