@@ -20,6 +20,7 @@ which).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -79,6 +80,9 @@ def train(args, mode: str) -> int:
     from weightbridge.mesh.transport import configure_transport
 
     staged = mode == "async"
+    # One line per step: vLLM's info and warnings (start-up, a chat-template warm-up that needs
+    # a tokenizer) would bury them. The procs inherit it; VLLM_LOGGING_LEVEL=INFO shows them.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     config = TransferConfig(timeout_s=TIMEOUT_S, sender_staging=staged, receiver_staging=staged)
     configure_transport()
     host = this_host()

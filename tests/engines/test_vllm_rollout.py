@@ -153,13 +153,14 @@ def test_qwen3_moe_tp1_map_replays_vllm_load_bit_exactly(spawn_ranks):
 def test_qwen3_moe_tp2_slices_heads_and_experts(spawn_ranks):
     results = spawn_ranks(probe_and_compare, 2, "qwen3_moe", False)
     _check_common(results, "qwen3_moe")
+    hd = models.hf_config("qwen3_moe")["head_dim"]
     for rank, res in enumerate(results):
         smap = res["smap"]
         # q heads 2 per rank, kv heads 1 per rank (2 kv heads / TP2: sliced, not replicated)
         assert _rows(smap, "model.layers.0.self_attn.q_proj.weight") == set(
-            range(32 * rank, 32 * rank + 32))
+            range(2 * hd * rank, 2 * hd * (rank + 1)))
         assert _rows(smap, "model.layers.0.self_attn.k_proj.weight") == set(
-            range(16 * rank, 16 * rank + 16))
+            range(hd * rank, hd * (rank + 1)))
         # every expert on every rank, sliced along the intermediate dim
         assert _rows(smap, "model.layers.0.mlp.experts.3.gate_proj.weight") == set(
             range(16 * rank, 16 * rank + 16))
