@@ -27,6 +27,7 @@ a `LayoutError` that names the parameter and, diagnosed afresh (`diagnose`), the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import replace
 from typing import Callable, Iterable, Iterator, Mapping, NoReturn
@@ -39,7 +40,8 @@ from weightbridge.discovery.diagnose import source_tensor
 from weightbridge.discovery.quantized import ALPHABET as QUANT_ALPHABET
 from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantizing, scale_params,
                                               sign_bits, sign_checkpoint)
-from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
+from weightbridge.discovery.codec import NO_SOURCE
+from weightbridge.discovery.runs import CHUNK, PassRuns, Rings, Runs, merge_passes, scan_pass
 from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
@@ -80,6 +82,13 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
         LayoutError: the loader changes values beyond a round-to-nearest-even cast.
     """
     _check_spec(spec)
+    load = _with_threads(load_weights, torch.get_num_threads())  # the caller's threads
+    with _threads(1):  # the probe's own work
+        return _extract(params, load, spec, verify)
+
+
+def _extract(params: Params | Callable[[], Params], load_weights: LoadWeights,
+             spec: CheckpointSpec, verify: bool) -> SourceMap:
     get = _in_memory_order(params if callable(params) else (lambda: params))
     ckpt_dtypes = {t.name: _torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
                    for t in spec.tensors}
@@ -168,19 +177,33 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
 def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of):
     """The index passes: (live parameters, per parameter its passes' runs)."""
     scans: dict[str, list[PassRuns]] = {name: [] for name in _checked_params(get(), None)}
-    shapes = None
+    shapes, rings, holes = None, Rings(), True
     for k in range(max(num_passes.values())):
-        fill_zero(get())
+        if holes:
+            # Zero shows where the loader writes nothing. Once the first pass found it writes
+            # every element, later index passes skip the fill: an element a later load leaves
+            # alone would decode wrongly, and the verification pass (which zeroes first)
+            # refuses the map then.
+            fill_zero(get())
         load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
         live = _checked_params(get(), shapes)
         shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
         for name, p in live.items():
             alpha = alpha_of(p.dtype)
             if k < num_passes[p.dtype] and p.numel():
-                # One device-to-host copy per parameter and pass; decoded on the host.
-                scans[name].append(scan_pass(flat_view(on_host(p)).to(alpha.dtype), alpha,
-                                             alpha.moduli[k]))
+                # Read back chunk by chunk (device-to-host per chunk), decoded on the host.
+                scans[name].append(scan_pass(_scanned(p), alpha, alpha.moduli[k], rings))
+        holes = any(bool((runs.digit == NO_SOURCE).any()) for passes in scans.values()
+                    for runs in passes[-1:])
     return live, scans
+
+
+def _scanned(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's elements in logical order, on its device when that is a view (the scan
+    copies chunks to the host); a non-contiguous one is copied to the host whole instead, so
+    the probe never allocates device memory."""
+    p = p.detach()
+    return p.reshape(-1) if p.is_contiguous() else flat_view(on_host(p))
 
 
 def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip):
@@ -386,6 +409,33 @@ def _in_memory_order(get: Callable[[], Params]) -> Callable[[], Params]:
         return {n: memory_order(p) if isinstance(p, torch.Tensor) else p
                 for n, p in params.items() if n not in aliases}
     return live
+
+
+@contextlib.contextmanager
+def _threads(num: int) -> Iterator[None]:
+    """Run torch's intra-op work on ``num`` threads for a while.
+
+    The probe's own steps are many small, memory-bound ops over chunks of a few MB: a parallel
+    region per op gains little there, and where another process holds a core it waits for a
+    time slice every time (the probe ran 4-7x slower on two threads than on one on a 2-core
+    machine with one core busy). ``torch.set_num_threads`` sets the calling thread's OpenMP
+    count, so other threads of the process keep theirs.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(num)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _with_threads(load_weights: LoadWeights, num: int) -> LoadWeights:
+    """The loader, run on the caller's ``num`` threads (its copies are big and gain from
+    them)."""
+    def load(weights):
+        with _threads(num):
+            return load_weights(weights)
+    return load
 
 
 def _check_spec(spec: CheckpointSpec) -> None:
