@@ -89,3 +89,41 @@ def test_the_probe_leaves_the_callers_threads_and_gives_them_to_the_loader():
         assert seen and set(seen) == {2}
     finally:
         torch.set_num_threads(before)
+
+
+def _trainer(restore: str):
+    from meshes.qwen3_moe import SIZES, TrainerShard, checkpoint_spec
+    from weightbridge import Placement, TransferConfig
+    from weightbridge.coordination.local_control import LocalControl
+    from weightbridge.coordination.worker import TransferWorker
+
+    shard = TrainerShard(SIZES["tiny"], 2, 0, 2, 1)
+    for p in shard.params.values():
+        p.normal_(generator=torch.Generator().manual_seed(2))
+    config = TransferConfig(trainer_restore=restore, source_map_cache=None)
+    worker = TransferWorker("trainer", shard.params, shard.load_weights,
+                            checkpoint_spec(SIZES["tiny"]), rank=0, placement=Placement("t"),
+                            transport=LocalControl().transport, config=config)
+    return shard, worker
+
+
+@pytest.mark.parametrize("restore", ["host-copy", "none"])
+def test_a_trainer_keeps_a_host_copy_only_when_its_config_asks(restore, monkeypatch):
+    from weightbridge.coordination import worker as worker_module
+
+    copies = []
+    real = worker_module._host_copy
+    monkeypatch.setattr(worker_module, "_host_copy", lambda p: copies.append(1) or real(p))
+    shard, worker = _trainer(restore)
+    before = {n: p.clone() for n, p in shard.params.items()}
+    worker.on_source_map()
+    same = all(torch.equal(shard.params[n].view(torch.uint8), p.view(torch.uint8))
+               for n, p in before.items())
+    assert (len(copies), same) == ((1, True) if restore == "host-copy" else (0, False))
+
+
+def test_an_unknown_trainer_restore_is_refused():
+    from weightbridge import TransferConfig
+
+    with pytest.raises(ValueError, match="trainer_restore must be one of"):
+        TransferConfig(trainer_restore="disk")

@@ -31,7 +31,7 @@ import torch
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
-from weightbridge.discovery.probe import extract_source_map
+from weightbridge.discovery.cache import SourceMapCache, probe_cached
 # Defined in weightbridge.errors (one hierarchy); importable from here as before.
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
 from weightbridge.execution.boxcopy import CopyKernels
@@ -158,6 +158,9 @@ class TransferWorker:
         self.executor: WorkerExecutor | None = None
         self.source_map: SourceMap | None = None
         """What the probe found (set by `on_source_map`)."""
+        self.map_reused = False
+        """Whether `on_source_map` took the map from the source map cache (verified) instead
+        of probing (`TransferConfig.source_map_cache`)."""
         self.cond = threading.Condition()
         self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
@@ -198,15 +201,25 @@ class TransferWorker:
 
         No second copy of the parameters is made on their device (a GPU is usually full). A
         trainer gets its weights back from a host copy (pinned where CUDA is real), since it
-        sends them. A rollout keeps no copy: its first update writes every element that a
+        sends them, unless its config says ``trainer_restore="none"`` (it loads them after
+        connect). A rollout keeps no copy: its first update writes every element that a
         checkpoint element lands in; the others (padding) hold zero after the probe, which
         zeroes every parameter before each of its loads and refuses a loader that writes a
         non-zero value there. A rollout parameter no checkpoint element lands in at all is
         warned about by name (`UnsourcedParameter`): its value is lost to the probe.
+
+        With a source map cache (`TransferConfig.source_map_cache`), a map kept by an earlier
+        connect of this worker with the same checkpoint, parameters and loader is checked by
+        the verification pass alone and used if it holds (`map_reused`); otherwise the worker
+        probes and keeps the new map (`weightbridge.discovery.cache`).
         """
-        saved = _host_copy(self.params) if self.side == "trainer" else None
+        saved = (_host_copy(self.params) if self.side == "trainer"
+                 and self.config.trainer_restore == "host-copy" else None)
+        cache = (None if self.config.source_map_cache is None else
+                 SourceMapCache(self.config.source_map_cache))
         try:
-            smap = extract_source_map(self.params, self.load_weights, self.spec)
+            smap, self.map_reused = probe_cached(self.params, self.load_weights, self.spec,
+                                                 cache=cache, worker=str(self.worker))
             self.source_map = smap
         finally:
             if saved is not None:
