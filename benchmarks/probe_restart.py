@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from weightbridge import RolloutSpec, TrainerSpec, TransferConfig
+from weightbridge import TransferConfig
+from weightbridge.driver import RolloutSpec, TrainerSpec
 
 TRAINER, ROLLOUT = "nodes=1,gpus=2,tp=2", "engines=1,nodes=1,gpus=2,tp=2"
 TARGET = 0.3

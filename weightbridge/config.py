@@ -117,11 +117,11 @@ class TransferConfig:
     """Directory where connect keeps each worker's source map across restarts
     (`weightbridge.discovery.cache`; a few KiB per worker), or None to probe every time. A
     later connect of the same worker, checkpoint, parameters and loader runs only the probe's
-    verification pass on the kept map (one load instead of the probe's three or more) and
+    verification pass on the kept map (one load instead of the probe's two to four) and
     probes again if it fails. On by default: a map is never trusted unverified, and the
     entries are small, named by a digest of what decides them. Give a node-local directory
     where the home directory is shared by many nodes or not writable (it is then skipped with
-    a `SourceMapCacheWarning`)."""
+    a `weightbridge.discovery.cache.SourceMapCacheWarning`)."""
 
     trainer_restore: str = "host-copy"
     """How a trainer gets its weights back after connect's probe, which overwrites them:
