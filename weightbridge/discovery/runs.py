@@ -76,6 +76,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
     """
     n = values.numel()
     starts, rels, prev_digits, cur_digits = [], [], [], []
+    uniform = True  # every chunk took the fast path (with one step: chunks overlap)
     for lo in range(1, n, CHUNK):
         hi = min(n, lo + CHUNK)
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
@@ -89,6 +90,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
                 starts.append(torch.tensor([1])), rels.append(torch.tensor([even]))
                 prev_digits.append(torch.tensor([d0])), cur_digits.append(torch.tensor([d1]))
             continue
+        uniform = False
         # Raw-bit differences equal digit differences (the constant offset cancels; wrapping
         # is fine), so the digits themselves are needed only at the candidates.
         step = bits[1:] - bits[:-1]  # relation j: element base+j to base+j+1
@@ -114,6 +116,8 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
         first = decode(_host_chunk(values, 0, 1, alpha).view(alpha.dtype), alpha, modulus)
         return PassRuns(torch.zeros(1, dtype=torch.int64), first,
                         torch.zeros(1, dtype=torch.int64), n)
+    if uniform:  # one run of the whole parameter: what `claim_runs` makes of one stretch
+        return PassRuns(torch.zeros(1, dtype=torch.int64), prev_digits[0], rels[0], n)
     return claim_runs(torch.cat(starts), torch.cat(rels), torch.cat(prev_digits),
                       torch.cat(cur_digits), n)
 

@@ -63,9 +63,10 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
         if dtype not in rings:
             alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            # A checkpoint whose tensors all fit in the span needs no longer period than
-            # twice the span: tensor offsets (below the span) then still never coincide.
-            size = _RANDOM_PERIOD if largest > _RING_SPAN else 2 * _RING_SPAN + 1
+            # A small checkpoint needs no 1M-value period: one longer than twice the span
+            # (tensor offsets, below the span, never coincide) and than its largest tensor
+            # (values never repeat inside one) will do, odd as the long one.
+            size = min(_RANDOM_PERIOD, max(2 * _RING_SPAN + 1, largest | 1))
             period = torch.empty(size, dtype=dtype)
             for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
                 hi = min(size, lo + _DRAW_CHUNK)
