@@ -82,7 +82,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
-        bits = _host_chunk(values, base, hi, alpha)
+        bits = _host_chunk(values, base, hi, alpha, rings)
         even = rings.constant_step(bits, alpha, modulus) if rings is not None else None
         if even is not None:
             if lo < 2:  # the first chunk: its one stretch starts at relation 1
@@ -122,25 +122,40 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
                       torch.cat(cur_digits), n)
 
 
-def _host_chunk(values: torch.Tensor, lo: int, hi: int, alpha: Alphabet) -> torch.Tensor:
-    """Elements lo..hi-1 as the alphabet's raw bits, on the host (a view where they are)."""
+def _host_chunk(values: torch.Tensor, lo: int, hi: int, alpha: Alphabet,
+                rings: Rings | None = None) -> torch.Tensor:
+    """Elements lo..hi-1 as the alphabet's raw bits, on the host: a view where they are,
+    else copied (and converted) into the scan's one host buffer (``rings.scratch``), so the
+    host memory the scan holds stays one chunk whatever the allocator does with freed ones."""
     chunk = values[lo:hi]
-    if chunk.device.type != "cpu":
-        chunk = chunk.to("cpu")
-    if chunk.dtype != alpha.dtype:
-        chunk = chunk.to(alpha.dtype)
-    return chunk.view(alpha.bits_dtype)
+    if chunk.device.type == "cpu" and chunk.dtype == alpha.dtype:
+        return chunk.view(alpha.bits_dtype)
+    if rings is None:
+        return chunk.to("cpu").to(alpha.dtype).view(alpha.bits_dtype)
+    return rings.scratch(alpha.dtype, hi - lo).copy_(chunk).view(alpha.bits_dtype)
 
 
 class Rings:
-    """Per step s, the ring of raw bits of digits 0, s, 2s, ... (mod the modulus): a chunk
-    of a slice-copy of step s is one slice of it. Built on first use, at most `MAX_RINGS`
-    kept (the steps of one probe are few: 1 in row-major copies, a row length in transposed
-    ones); only for moduli up to `MAX_RING_MODULUS` (8- and 16-bit alphabets) and chunks of
-    at least `FAST_MIN` elements (below that the exact path is as quick)."""
+    """What the scans of one probe share: host scratch for chunks read from a device or
+    converted (`scratch`), and per step s the ring of raw bits of digits 0, s, 2s, ... (mod
+    the modulus): a chunk of a slice-copy of step s is one slice of it. Rings are built on
+    first use, at most `MAX_RINGS` kept (the steps of one probe are few: 1 in row-major
+    copies, a row length in transposed ones); only for moduli up to `MAX_RING_MODULUS` (8-
+    and 16-bit alphabets) and chunks of at least `FAST_MIN` elements (below that the exact
+    path is as quick)."""
 
     def __init__(self):
         self._rings: dict[tuple, np.ndarray] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(self, dtype: torch.dtype, num: int) -> torch.Tensor:
+        """A host buffer of ``num`` elements (at most a chunk and its overlap), one per
+        dtype, reused by every chunk the scan copies to the host."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < num:
+            buf = self._scratch[dtype] = torch.empty(max(num, min(CHUNK + 2, 2 * num)),
+                                                     dtype=dtype)
+        return buf[:num]
 
     def constant_step(self, bits: torch.Tensor, alpha: Alphabet, modulus: int) -> int | None:
         """The digit step s if every element of ``bits`` (raw, on the host) is the digit of
