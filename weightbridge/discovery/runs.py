@@ -77,8 +77,9 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
     n = values.numel()
     starts, rels, prev_digits, cur_digits = [], [], [], []
     uniform = True  # every chunk took the fast path (with one step: chunks overlap)
-    for lo in range(1, n, CHUNK):
-        hi = min(n, lo + CHUNK)
+    chunks = [(lo, min(n, lo + CHUNK)) for lo in range(1, n, CHUNK)][::-1]
+    while chunks:  # a stack, in element order: the first chunk on top
+        lo, hi = chunks.pop()
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
@@ -89,6 +90,12 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
                 d0, d1 = (int(b) - alpha.first_normal for b in bits[:2].tolist())
                 starts.append(torch.tensor([1])), rels.append(torch.tensor([even]))
                 prev_digits.append(torch.tensor([d0])), cur_digits.append(torch.tensor([d1]))
+            continue
+        if rings is not None and hi - lo >= 2 * FAST_MIN:
+            # A copy boundary somewhere inside: halve it, so that only the pieces around
+            # boundaries take the exact path (the halves overlap as chunks do).
+            mid = (lo + hi) // 2
+            chunks += [(mid, hi), (lo, mid)]
             continue
         uniform = False
         # Raw-bit differences equal digit differences (the constant offset cancels; wrapping
@@ -167,6 +174,8 @@ class Rings:
         if not (0 <= d0 < modulus and 0 <= d1 < modulus):
             return None
         s = (d1 - d0) % modulus
+        if (int(raw[-1]) - int(raw[-2]) - s) % modulus:
+            return None  # its last step differs: not one copy (no ring built for it)
         if s == 0:
             return s if bool((raw == raw[0]).all()) else None
         ring = self._ring(alpha, modulus, s, raw.size)
@@ -174,7 +183,8 @@ class Rings:
         return s if np.array_equal(raw, ring[at:at + raw.size]) else None
 
     def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
-        """At least modulus + size values (a power of two more, at most a chunk's)."""
+        """At least modulus + size values (a power of two more, at most a chunk's: the
+        halved chunks around copy boundaries get small rings)."""
         key = (alpha.dtype, alpha.first_normal, modulus, s)
         ring = self._rings.pop(key, None)
         if ring is None or ring.size < modulus + size:
@@ -190,7 +200,8 @@ class Rings:
 
 
 FAST_MIN = 1 << 16
-"""Chunks shorter than this take the exact path (`Rings`)."""
+"""Chunks shorter than this take the exact path (`Rings`); longer ones that fail the ring
+comparison are halved down to it."""
 MAX_RINGS = 4
 """Rings kept at once: each is (modulus + `CHUNK`) raw values, about 2 MiB for bf16."""
 MAX_RING_MODULUS = 46_340
