@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 
+from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import CheckpointSpec, TensorSpec, TransferConfig, replay
 from weightbridge.coordination.local_control import LocalControl
@@ -142,6 +143,8 @@ def test_an_unwritable_directory_warns_and_connect_goes_on(tmp_path):
     lambda: (RolloutShard(CONFIG, 2, 1, 1, 0), checkpoint_spec(CONFIG)),  # padded vocab: holes
     lambda: (RolloutShard(CONFIG, 1, 0, 1, 0), checkpoint_spec(CONFIG, "float32")),  # casts
     lambda: (TrainerShard(CONFIG, 2, 0, 2, 1), checkpoint_spec(CONFIG)),
+    # block-quantizing to FP8, with scales
+    lambda: (Fp8RolloutShard(CONFIG, 1, 0, 1, 0, block=(32, 32)), checkpoint_spec(CONFIG)),
 ])
 def test_entries_round_trip_and_reverify_on_a_fresh_build(make):
     shard, spec = make()
@@ -150,6 +153,22 @@ def test_entries_round_trip_and_reverify_on_a_fresh_build(make):
     assert kept == probed
     fresh, _ = make()
     assert reverify(kept, fresh.params, fresh.load_weights, spec)
+
+
+def test_a_kept_map_checks_its_padding_stays_zero():
+    """The unsourced ranges travel with the map: a loader that now writes into the padding
+    fails the verification pass."""
+    shard = RolloutShard(CONFIG, 2, 1, 1, 0)  # vocabulary padded: the last rows unsourced
+    probed = probe(shard.params, shard.load_weights, checkpoint_spec(CONFIG))
+    assert probed.holes
+
+    def writes_padding(weights):
+        shard.load_weights(weights)
+        for name, ranges in probed.holes:
+            flat = shard.params[name].view(-1)
+            flat[ranges[0][0]] = 1.0
+    assert not reverify(probed, shard.params, writes_padding, checkpoint_spec(CONFIG))
+    assert reverify(probed, shard.params, shard.load_weights, checkpoint_spec(CONFIG))
 
 
 def _worker(side, shard, config):
