@@ -62,7 +62,7 @@ def deployment(dep) -> dict:
     gathered = sum(len(pickle.dumps(m)) for m in maps)
     t0 = time.perf_counter()
     plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
-    return {"name": dep.name, "workers": len(maps), "rank": max(ranks),
+    return {"name": f"({dep.name}) {dep.model.name}", "workers": len(maps), "rank": max(ranks),
             "param": largest_param, "tensor": largest_tensor, "gathered": gathered,
             "plan_s": time.perf_counter() - t0}
 
