@@ -127,3 +127,25 @@ def test_an_unknown_trainer_restore_is_refused():
 
     with pytest.raises(ValueError, match="trainer_restore must be one of"):
         TransferConfig(trainer_restore="disk")
+
+
+def test_a_loader_that_skips_an_element_in_a_later_pass_is_refused():
+    """Index passes after the first are not zeroed when the first found every element
+    written: an element a later load leaves alone keeps a stale digit, decodes as another
+    element, and the verification pass (zeroed first) refuses the map."""
+    from weightbridge import LayoutError
+
+    spec = CheckpointSpec((TensorSpec("w", (40_000,), "bfloat16"),))  # two index passes
+    param = torch.zeros(40_000, dtype=torch.bfloat16)
+    calls = []
+
+    def load_weights(weights):
+        calls.append(1)
+        for _, t in weights:
+            if len(calls) == 2:  # the second index pass: element 35000 left alone
+                param[:35_000].copy_(t[:35_000])
+                param[35_001:].copy_(t[35_001:])
+            else:
+                param.copy_(t)
+    with pytest.raises(LayoutError):
+        extract_source_map({"w": param}, load_weights, spec)

@@ -170,7 +170,7 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
                                    max(num_passes.values()), skip)
     else:
         live, scans = _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
-                                    alpha_of)
+                                    alpha_of, verify)
     param_specs, pieces, unsourced, holes = [], [], [], {}
     bases = torch.tensor(tindex.bases)
     refuse = (functools.partial(_refuse, get, load_weights, spec, casting) if scales is None
@@ -215,16 +215,16 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
 # --------------------------------------------------------------------------------------------
 
 
-def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of):
+def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of, verify):
     """The index passes: (live parameters, per parameter its passes' runs)."""
     scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(), None)}
     shapes, rings, holes = None, Rings(), True
     for k in range(max(num_passes.values())):
-        if holes:
+        if holes or not verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
             # every element, later index passes skip the fill: an element a later load leaves
             # alone would decode wrongly, and the verification pass (which zeroes first)
-            # refuses the map then.
+            # refuses the map then; without that pass, every load is zeroed first.
             fill_zero(get())
         load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
         live = checked_params(get(), shapes)
