@@ -19,11 +19,12 @@ from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import CheckpointSpec, TensorSpec, TransferConfig, replay
 from weightbridge.coordination.local_control import LocalControl
+from weightbridge.coordination.session import source_maps
 from weightbridge.coordination.worker import TransferWorker
 from weightbridge.discovery.cache import (SourceMapCache, SourceMapCacheWarning, _decode,
                                           _encode, cache_key, loader_fingerprint, probe_cached)
 from weightbridge.discovery.probe import probe, reverify
-from weightbridge.types import Placement
+from weightbridge.types import Placement, WorkerId
 
 CONFIG = SIZES["tiny"]
 SPEC = CheckpointSpec(tuple(TensorSpec(f"w{i}", (8, 6), "bfloat16") for i in range(3)))
@@ -187,20 +188,82 @@ def test_a_trainer_reusing_its_map_gets_its_weights_back_bit_exactly(tmp_path):
                         for t in checkpoint_spec(CONFIG).tensors])
     before = {n: p.clone() for n, p in shard.params.items()}
     worker = _worker("trainer", shard, config)
-    smap, _, _ = worker.on_source_map()
+    assert worker.on_source_map("kept")
+    smap, _, _ = worker.on_source_map("verify")
     assert worker.map_reused
     assert all(torch.equal(shard.params[n].view(torch.uint8), p.view(torch.uint8))
                for n, p in before.items())
 
 
-def test_with_the_cache_off_every_connect_probes(tmp_path):
+def test_with_the_cache_off_nothing_is_kept(tmp_path):
     config = TransferConfig(source_map_cache=None)
     for _ in range(2):
         worker = _worker("rollout", RolloutShard(CONFIG, 1, 0, 1, 0), config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            worker.on_source_map()
-        assert not worker.map_reused
+            worker.on_source_map("probe")
+        assert not worker.on_source_map("kept") and worker.on_source_map("verify") is None
+
+
+class _Calls:
+    """A control plane in one thread: each call runs on every worker in turn (the protocol's
+    logic, without threads or Monarch)."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def call(self, peers, call, *args):
+        return [call.serve(self.workers[w], *args) for w in peers]
+
+
+class _Counted:
+    """A rank's loader that counts its loads."""
+
+    def __init__(self, rank):
+        self.rank, self.loads = rank, [0]
+
+    def __call__(self, weights):
+        self.loads[0] += 1
+        self.rank.load_weights(weights)
+
+
+def _group(config, ranks=(0, 1)):
+    out = {}
+    for r in ranks:
+        shard = RolloutShard(CONFIG, 2, r, 1, 0)
+        load = _Counted(shard)
+        out[WorkerId("rollout", r)] = (TransferWorker(
+            "rollout", shard.params, load, checkpoint_spec(CONFIG), rank=r,
+            placement=Placement("r", engine=0), transport=LocalControl().transport,
+            config=config), load)
+    return out
+
+
+@pytest.mark.parametrize("kept", ["every", "one", "one-stale"])
+def test_every_worker_of_a_group_takes_the_same_way(tmp_path, kept):
+    """Kept maps are verified only when every worker holds one and all hold; else every
+    worker probes: a collective loader sees the same loads on every rank."""
+    config = TransferConfig(source_map_cache=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (padding: UnsourcedParameter)
+        first = _group(config)
+        source_maps(_Calls({w: x for w, (x, _) in first.items()}), list(first))
+        group = _group(config)  # a restart: the same workers built afresh
+        if kept != "every":  # rank 1's entry gone, or one kept for another worker
+            x, _ = group[WorkerId("rollout", 1)]
+            entry = SourceMapCache(str(tmp_path)).path(
+                cache_key(str(x.worker), x.params, x.load_weights, x.spec))
+            if kept == "one":
+                entry.unlink()
+            else:
+                other = json.loads(next(p for p in tmp_path.iterdir() if p != entry).read_text())
+                entry.write_text(json.dumps({**other, "key": entry.stem}))
+        found = source_maps(_Calls({w: x for w, (x, _) in group.items()}), list(group))
+    loads = [load.loads[0] for _, load in group.values()]
+    reused = [x.map_reused for x, _ in group.values()]
+    assert len(set(loads)) == 1 and len(set(reused)) == 1
+    assert reused[0] == (kept == "every") and (loads[0] == 1) == (kept == "every")
+    assert [m for m, _, _ in found] == [x.source_map for x, _ in first.values()]
 
 
 @pytest.mark.parametrize("bad", ["", 3, b"dir"])

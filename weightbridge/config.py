@@ -116,10 +116,11 @@ class TransferConfig:
     source_map_cache: str | None = DEFAULT_SOURCE_MAP_CACHE
     """Directory where connect keeps each worker's source map across restarts
     (`weightbridge.discovery.cache`; a few KiB per worker), or None to probe every time. A
-    later connect of the same worker, checkpoint, parameters and loader runs only the probe's
-    verification pass on the kept map (one load instead of the probe's two to four) and
-    probes again if it fails. On by default: a map is never trusted unverified, and the
-    entries are small, named by a digest of what decides them. Give a node-local directory
+    later connect of the same workers, checkpoint, parameters and loaders runs only the probe's
+    verification pass on the kept maps (one load instead of the probe's two to four) when
+    every worker holds one, and every worker probes again if any lacks one or fails. On by
+    default: a map is never trusted unverified, and the entries are small, named by a digest
+    of what decides them. Give a node-local directory
     where the home directory is shared by many nodes or not writable (it is then skipped with
     a `weightbridge.discovery.cache.SourceMapCacheWarning`)."""
 

@@ -15,7 +15,12 @@ predicts. A loader that changed in a way the key does not see (a library it call
 holds) fails it, and the worker probes afresh and replaces the entry. Files are JSON of ints
 and strs (never unpickled: a shared directory cannot run code here) and written atomically.
 
-Typical usage (what `TransferWorker.on_source_map` does at connect)::
+At connect every worker of a group takes the same way (`session.source_maps`): kept maps are
+verified only if every worker holds one, and probed everywhere if any verification fails, so a
+collective loader (a DCP load over the trainers, vLLM's over an engine's TP ranks) sees the same
+number of loads on every rank.
+
+Typical usage (one worker on its own)::
 
     cache = SourceMapCache("~/.cache/weightbridge/source-maps")
     smap, reused = probe_cached(params, load_weights, spec, cache=cache, worker="rollout 3")
@@ -78,9 +83,13 @@ class SourceMapCache:
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
-            with os.fdopen(fd, "w") as f:
-                json.dump(entry, f, separators=(",", ":"))
-            os.replace(tmp, self.path(key))
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(entry, f, separators=(",", ":"))
+                os.replace(tmp, self.path(key))
+            finally:
+                if os.path.exists(tmp):  # (a full disk: no half-written file left behind)
+                    os.unlink(tmp)
         except OSError as e:
             _warn_once(str(self.directory), e)
 
@@ -98,23 +107,41 @@ def _warn_once(directory: str, error: OSError) -> None:
                   SourceMapCacheWarning, stacklevel=4)
 
 
+def verified_map(cache: SourceMapCache, key: str, params: Mapping[str, torch.Tensor],
+                 load_weights: LoadWeights, spec: CheckpointSpec) -> SourceMap | None:
+    """The map kept under ``key`` if the verification pass alone confirms it on the live
+    loader (one load), else None (none kept, or the loader does something else now)."""
+    found = cache.load(key)
+    if found is None or not reverify(found, params, load_weights, spec):
+        return None
+    return found.source_map
+
+
+def probe_and_keep(cache: SourceMapCache | None, key: str | None,
+                   params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
+                   spec: CheckpointSpec) -> SourceMap:
+    """Probe, and keep the map under ``key`` (no cache: only probe)."""
+    probed = probe(params, load_weights, spec)
+    if cache is not None:
+        cache.save(key, probed)
+    return probed.source_map
+
+
 def probe_cached(params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
                  spec: CheckpointSpec, *, cache: SourceMapCache | None, worker: str
                  ) -> tuple[SourceMap, bool]:
-    """The worker's map and whether it came from ``cache`` (verified) rather than a probe.
+    """One worker on its own: its map and whether it came from ``cache`` (verified) rather
+    than a probe. (A group decides for all its workers at once, so that a collective loader
+    sees the same loads on every rank: `weightbridge.coordination.session.source_maps`.)
 
     Raises what the probe raises (`LayoutError`, ``ValueError``): a cached map that fails
     verification is dropped and the loader probed afresh, so its errors are the probe's.
     """
-    if cache is None:
-        return probe(params, load_weights, spec).source_map, False
-    key = cache_key(worker, params, load_weights, spec)
-    found = cache.load(key)
-    if found is not None and reverify(found, params, load_weights, spec):
-        return found.source_map, True
-    probed = probe(params, load_weights, spec)
-    cache.save(key, probed)
-    return probed.source_map, False
+    key = None if cache is None else cache_key(worker, params, load_weights, spec)
+    smap = None if cache is None else verified_map(cache, key, params, load_weights, spec)
+    if smap is not None:
+        return smap, True
+    return probe_and_keep(cache, key, params, load_weights, spec), False
 
 
 def cache_key(worker: str, params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
@@ -134,7 +161,9 @@ def loader_fingerprint(load_weights: Callable, depth: int = 0) -> str:
     class or a callable object's ``__call__``, and the plain values (ints, floats, strs, bools,
     None, tuples of them) in its closure, its object's attributes and a ``functools.partial``'s
     arguments; functions held there are followed a few levels. Tensors and other state are not
-    in it: the verification pass decides whether a cached map still holds."""
+    in it: the verification pass decides whether a cached map still holds. A plain attribute
+    that changes as the loader runs (a load counter) changes the key; connect computes keys
+    before any load, so a restart, built afresh, finds its entry."""
     parts: list = []
     fn, owner = load_weights, None
     if isinstance(fn, functools.partial):
