@@ -3,13 +3,16 @@
     .venv/bin/python benchmarks/bench_probe.py            # ~200M-element bf16 model
     .venv/bin/python benchmarks/bench_probe.py --layers 2 # quicker
     .venv/bin/python benchmarks/bench_probe.py --layers 2 --device emulated-cuda
+    .venv/bin/python benchmarks/bench_probe.py --sweep    # the scaling table (probe_sweep)
+    .venv/bin/python benchmarks/bench_probe.py --restart  # cached maps: restart connect time
 
 Prints, measured in one run: probe time / one plain load_weights call (target <= 6), peak extra
 memory during the probe / parameter bytes (target <= 1.0), source-map bytes (target <= 1 MB) and
 the number of copy operations (pieces). ``--device emulated-cuda`` puts the parameters on the
 emulated CUDA device (`weightbridge.testing.emulated_cuda`) and probes them as a trainer of a
-transfer group does (`TransferWorker.on_source_map`: probe, then restore its weights), printing
-the peak extra *device* memory / parameter bytes (target <= 0.25; its times include the
+transfer group does (`TransferWorker.on_source_map`: probe, then restore its weights from a host
+copy, or with ``--trainer-restore none`` not at all; no source map cache), printing the peak
+extra *device* memory / parameter bytes (target <= 0.25; its times include the
 emulation's overhead and say nothing about a GPU). The loader is written in the vLLM style:
 fused qkv and gate_up shards, experts stacked into 3-D params on their expert-parallel rank,
 vocabulary padded to a multiple of 64.
@@ -18,45 +21,25 @@ vocabulary padded to a multiple of 64.
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
-import threading
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import load  # noqa: E402
+from benchmarks.probe_restart import run_restart  # noqa: E402
+from benchmarks.probe_sweep import HEADER, PeakRss, measure, run_sweep  # noqa: E402
 from meshes.qwen3_moe import MoEConfig, RolloutShard, checkpoint_spec
 from weightbridge import TransferConfig, extract_source_map
+from weightbridge.config import TRAINER_RESTORES
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.worker import TransferWorker
 from weightbridge.testing import emulated_cuda
 from weightbridge.types import Placement
-
-
-class PeakRss:
-    """Samples this process's resident memory in a thread; `peak` is the high-water mark."""
-
-    def __init__(self):
-        self.peak = self.now()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * 4096
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self.now())
-
-    def __enter__(self) -> "PeakRss":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.now())
 
 
 def main() -> None:
@@ -64,7 +47,31 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=MoEConfig.layers)
     parser.add_argument("--repeats", type=int, default=3, help="plain-load timing repeats")
     parser.add_argument("--device", choices=("cpu", "emulated-cuda"), default="cpu")
+    parser.add_argument("--trainer-restore", choices=TRAINER_RESTORES, default="host-copy",
+                        help="emulated-cuda: how the probed trainer gets its weights back")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the scaling table: rank sizes x TP x devices (probe_sweep)")
+    parser.add_argument("--restart", action="store_true",
+                        help="first and restart connect of a controller run (probe_restart)")
+    parser.add_argument("--model", default="small", help="--restart: the demo model size")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # one sweep row: device,mib,tp
     args = parser.parse_args()
+    if args.row:
+        device, mib, tp = args.row.split(",")
+        print("ROW " + json.dumps(measure(device, float(mib), int(tp))))
+        return
+    if args.restart:
+        print(f"load before: {load()}")
+        for line in run_restart(args.model):
+            print(line)
+        print(f"load after: {load()}")
+        return
+    if args.sweep:
+        print(f"load before: {load()}")
+        print(HEADER)
+        run_sweep(__file__)
+        print(f"load after: {load()}")
+        return
     config = MoEConfig(layers=args.layers)
     spec = checkpoint_spec(config)
     emulated = args.device == "emulated-cuda"
@@ -84,7 +91,9 @@ def main() -> None:
         group_worker = TransferWorker("trainer", worker.params, worker.load_weights, spec,
                                       rank=0, placement=Placement("trainer"),
                                       transport=LocalControl().transport,
-                                      config=TransferConfig())
+                                      config=TransferConfig(
+                                          trainer_restore=args.trainer_restore,
+                                          source_map_cache=None))
         def probe():  # noqa: F811 (this path probes as a group's trainer)
             return group_worker.on_source_map()[0]
 

@@ -224,8 +224,9 @@ def test_a_failed_probe_reaches_every_trainer_at_once_not_at_timeout():
 
 def test_a_probe_longer_than_timeout_s_does_not_time_out_the_other_trainers():
     """Probing grows with the model: trainer 1 waits for the plan past timeout_s while trainer
-    0 is still probing, and both connects succeed."""
-    options = TransferConfig(timeout_s=0.5)
+    0 is still probing, and both connects succeed. (No source map cache: a map kept by an
+    earlier connect of the same workers would be verified in one load, not probed.)"""
+    options = TransferConfig(timeout_s=0.5, source_map_cache=None)
     control, trainers, rollouts = _group(options)
     shard, adapter = rollouts[0]
     slow_calls = []

@@ -29,6 +29,11 @@ WAIT_TIMEOUTS = 3
 """`TransferConfig.wait_s` in units of ``timeout_s``."""
 ARENAS = ("device", "host")
 """`TransferConfig.arenas` choices."""
+TRAINER_RESTORES = ("host-copy", "none")
+"""`TransferConfig.trainer_restore` choices."""
+DEFAULT_SOURCE_MAP_CACHE = "~/.cache/weightbridge/source-maps"
+"""`TransferConfig.source_map_cache` unless told otherwise: the user's cache directory, on each
+host (``~`` is the home of the user each worker runs as)."""
 PEER_SHARE = 0.8
 """`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
 
@@ -108,6 +113,26 @@ class TransferConfig:
     round landed, before anything is assembled; a mismatch fails the update closed, naming
     the worker, the round and the parameters (`weightbridge.execution.checksum`)."""
 
+    source_map_cache: str | None = DEFAULT_SOURCE_MAP_CACHE
+    """Directory where connect keeps each worker's source map across restarts
+    (`weightbridge.discovery.cache`; a few KiB per worker), or None to probe every time. A
+    later connect of the same workers, checkpoint, parameters and loaders runs only the probe's
+    verification pass on the kept maps (one load instead of the probe's two to four) when
+    every worker holds one, and every worker probes again if any lacks one or fails. On by
+    default: a map is never trusted unverified, and the entries are small, named by a digest
+    of what decides them. Give a node-local directory
+    where the home directory is shared by many nodes or not writable (it is then skipped with
+    a `weightbridge.discovery.cache.SourceMapCacheWarning`)."""
+
+    trainer_restore: str = "host-copy"
+    """How a trainer gets its weights back after connect's probe, which overwrites them:
+    ``"host-copy"`` (default): copied to host memory before the probe and back after it, at
+    1.0x the trainer's parameter bytes of host memory (pinned next to a real GPU) for the
+    probe's duration, one device-to-host and one host-to-device copy; ``"none"``: left as the
+    probe leaves them (the verification pass's values), no memory: for trainers that connect
+    before they load their real weights, or load them again through their own loader after
+    connect (one load of the checkpoint). Rollouts keep no copy either way."""
+
     def __post_init__(self) -> None:
         if isinstance(self.round_bytes, bool) or not isinstance(self.round_bytes, int) \
                 or self.round_bytes < 1:
@@ -122,6 +147,14 @@ class TransferConfig:
         if self.arenas not in ARENAS:
             raise ValueError(f"arenas must be one of {ARENAS} (where round buffers live), got "
                              f"{self.arenas!r}")
+        if self.trainer_restore not in TRAINER_RESTORES:
+            raise ValueError(f"trainer_restore must be one of {TRAINER_RESTORES} (how a trainer "
+                             f"gets its weights back after the probe), got "
+                             f"{self.trainer_restore!r}")
+        if self.source_map_cache is not None and (
+                not isinstance(self.source_map_cache, str) or not self.source_map_cache):
+            raise ValueError(f"source_map_cache must be a directory path (str) or None (no "
+                             f"cache), got {self.source_map_cache!r}")
         for name in ("sender_staging", "receiver_staging", "checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

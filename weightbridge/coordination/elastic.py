@@ -27,7 +27,7 @@ from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.sequencer import active_steps
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
                                                check_engines, check_same_checkpoint,
-                                               plan_group)
+                                               plan_group, source_maps)
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 from weightbridge.types import WorkerId
@@ -65,7 +65,7 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
                          "first (TransferGroup.add_engines on meshes, or add the engines' "
                          "workers to the control plane)")
     check_configs(control, config, joining)  # (before the probe, as at connect)
-    found = control.call(joining, PeerCall.SOURCE_MAP)
+    found = source_maps(control, joining)
     check_engines(control, [placement for _, placement, _ in found], first=joining[0].index)
     check_same_checkpoint([maps.spec], [spec for _, _, spec in found],
                           first=joining[0].index)

@@ -230,14 +230,15 @@ class ReceiverAdapter(AdapterWorker):
 
     # -- called by peers (endpoints on a mesh) --------------------------------------------------
 
-    def on_source_map(self):
-        """Probe (connect); first check that this worker's engine is the group's."""
+    def on_source_map(self, how: str = "probe"):
+        """`TransferWorker.on_source_map` (connect); first check that this worker's engine is
+        the group's."""
         if self.engine_size != self.control.engine_size:
             raise ValueError(f"{self.worker} was built with engine_size={self.engine_size}, but "
                              f"its transfer group has engines of {self.control.engine_size} "
                              f"workers; give every ReceiverAdapter of the group the same "
                              f"engine_size")
-        return super().on_source_map()
+        return super().on_source_map(how)
 
     def on_offer(self, version: int) -> None:
         with self.cond:

@@ -3,7 +3,8 @@ any driver of a `ControlPlane`.
 
     connect_group(control, config)
         every worker at once: CONFIG -> equal to the leader's? (ConfigMismatch otherwise)
-        every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec)
+        every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec): kept
+            maps verified if every worker holds one and all hold, else every worker probes
         same checkpoint everywhere? (LayoutError otherwise, before any buffer exists)
         plan_transfer -> WorkerPlans -> incoming ranges per receiver
         rollouts: SETUP -> handles;  trainers: SETUP;  everyone: SET_PEERS (its handles)
@@ -84,12 +85,26 @@ def probe_group(control: ControlPlane) -> GroupMaps:
         LayoutError: two workers read different checkpoints.
     """
     ts, rs = trainers(control), rollouts(control)
-    found = control.call(ts + rs, PeerCall.SOURCE_MAP)
+    found = source_maps(control, ts + rs)
     check_engines(control, [placement for _, placement, _ in found[len(ts):]])
     check_same_checkpoint([spec for _, _, spec in found[:len(ts)]],
                           [spec for _, _, spec in found[len(ts):]])
     pairs = tuple((smap, placement) for smap, placement, _ in found)
     return GroupMaps(pairs[:len(ts)], pairs[len(ts):], found[0][2])
+
+
+def source_maps(control: ControlPlane, workers: Sequence[WorkerId]) -> list:
+    """(source map, placement, checkpoint spec) of every worker, all taken the same way:
+    the maps an earlier connect kept (`TransferConfig.source_map_cache`) if every worker holds
+    one and the verification pass confirms each, else a probe of every worker. A collective
+    loader (a DCP load over the trainers, vLLM's over an engine's TP ranks) then sees the
+    same loads on every rank: a probe on one rank beside a verification on another would
+    wait on each other forever."""
+    if all(control.call(workers, PeerCall.SOURCE_MAP, "kept")):
+        found = control.call(workers, PeerCall.SOURCE_MAP, "verify")
+        if all(f is not None for f in found):
+            return found
+    return control.call(workers, PeerCall.SOURCE_MAP, "probe")
 
 
 def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,

@@ -31,7 +31,8 @@ import torch
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
-from weightbridge.discovery.probe import extract_source_map
+from weightbridge.discovery.cache import (SourceMapCache, cache_key, probe_and_keep,
+                                          verified_map)
 # Defined in weightbridge.errors (one hierarchy); importable from here as before.
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
 from weightbridge.execution.boxcopy import CopyKernels
@@ -54,6 +55,8 @@ Checksums = tuple[int, ...]
 offset, nbytes, checksum), five ints each. Flat ints pickle about 15x faster than a dict keyed
 by `WorkerId`, and the sums ride on every round's control messages."""
 RECORD = 5
+SOURCE_MAP_WAYS = ("kept", "verify", "probe")
+"""What `TransferWorker.on_source_map` may be asked to do."""
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
 
@@ -158,6 +161,11 @@ class TransferWorker:
         self.executor: WorkerExecutor | None = None
         self.source_map: SourceMap | None = None
         """What the probe found (set by `on_source_map`)."""
+        self._map_key: str | None = None
+        """This worker's source map cache key, as taken at connect's first call."""
+        self.map_reused = False
+        """Whether `on_source_map` took the map from the source map cache (verified) instead
+        of probing (`TransferConfig.source_map_cache`)."""
         self.cond = threading.Condition()
         self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
@@ -193,21 +201,49 @@ class TransferWorker:
         (`weightbridge.coordination.session.check_configs`)."""
         return self.config
 
-    def on_source_map(self) -> tuple[SourceMap, Placement, CheckpointSpec]:
-        """Probe this worker's own load_weights.
+    def on_source_map(self, how: str = "probe"):
+        """This worker's source map, one of three ways (``how``), as connect asks every worker
+        of the group alike (`weightbridge.coordination.session.source_maps`):
 
-        No second copy of the parameters is made on their device (a GPU is usually full). A
-        trainer gets its weights back from a host copy (pinned where CUDA is real), since it
-        sends them. A rollout keeps no copy: its first update writes every element that a
-        checkpoint element lands in; the others (padding) hold zero after the probe, which
-        zeroes every parameter before each of its loads and refuses a loader that writes a
-        non-zero value there. A rollout parameter no checkpoint element lands in at all is
-        warned about by name (`UnsourcedParameter`): its value is lost to the probe.
+        - ``"kept"``: whether an earlier connect kept a map for this worker, checkpoint,
+          parameters and loader (`TransferConfig.source_map_cache`); no load. Returns a bool.
+        - ``"verify"``: that kept map, if the probe's verification pass alone (one load)
+          confirms it (`map_reused`), else None.
+        - ``"probe"``: probe this worker's own load_weights, and keep the map.
+
+        ``"verify"`` and ``"probe"`` return (source map, placement, checkpoint spec) and
+        overwrite the parameters. No second copy of them is made on their device (a GPU is
+        usually full). A trainer gets its weights back from a host copy (pinned where CUDA is
+        real), since it sends them, unless its config says ``trainer_restore="none"`` (it
+        loads them after connect). A rollout keeps no copy: its first update writes every
+        element that a checkpoint element lands in; the others (padding) hold zero after the
+        probe, which zeroes every parameter before each of its loads and refuses a loader that
+        writes a non-zero value there. A rollout parameter no checkpoint element lands in at
+        all is warned about by name (`UnsourcedParameter`): its value is lost to the probe.
         """
-        saved = _host_copy(self.params) if self.side == "trainer" else None
+        if how not in SOURCE_MAP_WAYS:
+            raise ValueError(f"how must be one of {SOURCE_MAP_WAYS}, got {how!r}")
+        cache = (None if self.config.source_map_cache is None else
+                 SourceMapCache(self.config.source_map_cache))
+        if cache is not None and (how == "kept" or self._map_key is None):
+            # Taken before this connect's first load and kept for its later calls: a loader
+            # whose plain settings change as it loads (a counter) keeps one key.
+            self._map_key = cache_key(str(self.worker), self.params, self.load_weights,
+                                      self.spec)
+        key = self._map_key
+        if how == "kept":
+            return cache is not None and cache.load(key) is not None
+        saved = (_host_copy(self.params) if self.side == "trainer"
+                 and self.config.trainer_restore == "host-copy" else None)
         try:
-            smap = extract_source_map(self.params, self.load_weights, self.spec)
-            self.source_map = smap
+            if how == "verify":
+                smap = None if cache is None else verified_map(
+                    cache, key, self.params, self.load_weights, self.spec)
+                if smap is None:
+                    return None
+            else:
+                smap = probe_and_keep(cache, key, self.params, self.load_weights, self.spec)
+            self.source_map, self.map_reused = smap, how == "verify"
         finally:
             if saved is not None:
                 with torch.no_grad():

@@ -28,27 +28,27 @@ a `LayoutError` that names the parameter and, diagnosed afresh (`diagnose`), the
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
-from typing import Callable, Iterable, Iterator, Mapping, NoReturn
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, NoReturn
 
 import torch
 
 from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
-from weightbridge.discovery.codec import Alphabet, alphabet, cast_alphabet, digits_to_values
+from weightbridge.discovery.codec import (NO_SOURCE, Alphabet, alphabet, cast_alphabet,
+                                          digits_to_values)
 from weightbridge.discovery.diagnose import source_tensor
 from weightbridge.discovery.quantized import ALPHABET as QUANT_ALPHABET
 from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantizing, scale_params,
                                               sign_bits, sign_checkpoint)
-from weightbridge.discovery.runs import CHUNK, PassRuns, Runs, merge_passes, scan_pass
+from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, checked_params,
+                                           in_memory_order, threads, torch_dtype,
+                                           with_threads)
+from weightbridge.discovery.runs import CHUNK, PassRuns, Rings, Runs, merge_passes, scan_pass
 from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, SourceMap
-from weightbridge.views import memory_order, without_aliases
-
-Params = Mapping[str, torch.Tensor]
-LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 _MAX_RING_PERIOD = 1 << 20
 
@@ -79,12 +79,61 @@ def extract_source_map(params: Params | Callable[[], Params], load_weights: Load
             between passes.
         LayoutError: the loader changes values beyond a round-to-nearest-even cast.
     """
-    _check_spec(spec)
-    get = _in_memory_order(params if callable(params) else (lambda: params))
-    ckpt_dtypes = {t.name: _torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
+    return probe(params, load_weights, spec, verify=verify).source_map
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """What a probe found: the map, and where it found no source (what `reverify` checks
+    stays zero). Plain ints and strs: it is kept on disk across restarts (`cache`).
+
+    Example: ``Probed(smap, (("embed", ((64000, 512),)),))``: elements 64000..64511 of
+    ``embed`` (vocabulary padding) take no checkpoint value.
+    """
+
+    source_map: SourceMap
+    holes: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
+    """Per parameter with unsourced elements: its (first element, count) ranges."""
+
+
+def probe(params: Params | Callable[[], Params], load_weights: LoadWeights,
+          spec: CheckpointSpec, *, verify: bool = True) -> Probed:
+    """`extract_source_map`, keeping the unsourced ranges a later `reverify` needs."""
+    check_spec(spec)
+    load = with_threads(load_weights, torch.get_num_threads())  # the caller's threads
+    with threads(1):  # the probe's own work
+        return _extract(params, load, spec, verify)
+
+
+def reverify(probed: Probed, params: Params | Callable[[], Params], load_weights: LoadWeights,
+             spec: CheckpointSpec) -> bool:
+    """The verification pass alone, for a map probed earlier (`cache`): load a pseudo-random
+    checkpoint and check the map reproduces every parameter bit for bit and the unsourced
+    elements stay zero. False when the parameters' names, shapes or dtypes are not the map's,
+    or the loader does anything else now: probe again then. Overwrites the parameters, as a
+    probe does."""
+    check_spec(spec)
+    load = with_threads(load_weights, torch.get_num_threads())
+    with threads(1), torch.no_grad():
+        get = in_memory_order(params if callable(params) else (lambda: params))
+        live = checked_params(get(), None)
+        now = tuple(ParamSpec(n, tuple(p.shape), dtype_name(p.dtype)) for n, p in live.items())
+        if now != probed.source_map.params:
+            return False
+        dtypes = {t.name: torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
+                  for t in spec.tensors}
+        holes = {name: tuple(torch.tensor(v, dtype=torch.int64) for v in zip(*ranges))
+                 for name, ranges in probed.holes}
+        return verify_map(probed.source_map, get, load, spec, dtypes, holes) is None
+
+
+def _extract(params: Params | Callable[[], Params], load_weights: LoadWeights,
+             spec: CheckpointSpec, verify: bool) -> Probed:
+    get = in_memory_order(params if callable(params) else (lambda: params))
+    ckpt_dtypes = {t.name: torch_dtype(t.dtype, f"checkpoint tensor {t.name!r}")
                    for t in spec.tensors}
     with torch.no_grad():
-        first = _checked_params(get(), None)
+        first = checked_params(get(), None)
         dtypes = set(ckpt_dtypes.values()) | {p.dtype for p in first.values()}
         # A loader that casts usually shows as dtypes present on one side only; one that casts
         # between dtypes both sides have is found by the plain probe, which then starts over.
@@ -104,7 +153,7 @@ class _CastSeen(LayoutError):
 
 def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: CheckpointSpec,
            ckpt_dtypes: dict[str, torch.dtype], dtypes: set[torch.dtype], casting: bool,
-           verify: bool, scales: dict[str, str] | None = None) -> SourceMap:
+           verify: bool, scales: dict[str, str] | None = None) -> Probed:
     """Every pass of the probe. ``casting``: encode indices in `cast_alphabet` (values every
     dtype holds exactly) instead of each dtype's own alphabet. ``scales`` (a block-quantizing
     loader: float8 parameter -> its scale parameter): sign passes instead (`quantized`)."""
@@ -121,7 +170,7 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
                                    max(num_passes.values()), skip)
     else:
         live, scans = _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
-                                    alpha_of)
+                                    alpha_of, verify)
     param_specs, pieces, unsourced, holes = [], [], [], {}
     bases = torch.tensor(tindex.bases)
     refuse = (functools.partial(_refuse, get, load_weights, spec, casting) if scales is None
@@ -157,7 +206,8 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         bad = verify_map(smap, get, load_weights, spec, ckpt_dtypes, holes)
         if bad:
             refuse(bad)
-    return smap
+    return Probed(smap, tuple((name, tuple(zip(start.tolist(), length.tolist())))
+                              for name, (start, length) in holes.items()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,28 +215,42 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
 # --------------------------------------------------------------------------------------------
 
 
-def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of):
+def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of, verify):
     """The index passes: (live parameters, per parameter its passes' runs)."""
-    scans: dict[str, list[PassRuns]] = {name: [] for name in _checked_params(get(), None)}
-    shapes = None
+    scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(), None)}
+    shapes, rings, holes = None, Rings(), True
     for k in range(max(num_passes.values())):
-        fill_zero(get())
+        if holes or not verify:
+            # Zero shows where the loader writes nothing. Once the first pass found it writes
+            # every element, later index passes skip the fill: an element a later load leaves
+            # alone would decode wrongly, and the verification pass (which zeroes first)
+            # refuses the map then; without that pass, every load is zeroed first.
+            fill_zero(get())
         load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
-        live = _checked_params(get(), shapes)
+        live = checked_params(get(), shapes)
         shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
         for name, p in live.items():
             alpha = alpha_of(p.dtype)
             if k < num_passes[p.dtype] and p.numel():
-                # One device-to-host copy per parameter and pass; decoded on the host.
-                scans[name].append(scan_pass(flat_view(on_host(p)).to(alpha.dtype), alpha,
-                                             alpha.moduli[k]))
+                # Read back chunk by chunk (device-to-host per chunk), decoded on the host.
+                scans[name].append(scan_pass(_scanned(p), alpha, alpha.moduli[k], rings))
+        holes = any(bool((runs.digit == NO_SOURCE).any()) for passes in scans.values()
+                    for runs in passes[-1:])
     return live, scans
+
+
+def _scanned(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's elements in logical order, on its device when that is a view (the scan
+    copies chunks to the host); a non-contiguous one is copied to the host whole instead, so
+    the probe never allocates device memory."""
+    p = p.detach()
+    return p.reshape(-1) if p.is_contiguous() else flat_view(on_host(p))
 
 
 def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip):
     """A block-quantizing loader's passes (`quantized`): per modulus, its sign passes decoded
     into one float8 pass. ``skip``: the scale parameters (nothing to decode there)."""
-    scans: dict = {name: [] for name in _checked_params(get(), None)}
+    scans: dict = {name: [] for name in checked_params(get(), None)}
     shapes = None
     for k in range(num_passes):
         modulus = QUANT_ALPHABET.moduli[k]
@@ -194,7 +258,7 @@ def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip)
         for bit in range(sign_bits(modulus)):
             fill_zero(get())
             load_weights(sign_checkpoint(spec, tindex, ckpt_dtypes, modulus, bit))
-            live = _checked_params(get(), shapes)
+            live = checked_params(get(), shapes)
             shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
             for name, p in live.items():
                 if name not in skip and p.numel():
@@ -361,79 +425,3 @@ _FP8_HINT = (" Quantizing to float8 is mapped only as block-scaled FP8 (a float8
              "float32 scale parameter named weight_scale_inv, from a checkpoint that is not "
              "float8; see docs/layout.md): load other float8 weights unquantized, or quantize "
              "after each transfer.")
-
-
-# --------------------------------------------------------------------------------------------
-# Small helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _in_memory_order(get: Callable[[], Params]) -> Callable[[], Params]:
-    """The parameters as every later step sees them: views into another parameter's memory
-    left out (written with it), transposed views in memory order."""
-    aliases = None
-
-    def live():
-        nonlocal aliases
-        params = get()
-        if not isinstance(params, Mapping):
-            return params  # _checked_params refuses it
-        params = dict(params)
-        if aliases is None:
-            # Decided on the engine's own tensors, before any probe load: a loader that assigns
-            # checkpoint tensors would make the probe's overlapping ring views look like aliases.
-            aliases = set(params) - set(without_aliases(params))
-        return {n: memory_order(p) if isinstance(p, torch.Tensor) else p
-                for n, p in params.items() if n not in aliases}
-    return live
-
-
-def _check_spec(spec: CheckpointSpec) -> None:
-    """Refuse a spec that offers the loader nothing, before any probe load: every parameter would
-    come out unsourced, and transfers would silently never update them."""
-    if not isinstance(spec, CheckpointSpec):
-        raise ValueError(f"spec must be a CheckpointSpec, got {type(spec).__name__}: build it "
-                         f"with weightbridge.read_checkpoint_spec(paths) or "
-                         f"CheckpointSpec.from_tensors(state_dict)")
-    if spec.numel:
-        return
-    what = ("has no tensors" if not spec.tensors else
-            f"has only tensors of zero elements ({len(spec)})")
-    raise ValueError(f"the checkpoint spec {what}, so layout discovery has no checkpoint element "
-                     f"to offer load_weights and could map no parameter: build the spec from the "
-                     f"checkpoint that load_weights reads, with "
-                     f"weightbridge.read_checkpoint_spec(paths) or "
-                     f"CheckpointSpec.from_tensors(state_dict)")
-
-
-def _checked_params(params: Params, shapes: dict | None) -> dict[str, torch.Tensor]:
-    if not isinstance(params, Mapping):
-        raise ValueError(f"params must be a Mapping[str, Tensor] or a callable returning one; "
-                         f"got {type(params).__name__}")
-    live = dict(params)
-    if not live:
-        raise ValueError("params is empty: pass the worker's parameters by name")
-    for name, p in live.items():
-        if not isinstance(p, torch.Tensor):
-            raise ValueError(f"params[{name!r}] is a {type(p).__name__}, not a tensor")
-        _torch_dtype(dtype_name(p.dtype), f"parameter {name!r}")
-    if shapes is not None:
-        now = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
-        if now != shapes:
-            changed = sorted(set(now.items()) ^ set(shapes.items()))[:3]
-            raise ValueError(f"the parameters changed between probe passes ({changed}): each "
-                             f"load_weights call must leave the same names, shapes and dtypes")
-    return live
-
-
-def _torch_dtype(name: str, what: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{what} has unknown dtype {name!r}")
-    try:
-        alphabet(dtype)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e}") from None
-    return dtype
-
-

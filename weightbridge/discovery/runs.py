@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weightbridge.discovery.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
@@ -57,22 +58,46 @@ class Runs:
 # --------------------------------------------------------------------------------------------
 
 
-def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int) -> PassRuns:
+def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
+              rings: Rings | None = None) -> PassRuns:
     """Runs of one pass over a parameter's elements (1-d, logical order), chunk by chunk.
 
-    Fast path on raw bits: digits are the raw patterns minus a constant, so a new stretch can
-    only begin where the raw first difference changes or validity changes. Only at those few
-    candidates are residues computed exactly (a wrap past the modulus changes the raw
-    difference but not the residue step, and is dropped there).
+    ``values`` may live on a device and be of another float dtype than the alphabet's (a
+    casting loader's parameter): each chunk is copied to the host and converted on its own,
+    so the scan holds a few chunks of host memory whatever the parameter's size.
+
+    Fast path (`Rings`): a chunk whose digits all advance by one step, as inside any long
+    slice-copy, equals a slice of that step's precomputed ring of digits; one comparison
+    proves it, and it adds no stretch. Other chunks take the exact path on raw bits: digits
+    are the raw patterns minus a constant, so a new stretch can only begin where the raw first
+    difference changes or validity changes. Only at those few candidates are residues
+    computed exactly (a wrap past the modulus changes the raw difference but not the residue
+    step, and is dropped there).
     """
     n = values.numel()
     starts, rels, prev_digits, cur_digits = [], [], [], []
-    for lo in range(1, n, CHUNK):
-        hi = min(n, lo + CHUNK)
+    uniform = True  # every chunk took the fast path (with one step: chunks overlap)
+    chunks = [(lo, min(n, lo + CHUNK)) for lo in range(1, n, CHUNK)][::-1]
+    while chunks:  # a stack, in element order: the first chunk on top
+        lo, hi = chunks.pop()
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
-        bits = values[base:hi].view(alpha.bits_dtype)
+        bits = _host_chunk(values, base, hi, alpha, rings)
+        even = rings.constant_step(bits, alpha, modulus) if rings is not None else None
+        if even is not None:
+            if lo < 2:  # the first chunk: its one stretch starts at relation 1
+                d0, d1 = (int(b) - alpha.first_normal for b in bits[:2].tolist())
+                starts.append(torch.tensor([1])), rels.append(torch.tensor([even]))
+                prev_digits.append(torch.tensor([d0])), cur_digits.append(torch.tensor([d1]))
+            continue
+        if rings is not None and hi - lo >= 2 * FAST_MIN:
+            # A copy boundary somewhere inside: halve it, so that only the pieces around
+            # boundaries take the exact path (the halves overlap as chunks do).
+            mid = (lo + hi) // 2
+            chunks += [(mid, hi), (lo, mid)]
+            continue
+        uniform = False
         # Raw-bit differences equal digit differences (the constant offset cancels; wrapping
         # is fine), so the digits themselves are needed only at the candidates.
         step = bits[1:] - bits[:-1]  # relation j: element base+j to base+j+1
@@ -95,11 +120,93 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int) -> PassRuns:
         prev_digits.append(x[1][new])
         cur_digits.append(x[2][new])
     if n <= 1:
-        first = decode(values[:1], alpha, modulus)
+        first = decode(_host_chunk(values, 0, 1, alpha).view(alpha.dtype), alpha, modulus)
         return PassRuns(torch.zeros(1, dtype=torch.int64), first,
                         torch.zeros(1, dtype=torch.int64), n)
+    if uniform:  # one run of the whole parameter: what `claim_runs` makes of one stretch
+        return PassRuns(torch.zeros(1, dtype=torch.int64), prev_digits[0], rels[0], n)
     return claim_runs(torch.cat(starts), torch.cat(rels), torch.cat(prev_digits),
                       torch.cat(cur_digits), n)
+
+
+def _host_chunk(values: torch.Tensor, lo: int, hi: int, alpha: Alphabet,
+                rings: Rings | None = None) -> torch.Tensor:
+    """Elements lo..hi-1 as the alphabet's raw bits, on the host: a view where they are,
+    else copied (and converted) into the scan's one host buffer (``rings.scratch``), so the
+    host memory the scan holds stays one chunk whatever the allocator does with freed ones."""
+    chunk = values[lo:hi]
+    if chunk.device.type == "cpu" and chunk.dtype == alpha.dtype:
+        return chunk.view(alpha.bits_dtype)
+    if rings is None:
+        return chunk.to("cpu").to(alpha.dtype).view(alpha.bits_dtype)
+    return rings.scratch(alpha.dtype, hi - lo).copy_(chunk).view(alpha.bits_dtype)
+
+
+class Rings:
+    """What the scans of one probe share: host scratch for chunks read from a device or
+    converted (`scratch`), and per step s the ring of raw bits of digits 0, s, 2s, ... (mod
+    the modulus): a chunk of a slice-copy of step s is one slice of it. Rings are built on
+    first use, at most `MAX_RINGS` kept (the steps of one probe are few: 1 in row-major
+    copies, a row length in transposed ones); only for moduli up to `MAX_RING_MODULUS` (8-
+    and 16-bit alphabets) and chunks of at least `FAST_MIN` elements (below that the exact
+    path is as quick)."""
+
+    def __init__(self):
+        self._rings: dict[tuple, np.ndarray] = {}
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    def scratch(self, dtype: torch.dtype, num: int) -> torch.Tensor:
+        """A host buffer of ``num`` elements (at most a chunk and its overlap), one per
+        dtype, reused by every chunk the scan copies to the host."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.numel() < num:
+            buf = self._scratch[dtype] = torch.empty(max(num, min(CHUNK + 2, 2 * num)),
+                                                     dtype=dtype)
+        return buf[:num]
+
+    def constant_step(self, bits: torch.Tensor, alpha: Alphabet, modulus: int) -> int | None:
+        """The digit step s if every element of ``bits`` (raw, on the host) is the digit of
+        its predecessor plus s (mod the modulus), all of them sourced; else None."""
+        if bits.numel() < FAST_MIN or modulus > MAX_RING_MODULUS:
+            return None
+        raw = bits.numpy()
+        d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
+        if not (0 <= d0 < modulus and 0 <= d1 < modulus):
+            return None
+        s = (d1 - d0) % modulus
+        if (int(raw[-1]) - int(raw[-2]) - s) % modulus:
+            return None  # its last step differs: not one copy (no ring built for it)
+        if s == 0:
+            return s if bool((raw == raw[0]).all()) else None
+        ring = self._ring(alpha, modulus, s, raw.size)
+        at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
+        return s if np.array_equal(raw, ring[at:at + raw.size]) else None
+
+    def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
+        """At least modulus + size values (a power of two more, at most a chunk's: the
+        halved chunks around copy boundaries get small rings)."""
+        key = (alpha.dtype, alpha.first_normal, modulus, s)
+        ring = self._rings.pop(key, None)
+        if ring is None or ring.size < modulus + size:
+            length = modulus + min(1 << (size - 1).bit_length(), CHUNK + 2)
+            # int32 is exact: both factors are below the modulus, and MAX_RING_MODULUS**2 < 2**31.
+            digits = np.arange(length, dtype=np.int32) % modulus * s % modulus
+            ring = (digits + alpha.first_normal).astype(
+                torch.empty(0, dtype=alpha.bits_dtype).numpy().dtype)
+        if len(self._rings) >= MAX_RINGS:
+            self._rings.pop(next(iter(self._rings)))
+        self._rings[key] = ring  # (re-inserted: the oldest used goes first)
+        return ring
+
+
+FAST_MIN = 1 << 16
+"""Chunks shorter than this take the exact path (`Rings`); longer ones that fail the ring
+comparison are halved down to it."""
+MAX_RINGS = 4
+"""Rings kept at once: each is (modulus + `CHUNK`) raw values, about 2 MiB for bf16."""
+MAX_RING_MODULUS = 46_340
+"""Larger moduli (float32's) have no ring: their chunks take the exact path. (The 8- and
+16-bit alphabets' moduli are below it; its square fits an int32.)"""
 
 
 def _valid(bits: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:

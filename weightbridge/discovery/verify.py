@@ -30,6 +30,8 @@ _RING_SPAN = 65_521
 """Random verification tensors are views into one random ring at offsets below this."""
 _RANDOM_PERIOD = (1 << 20) + 7
 """Period of the random ring: odd, so rows of power-of-two tensors never line up with it."""
+_DRAW_CHUNK = 1 << 16
+"""Random values drawn at once (their int64 temporaries: 512 KiB each)."""
 _TIE_EVERY, _SUBNORMAL_EVERY = 5, 35
 """In the ring of a cast source dtype: every 5th value is a rounding tie of each target dtype,
 every 35th (never a tie) lies in its subnormal range."""
@@ -61,14 +63,20 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
         if dtype not in rings:
             alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            # One draw gives magnitude and sign: draws of size and above are negative.
-            draws = torch.randint(0, 2 * alpha.size, (_RANDOM_PERIOD,), generator=gen)
-            negative = draws >= alpha.size
-            digits = draws - negative * alpha.size
-            period = signed_values(digits, negative, alpha)
+            # A small checkpoint needs no 1M-value period: one longer than twice the span
+            # (tensor offsets, below the span, never coincide) and than its largest tensor
+            # (values never repeat inside one) will do, odd as the long one.
+            size = min(_RANDOM_PERIOD, max(2 * _RING_SPAN + 1, largest | 1))
+            period = torch.empty(size, dtype=dtype)
+            for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
+                hi = min(size, lo + _DRAW_CHUNK)
+                # One draw gives magnitude and sign: draws of size and above are negative.
+                draws = torch.randint(0, 2 * alpha.size, (hi - lo,), generator=gen)
+                negative = draws >= alpha.size
+                period[lo:hi] = signed_values(draws - negative * alpha.size, negative, alpha)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
-            rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // _RANDOM_PERIOD))
+            rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // size))
         start = (i * 40_503 + 17) % _RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
     return out

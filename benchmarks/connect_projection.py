@@ -1,0 +1,100 @@
+"""Time to connect at the paper's scale, projected from what this machine measures.
+
+    .venv/bin/python benchmarks/connect_projection.py     # about a minute on 2 cores
+
+Measured here, in this run: the probe's and the verification pass's throughput on one CPU rank
+of 1 GiB (the sweep's loader, `probe_sweep.ShardedRank`, one torch thread; a checkpoint over
+about 500 MiB of bf16 needs three index passes, as every deployment here does) and each
+deployment's planning time from its shape-only source maps (`weightbridge.shapes`). Derived,
+per deployment of Table 2: the largest worker's parameter bytes and largest parameter, the
+source maps gathered for planning (pickled, as they travel), and
+
+    first connect  = largest rank / probe throughput  + plan
+    cached connect = largest rank / verification throughput + plan
+
+(workers probe at once, so the largest rank sets the pace; setting up buffers and handles is
+left out). The probe's peak extra host memory is projected as the sweep measures it: a fixed
+part (measured here) plus, for parameters on a GPU, one parameter's host copy (the verification
+pass compares a parameter at a time) and the index and random rings (one checkpoint tensor of
+the largest size each).
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import load  # noqa: E402
+from benchmarks.probe_sweep import PeakRss, ShardedRank  # noqa: E402
+from weightbridge import plan_transfer  # noqa: E402
+from weightbridge.discovery.probe import probe, reverify  # noqa: E402
+from weightbridge.shapes import TABLE_2, checkpoint, workers  # noqa: E402
+
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def throughput(checkpoint_mib: int = 1024) -> tuple[float, float, int]:
+    """(probe bytes/s, verification bytes/s, peak extra host bytes of the probe)."""
+    torch.set_num_threads(1)
+    rank = ShardedRank(checkpoint_mib, 1, 0, "cpu")
+    base = PeakRss.now()
+    with PeakRss() as rss:
+        t0 = time.perf_counter()
+        probed = probe(rank.params, rank.load_weights, rank.spec)
+        probe_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    assert reverify(probed, rank.params, rank.load_weights, rank.spec)
+    verify_s = time.perf_counter() - t0
+    return rank.nbytes / probe_s, rank.nbytes / verify_s, rss.peak - base
+
+
+def deployment(dep) -> dict:
+    trainers, rollouts = workers(dep)
+    maps = [m for m, _ in trainers + rollouts]
+    ranks = [sum(_numel(p.shape) * _BYTES[p.dtype] for p in m.params) for m in maps]
+    largest_param = max(_numel(p.shape) * _BYTES[p.dtype] for m in maps for p in m.params)
+    largest_tensor = max(t.numel * _BYTES[t.dtype] for t in checkpoint(dep.model).tensors)
+    gathered = sum(len(pickle.dumps(m)) for m in maps)
+    t0 = time.perf_counter()
+    plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
+    return {"name": f"({dep.name}) {dep.model.name}", "workers": len(maps), "rank": max(ranks),
+            "param": largest_param, "tensor": largest_tensor, "gathered": gathered,
+            "plan_s": time.perf_counter() - t0}
+
+
+def _numel(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def main() -> None:
+    print(f"load before: {load()}")
+    probe_rate, verify_rate, fixed = throughput()
+    print(f"measured on a 1 GiB CPU rank (three index passes): probe "
+          f"{probe_rate / 2**20:.0f} MiB/s, verification pass {verify_rate / 2**20:.0f} MiB/s, "
+          f"probe peak extra host {fixed / 2**20:.1f} MiB")
+    print("| deployment | workers | largest rank | probe (first connect) | verification "
+          "(cached) | peak extra host, GPU params | maps gathered | plan (measured) | "
+          "first connect | cached connect | cached / first |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for dep in TABLE_2:
+        d = deployment(dep)
+        probe_s, verify_s = d["rank"] / probe_rate, d["rank"] / verify_rate
+        host = fixed + d["param"] + d["tensor"]
+        first, cached = probe_s + d["plan_s"], verify_s + d["plan_s"]
+        print(f"| {d['name']} | {d['workers']} | {d['rank'] / 2**30:.1f} GiB | {probe_s:.0f} s "
+              f"| {verify_s:.0f} s | {host / 2**30:.2f} GiB ({host / d['rank']:.3f}x) | "
+              f"{d['gathered'] / 2**20:.1f} MiB | {d['plan_s']:.1f} s | {first:.0f} s | "
+              f"{cached:.0f} s | {cached / first:.2f} |", flush=True)
+    print(f"load after: {load()}")
+
+
+if __name__ == "__main__":
+    main()

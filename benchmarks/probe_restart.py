@@ -1,0 +1,61 @@
+"""Restart connect time with the source map cache, through `TransferGroup` and the controller.
+
+`bench_probe.py --restart` runs it: two sessions of `controller.MeshTransfer` one after the
+other (procs, `TransferGroup` and actors spawned afresh each time, as a restarted job would),
+both with ``TransferConfig(source_map_cache=<a new temporary directory>)``. The first connect
+finds the directory empty and probes every worker; the second finds every worker's map, runs the
+verification pass alone and plans. Each session then moves one version and checks every
+rollout parameter against its own ``load_weights`` (bit for bit, by checksum), so a reused map
+is shown to move the right bytes. ``connect`` is timed from the controller (probe, plan, round
+buffers, handles; the link probe is skipped: a fixed link rate is given); spawning is not in it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from weightbridge import TransferConfig
+from weightbridge.driver import RolloutSpec, TrainerSpec
+
+TRAINER, ROLLOUT = "nodes=1,gpus=2,tp=2", "engines=1,nodes=1,gpus=2,tp=2"
+TARGET = 0.3
+"""Issue 41: restart connect <= 0.3x the first connect."""
+
+
+def _entries(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in directory.glob("*.json")}
+
+
+def session(model: str, config: TransferConfig) -> tuple[float, bool]:
+    """(connect seconds, every rollout parameter matched after one update)."""
+    from controller.driver import MeshTransfer  # imports monarch
+
+    with MeshTransfer(TrainerSpec.parse(TRAINER), RolloutSpec.parse(ROLLOUT), model,
+                      config=config, link_rate=1e9) as mt:
+        t0 = time.perf_counter()
+        mt.connect()
+        connect_s = time.perf_counter() - t0
+        report = mt.update(1)
+    return connect_s, not report.mismatched
+
+
+def run_restart(model: str) -> list[str]:
+    """Two sessions on one new cache directory; the lines to print."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with tempfile.TemporaryDirectory(prefix="wb-maps-") as directory:
+        config = TransferConfig(source_map_cache=directory)
+        first_s, first_ok = session(model, config)
+        kept = _entries(Path(directory))
+        again_s, again_ok = session(model, config)
+        rewritten = sum(_entries(Path(directory)).get(k) != t for k, t in kept.items())
+    ratio = again_s / first_s
+    return [f"model {model}: trainer [{TRAINER}], rollout [{ROLLOUT}], cache entries "
+            f"{len(kept)}",
+            f"first connect (probe every worker, plan, buffers): {first_s:.2f} s; one update "
+            f"{'bit-exact' if first_ok else 'MISMATCHED'}",
+            f"restart connect (kept maps verified, plan, buffers): {again_s:.2f} s; entries "
+            f"rewritten {rewritten}; one update {'bit-exact' if again_ok else 'MISMATCHED'}",
+            f"restart / first = {ratio:.2f} (target <= {TARGET})"]

@@ -1,0 +1,155 @@
+"""The probe's scaling table: rank sizes x TP degrees x devices, each row in a fresh process.
+
+`bench_probe.py --sweep` runs it. A row probes one TP rank of a bf16 checkpoint of 4096 x 1024
+tensors through a row-sharded loader (``param.copy_(tensor[rows of this rank])``, what a
+column-parallel vLLM layer does) and, in the same process, times one plain ``load_weights`` of
+pre-built checkpoint tensors (best of five) and samples the process's resident memory (every
+2 ms) during the probe, all on one torch thread (`THREADS`). The parameters hold real values
+before the probe (their pages are touched), so the extra memory is the probe's own. A fresh
+process per row: memory one row freed cannot hide the next row's.
+
+Each row prints one line, ``ROW {...}``; the parent collects them into the table. On the
+emulated CUDA device (`weightbridge.testing.emulated_cuda`) the parameters' values live in host
+memory; its times include the emulation's overhead and say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
+from weightbridge.testing import emulated_cuda
+
+ROWS, COLS = 4096, 1024
+"""Every checkpoint tensor: 4096 x 1024 bf16 (8 MiB)."""
+SWEEP = (("cpu", 256, 1), ("cpu", 256, 2), ("cpu", 256, 4), ("cpu", 256, 8),
+         ("cpu", 64, 8), ("cpu", 1024, 1), ("cpu", 1, 2),
+         ("emulated-cuda", 256, 2), ("emulated-cuda", 256, 8), ("emulated-cuda", 64, 8))
+"""(device, checkpoint MiB, TP degree): ranks of 8 MiB to 1 GiB on CPU (the last CPU row is a
+tiny loader, a 0.5 MiB rank of 8 tensors of 128 x 512), three on the emulated CUDA device."""
+TARGET_RATIO, TARGET_SHARE, TARGET_SLACK = 6.0, 0.25, 64 << 20
+"""Issue 41: probe <= 6x a plain load; extra host memory <= 0.25x the rank + 64 MiB; extra
+device memory <= 0.25x the rank."""
+
+
+THREADS = 1
+"""Torch intra-op threads in every row (see `measure`)."""
+
+
+class PeakRss:
+    """Samples this process's resident memory in a thread; `peak` is the high-water mark."""
+
+    def __init__(self):
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+class ShardedRank:
+    """Rank ``rank`` of ``tp`` of a checkpoint of equal 2-d tensors, sharded by rows."""
+
+    def __init__(self, checkpoint_mib: float, tp: int, rank: int, device: str):
+        rows, cols = (ROWS, COLS) if checkpoint_mib >= 8 else (128, 512)
+        num = max(1, round(checkpoint_mib * 2**20 / (rows * cols * 2)))
+        self.spec = CheckpointSpec(tuple(TensorSpec(f"layers.{i}.weight", (rows, cols),
+                                                    "bfloat16") for i in range(num)))
+        self.lo, self.hi = rank * rows // tp, (rank + 1) * rows // tp
+        self.params = {t.name: torch.empty(self.hi - self.lo, cols, dtype=torch.bfloat16,
+                                           device=device).fill_(1.0) for t in self.spec.tensors}
+
+    def load_weights(self, weights) -> None:
+        for name, tensor in weights:
+            self.params[name].copy_(tensor[self.lo:self.hi])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params.values())
+
+
+def measure(device: str, checkpoint_mib: float, tp: int, repeats: int = 5) -> dict:
+    """One row, in this process: probe time, plain-load time, peak extra host/device bytes."""
+    # One torch thread for the loads and the probe alike: on a shared machine a parallel op
+    # waits for a busy core, and the plain load's times then spread over 20x.
+    torch.set_num_threads(THREADS)
+    emulated = device == "emulated-cuda"
+    if emulated:
+        emulated_cuda.activate()
+    rank = ShardedRank(checkpoint_mib, tp, tp - 1, "cuda" if emulated else "cpu")
+    device_base = emulated_cuda.memory.current
+    emulated_cuda.memory.reset_peak()
+    base = PeakRss.now()
+    with PeakRss() as rss:
+        t0 = time.perf_counter()
+        smap = extract_source_map(rank.params, rank.load_weights, rank.spec)
+        probe_s = time.perf_counter() - t0
+    host = rss.peak - base
+    dev = emulated_cuda.memory.peak - device_base if emulated else 0
+    gen = torch.Generator().manual_seed(1)
+    checkpoint = {t.name: torch.randn(t.shape, generator=gen).bfloat16()
+                  for t in rank.spec.tensors}
+    load_s = min(_timed(lambda: rank.load_weights(checkpoint.items())) for _ in range(repeats))
+    return {"device": device, "tp": tp, "rank_bytes": rank.nbytes, "probe_s": probe_s,
+            "load_s": load_s, "host_bytes": host, "device_bytes": dev,
+            "pieces": len(smap.pieces)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_sweep(script: str, rows=SWEEP) -> list[dict]:
+    """Every row in a fresh process (``script --row device,mib,tp``); prints each as it ends."""
+    out = []
+    for device, mib, tp in rows:
+        proc = subprocess.run([sys.executable, script, "--row", f"{device},{mib},{tp}"],
+                              capture_output=True, text=True, env=dict(os.environ))
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+        if proc.returncode or line is None:
+            raise RuntimeError(f"sweep row {device},{mib},{tp} failed:\n{proc.stderr[-3000:]}")
+        out.append(json.loads(line[4:]))
+        print(format_row(out[-1]), flush=True)
+    return out
+
+
+def format_row(r: dict) -> str:
+    mib = r["rank_bytes"] / 2**20
+    ratio = r["probe_s"] / r["load_s"]
+    host = r["host_bytes"] / r["rank_bytes"]
+    budget = TARGET_SHARE * r["rank_bytes"] + TARGET_SLACK
+    memory_ok = r["host_bytes"] <= budget and r["device_bytes"] <= TARGET_SHARE * r["rank_bytes"]
+    return (f"| {r['device']} | {r['tp']} | {mib:.1f} MiB | {r['probe_s']:.3f} s | "
+            f"{r['load_s']:.4f} s | {ratio:.1f} {'yes' if ratio <= TARGET_RATIO else 'NO'} | "
+            f"{r['host_bytes'] / 2**20:.1f} MiB ({host:.2f}x) | "
+            f"{r['device_bytes'] / r['rank_bytes']:.2f}x | {'yes' if memory_ok else 'NO'} |")
+
+
+HEADER = ("| device | tp | rank | probe | plain load (best of 5) | ratio (target <= 6) | "
+          "peak extra host | peak extra device | memory within targets (host <= 0.25x + "
+          "64 MiB, device <= 0.25x) |\n|---|---|---|---|---|---|---|---|---|")

@@ -1,0 +1,151 @@
+"""The probe's bounded-memory, fast paths: they must find exactly the map the exact path finds.
+
+`runs.Rings` proves a chunk is one slice-copy by comparing it with a ring of digits; here the
+chunks and the fast path's threshold are shrunk so that every zoo loader's parameters cross it,
+and the maps must equal those of the exact path alone. The scan reads parameters on a device
+chunk by chunk (the emulated device: no device memory of the probe's own); the probe runs its
+own steps on one torch thread and gives the loader, and the caller, their own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
+from weightbridge.discovery import runs
+from weightbridge.testing import emulated_cuda
+from zoo import CASES
+
+
+def _map(case: str):
+    worker = CASES[case]()
+    return extract_source_map(worker.params, worker.load_weights, worker.spec)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_ring_fast_path_finds_the_exact_paths_map(case, monkeypatch):
+    monkeypatch.setattr(runs, "FAST_MIN", 1 << 40)  # exact path only
+    exact = _map(case)
+    monkeypatch.setattr(runs, "CHUNK", 61)  # chunk edges everywhere, a prime apart
+    monkeypatch.setattr(runs, "FAST_MIN", 3)
+    assert _map(case) == exact
+
+
+def test_a_chunk_that_breaks_its_step_takes_the_exact_path(monkeypatch):
+    """One element out of step in a long run: the ring comparison fails there, and the map
+    has that element as a piece of its own."""
+    monkeypatch.setattr(runs, "CHUNK", 1000)
+    monkeypatch.setattr(runs, "FAST_MIN", 100)
+    spec = CheckpointSpec((TensorSpec("w", (5000,), "bfloat16"),))
+    param = torch.zeros(5000, dtype=torch.bfloat16)
+    order = torch.arange(5000)
+    order[2500] = 17  # element 2500 comes from checkpoint element 17
+
+    def load_weights(weights):
+        for _, t in weights:
+            param.copy_(t[order])
+    smap = extract_source_map({"w": param}, load_weights, spec)
+    assert sorted((p.offset, p.region.start, p.region.count) for p in smap.pieces) == [
+        (0, (0,), (2500,)), (2500, (17,), (1,)), (2501, (2501,), (2499,))]
+
+
+def _rank(device: str):
+    spec = CheckpointSpec(tuple(TensorSpec(f"w{i}", (64, 512), "bfloat16") for i in range(4)))
+    params = {t.name: torch.ones(32, 512, dtype=torch.bfloat16, device=device)
+              for t in spec.tensors}
+
+    def load_weights(weights):
+        for name, t in weights:
+            params[name].copy_(t[32:])
+    return params, load_weights, spec
+
+
+def test_device_parameters_are_read_back_in_chunks_with_no_device_memory(monkeypatch):
+    monkeypatch.setattr(runs, "CHUNK", 4096)
+    monkeypatch.setattr(runs, "FAST_MIN", 1024)
+    want = extract_source_map(*_rank("cpu"))
+    with emulated_cuda.active():
+        params, load_weights, spec = _rank("cuda")
+        base = emulated_cuda.memory.current
+        emulated_cuda.memory.reset_peak()
+        got = extract_source_map(params, load_weights, spec)
+        assert emulated_cuda.memory.peak == base
+    assert got == want
+
+
+def test_the_probe_leaves_the_callers_threads_and_gives_them_to_the_loader():
+    params, load_weights, spec = _rank("cpu")
+    seen = []
+
+    def counting(weights):
+        seen.append(torch.get_num_threads())
+        load_weights(weights)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        extract_source_map(params, counting, spec)
+        assert torch.get_num_threads() == 2
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
+def _trainer(restore: str):
+    from meshes.qwen3_moe import SIZES, TrainerShard, checkpoint_spec
+    from weightbridge import Placement, TransferConfig
+    from weightbridge.coordination.local_control import LocalControl
+    from weightbridge.coordination.worker import TransferWorker
+
+    shard = TrainerShard(SIZES["tiny"], 2, 0, 2, 1)
+    for p in shard.params.values():
+        p.normal_(generator=torch.Generator().manual_seed(2))
+    config = TransferConfig(trainer_restore=restore, source_map_cache=None)
+    worker = TransferWorker("trainer", shard.params, shard.load_weights,
+                            checkpoint_spec(SIZES["tiny"]), rank=0, placement=Placement("t"),
+                            transport=LocalControl().transport, config=config)
+    return shard, worker
+
+
+@pytest.mark.parametrize("restore", ["host-copy", "none"])
+def test_a_trainer_keeps_a_host_copy_only_when_its_config_asks(restore, monkeypatch):
+    from weightbridge.coordination import worker as worker_module
+
+    copies = []
+    real = worker_module._host_copy
+    monkeypatch.setattr(worker_module, "_host_copy", lambda p: copies.append(1) or real(p))
+    shard, worker = _trainer(restore)
+    before = {n: p.clone() for n, p in shard.params.items()}
+    worker.on_source_map()
+    same = all(torch.equal(shard.params[n].view(torch.uint8), p.view(torch.uint8))
+               for n, p in before.items())
+    assert (len(copies), same) == ((1, True) if restore == "host-copy" else (0, False))
+
+
+def test_an_unknown_trainer_restore_is_refused():
+    from weightbridge import TransferConfig
+
+    with pytest.raises(ValueError, match="trainer_restore must be one of"):
+        TransferConfig(trainer_restore="disk")
+
+
+def test_a_loader_that_skips_an_element_in_a_later_pass_is_refused():
+    """Index passes after the first are not zeroed when the first found every element
+    written: an element a later load leaves alone keeps a stale digit, decodes as another
+    element, and the verification pass (zeroed first) refuses the map."""
+    from weightbridge import LayoutError
+
+    spec = CheckpointSpec((TensorSpec("w", (40_000,), "bfloat16"),))  # two index passes
+    param = torch.zeros(40_000, dtype=torch.bfloat16)
+    calls = []
+
+    def load_weights(weights):
+        calls.append(1)
+        for _, t in weights:
+            if len(calls) == 2:  # the second index pass: element 35000 left alone
+                param[:35_000].copy_(t[:35_000])
+                param[35_001:].copy_(t[35_001:])
+            else:
+                param.copy_(t)
+    with pytest.raises(LayoutError):
+        extract_source_map({"w": param}, load_weights, spec)
