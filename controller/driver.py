@@ -407,13 +407,14 @@ class MeshTransfer(ClosingContext, Membership):
                             ideal_s=self.ideal_s, stall_s=t2 - t1,
                             state="installed" if installed else "landed")
 
-    def _verify(self, runs, versions, futures=None) -> tuple[int, tuple[str, ...]]:
-        """(parameters compared, mismatches) of the rollouts in ``runs`` ((first rank, actor
+    def _verify(self, runs, versions, futures=None, side: str = "rollout"
+                ) -> tuple[int, tuple[str, ...]]:
+        """(parameters compared, mismatches) of the workers in ``runs`` ((first rank, actor
         mesh) pairs) against their own load_weights of ``versions``."""
         futures = futures or [mesh.checksums.call(versions) for _, mesh in runs]
         results = [r for f in futures for r in by_rank(f.get())]
         ranks = [first + i for first, mesh in runs for i in range(int(mesh.size()))]
-        return mismatches(results, ranks)
+        return mismatches(results, ranks, side)
 
     def _transfer(self, version: int, slots: dict | None = None, *,
                   first_round: int = 0) -> None:

@@ -22,7 +22,7 @@ from controller.report import JoinReport, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import TransferFailed, TransferPlan
+from weightbridge import CatchUpRefused, TransferFailed, TransferPlan
 from weightbridge.driver import surfaced
 
 
@@ -46,6 +46,9 @@ class Membership:
 
         Raises:
             ValueError: ``procs`` of another size than an engine.
+            CatchUpRefused: without sender staging, the trainers' parameters no longer hold
+                the version the engines hold (a train step ran since it was sent); before
+                anything spawns.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
             TransferFailed: the catch-up transfer failed or did not verify.
@@ -58,6 +61,7 @@ class Membership:
             raise ValueError(f"add_engine got {int(procs.size())} procs; an engine of this "
                              f"group has {size} workers (nodes x gpus of the rollout spec)")
         self._between_updates()  # every live engine holds the newest version sent
+        self._check_catch_up_source(engine)
         t0 = time.perf_counter()
         grown = dataclasses.replace(spec, engines=engine + 1)
         procs, actors = self.meshes.spawn_engine(procs, grown, first)
@@ -97,6 +101,30 @@ class Membership:
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
+
+    def _check_catch_up_source(self, engine: int) -> None:
+        """Without sender staging the catch-up re-sends the trainers' parameters to every
+        engine (a mirrored join runs the whole update again): they must still hold the
+        version the engines hold, checked against the trainers' own load_weights of it.
+
+        Raises:
+            CatchUpRefused: a train step ran since (before anything spawns or moves).
+        """
+        holds = self.book.holds
+        if holds is None or self.mode.sender_staging:  # (staging: the staged copy is sent)
+            return
+        _, bad = self._verify(self._live("trainer"), holds, side="trainer")
+        if bad:
+            version = self.book.held_version
+            raise CatchUpRefused(
+                f"add_engine() for engine {engine} refused: the trainers' parameters no longer "
+                f"hold version {version}, the version the engines hold ({len(bad)} parameters "
+                f"differ, e.g. {list(bad[:3])}): a train step ran since update({version}). "
+                f"Without sender staging the catch-up re-sends the trainers' parameters to "
+                f"every engine, so it would write those bytes into the engines under version "
+                f"{version}. Nothing was spawned or sent: call add_engine() after update() "
+                f"(and poll_requests()) and before the next train step, or use sender staging "
+                f"(ss, async modes), whose catch-up sends the staged copy")
 
     def _between_updates(self) -> None:
         """Before a membership change: the transfer streaming ended and (receiver staging)

@@ -15,9 +15,11 @@ import pytest
 from monarch.actor import this_host
 
 from controller.driver import MeshTransfer, WorkersLost
+from controller.ranks import by_rank
+from controller.report import mismatches
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig
+from weightbridge import CatchUpRefused, TransferConfig
 from weightbridge.driver import TransferWorker
 
 pytestmark = pytest.mark.mesh
@@ -100,6 +102,32 @@ def test_a_join_while_a_delta_plan_is_in_force_gets_every_tensor_and_deltas_go_o
         after = mt.update(3, changed=norm)  # a delta again, to both engines
         assert not after.mismatched and after.num_params == 2 * full.num_params, after.line()
         assert 0 < after.rdma_bytes < full.rdma_bytes
+
+
+@pytest.mark.parametrize("receiver_staging", [False, True], ids=["sync", "rs"])
+def test_a_join_after_the_next_train_step_is_refused_and_the_engines_keep_their_version(
+        receiver_staging):
+    """Issue 44, item 1: in the documented loop the trainers train v + 1 right after
+    update(v). Without sender staging a join's catch-up re-sends the trainers' parameters to
+    every engine, so it wrote the unsent v + 1 into the old engines under the label v. It is
+    refused now, before anything spawns or moves; after the next update a join works."""
+    config = TransferConfig(round_bytes=64 << 10, receiver_staging=receiver_staging)
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
+                      config=config) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.poll_requests()  # (RS: installs version 1)
+        mt.trainers.train_step.call(2).get()  # the next train step, version 2 not sent
+        with pytest.raises(CatchUpRefused, match="no longer hold version 1"):
+            mt.add_engine()
+        assert mt.rollout_spec.engines == 1  # nothing spawned
+        count, bad = mismatches(by_rank(mt.rollouts.checksums.call(1).get()))
+        assert count > 0 and not bad, bad  # engine 0 still holds version 1, every byte
+        mt.update(2, train=False)
+        mt.poll_requests()
+        joined = mt.add_engine()  # the trainers hold what the engines hold again
+        assert not joined.mismatched and joined.num_params == count, joined.line()
 
 
 class DiesInItsSecondUpdate(TransferWorker):

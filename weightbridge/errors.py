@@ -8,6 +8,7 @@
         ChecksumMismatch (a RuntimeError)    bytes changed on their way into a round buffer
         ReplicaMismatch (a RuntimeError)     data-parallel replicas hold different bytes
         StepFailed (a RuntimeError)          a step of the round sequencer failed on a worker
+        CatchUpRefused (a RuntimeError)      a join cannot send the version the engines hold
 
 Bad input is also refused with a plain ``ValueError`` and a slow peer with ``TimeoutError``,
 each before any byte moves where it can be. `TransferError` (the controller's old name for
@@ -101,6 +102,12 @@ class ReplicaMismatch(WeightBridgeError, RuntimeError):
 class StepFailed(WeightBridgeError, RuntimeError):
     """A step of the round sequencer failed on some worker; the message names the round and
     the step, then the worker's own error (`library_error` of what the step raised)."""
+
+
+class CatchUpRefused(WeightBridgeError, RuntimeError):
+    """An engine's join was refused before anything spawned or moved: its catch-up would
+    send other bytes than the version the engines hold (without sender staging it re-sends
+    the trainers' parameters, and a train step ran since that version was sent)."""
 
 
 # -- across processes ---------------------------------------------------------------------------
