@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import pytest
 
+import torch
+
 from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
 from test_mesh_transfer import DiesInRound1Rollout
+from meshes.actors import TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig
+from weightbridge import ParameterRebound, TransferConfig
 from weightbridge.config import Mode
 
 pytestmark = pytest.mark.mesh
@@ -146,3 +149,32 @@ def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
     assert "poll_requests installs it" in str(lost.value), str(lost.value)
     assert installed.version == 1 and not installed.mismatched
     assert count > 0 and not bad, bad[:4]
+
+
+class RebindingTrainer(TrainerActor):
+    """Its train step of version 2 and later rebinds every parameter's storage
+    (``p.data = new``, as ``load_state_dict(assign=True)`` does), then loads the version."""
+
+    def _train_step(self, version):
+        if version >= 2:
+            for p in self.parts.params.values():
+                p.data = torch.empty_like(p)
+        super()._train_step(version)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_a_trainer_step_that_rebinds_storage_is_refused_before_any_byte_moves(procs, mode):
+    """Issue 44, item 4: the copy tables read the storage registered at connect, so a
+    rebound parameter shipped its connect-time bytes under every later label (checksums on).
+    The controller's update now raises `ParameterRebound` naming it (sync: before the rounds;
+    SS: before the staged copy is taken), and the rollouts keep version 1."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs,
+                      trainer_actor=RebindingTrainer) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.poll_requests()
+        with pytest.raises(ParameterRebound, match="no longer uses the storage"):
+            mt.update(2)
+        assert mt.wait() is None  # (SS: nothing streams)
+        count, bad = _holds(mt, 1)
+        assert count > 0 and not bad, bad[:4]

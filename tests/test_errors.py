@@ -15,11 +15,12 @@ import pytest
 import weightbridge
 from weightbridge import errors
 from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, LayoutError,
-                                 ReplicaMismatch, StepFailed, TransferFailed, WeightBridgeError,
-                                 WorkersLost, describe, failure_kind, from_kind, library_error)
+                                 ParameterRebound, ReplicaMismatch, StepFailed, TransferFailed,
+                                 WeightBridgeError, WorkersLost, describe, failure_kind,
+                                 from_kind, library_error)
 
 LIBRARY_ERRORS = (LayoutError, ConfigMismatch, TransferFailed, WorkersLost, ChecksumMismatch,
-                  ReplicaMismatch, StepFailed, CatchUpRefused)
+                  ReplicaMismatch, StepFailed, CatchUpRefused, ParameterRebound)
 
 
 def test_every_library_exception_is_a_weightbridge_error_and_keeps_its_builtin_base():
@@ -27,7 +28,8 @@ def test_every_library_exception_is_a_weightbridge_error_and_keeps_its_builtin_b
         assert issubclass(cls, WeightBridgeError), cls
     # What users caught before still catches them.
     assert issubclass(LayoutError, ValueError) and issubclass(ConfigMismatch, ValueError)
-    for cls in (TransferFailed, ChecksumMismatch, ReplicaMismatch, StepFailed, CatchUpRefused):
+    for cls in (TransferFailed, ChecksumMismatch, ReplicaMismatch, StepFailed, CatchUpRefused,
+                ParameterRebound):
         assert issubclass(cls, RuntimeError), cls
     assert issubclass(WorkersLost, TransferFailed)
     # Every exception class the library defines is in the hierarchy (nothing scattered).

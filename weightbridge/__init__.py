@@ -32,8 +32,8 @@ from weightbridge.discovery.correspond import correspond
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.discovery.replay import replay
 from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, LayoutError,
-                                 ReplicaMismatch, TransferFailed, WeightBridgeError,
-                                 WorkersLost)
+                                 ParameterRebound, ReplicaMismatch, TransferFailed,
+                                 WeightBridgeError, WorkersLost)
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.planning.plan import TransferPlan, plan_transfer
@@ -76,6 +76,7 @@ __all__ = [
     "CpuCopyKernels",
     "Estimate",
     "LayoutError",
+    "ParameterRebound",
     "Placement",
     "ReceiverAdapter",
     "ReplicaMismatch",

@@ -9,6 +9,7 @@
         ReplicaMismatch (a RuntimeError)     data-parallel replicas hold different bytes
         StepFailed (a RuntimeError)          a step of the round sequencer failed on a worker
         CatchUpRefused (a RuntimeError)      a join cannot send the version the engines hold
+        ParameterRebound (a RuntimeError)    a trainer's parameter no longer uses its storage
 
 Bad input is also refused with a plain ``ValueError`` and a slow peer with ``TimeoutError``,
 each before any byte moves where it can be. `TransferError` (the controller's old name for
@@ -108,6 +109,12 @@ class CatchUpRefused(WeightBridgeError, RuntimeError):
     """An engine's join was refused before anything spawned or moved: its catch-up would
     send other bytes than the version the engines hold (without sender staging it re-sends
     the trainers' parameters, and a train step ran since that version was sent)."""
+
+
+class ParameterRebound(WeightBridgeError, RuntimeError):
+    """A trainer's parameter no longer uses the storage it was registered with (``p.data =
+    new``, ``load_state_dict(assign=True)``): the copy tables read the old storage, so its
+    new values would never be sent. Raised before any byte of the update moves."""
 
 
 # -- across processes ---------------------------------------------------------------------------

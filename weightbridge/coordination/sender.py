@@ -141,6 +141,8 @@ class SenderAdapter(AdapterWorker):
             ValueError: a version not newer than the last one sent; a ``changed`` that is not
                 supported in this mode, names unknown tensors, comes before any full update, or
                 differs between trainers (before any byte moves).
+            ParameterRebound: a parameter of this trainer no longer uses the storage it was
+                registered with (``p.data = new``; before any byte moves).
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
             TransferFailed: a rollout worker was lost during this transfer (sync, RS; on every
                 trainer) or an earlier one (SS, async; on rank 0, after this version was
@@ -150,6 +152,7 @@ class SenderAdapter(AdapterWorker):
         version = check_version(version)
         if self.executor is None:
             raise RuntimeError("call connect() before send_weights()")
+        self.check_storage()  # (the copy tables read the storage registered)
         with self.cond:
             if self._calling is not None:
                 raise RuntimeError(
@@ -331,8 +334,8 @@ class SenderAdapter(AdapterWorker):
         super().on_set_peers(handles)
         self._connected.set()
 
-    def on_digest(self, version: int) -> tuple[int, ...]:
-        return self._digest(version)
+    def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
+        return self._digest(version)  # (storage: checked on entering send_weights)
 
     def _staged_digest_of(self, version: int) -> tuple[int, ...]:
         staged, digest = self._staged_digest

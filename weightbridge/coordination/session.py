@@ -185,20 +185,32 @@ def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
     return tuple(tuple(g) for g in groups.values() if len({i for i, _ in g}) > 1)
 
 
-def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int) -> None:
+def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int, *,
+                   every_trainer: bool = False) -> None:
     """Compare the per-parameter checksums of ``version`` of every parameter more than one
-    trainer holds (`replicated_params`).
+    trainer holds (`replicated_params`). ``every_trainer``: ask every live trainer, for its
+    storage check too (`TransferWorker.on_digest`; the controller's path, whose trainers
+    have no send call of their own to check in).
 
     The plan takes each element from one holder, so holders that diverged would be blended
     element by element into the rollouts without this; it runs before any byte moves.
 
     Raises:
         ReplicaMismatch: two trainers hold different bytes for the same elements.
+        ParameterRebound: (``every_trainer``) a trainer's parameter storage was rebound.
     """
+    ranks = sorted({i for g in group.replicas for i, _ in g})
+    if every_trainer:
+        asked = list(group.live_trainers or trainers(control))
+        answers = control.call_each(asked, PeerCall.DIGEST,
+                                    [(version, t.index in ranks) for t in asked])
+        by_rank = dict(zip((t.index for t in asked), answers))
+        answers = [by_rank[i] for i in ranks]
     if not group.replicas:
         return
-    ranks = sorted({i for g in group.replicas for i, _ in g})
-    answers = control.call([WorkerId("trainer", i) for i in ranks], PeerCall.DIGEST, version)
+    if not every_trainer:
+        answers = control.call([WorkerId("trainer", i) for i in ranks], PeerCall.DIGEST,
+                               version)
     digests = {i: dict(zip(group.param_names[i], d)) for i, d in zip(ranks, answers)}
     bad: dict[tuple[int, int], list[str]] = {}
     for g in group.replicas:
@@ -270,17 +282,18 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     """Move one version: every round, sequenced; returns once the last round landed.
 
     ``slots``: engine -> the staging slot its rollouts land into (receiver staging); engines
-    not in it assemble into their parameters. With ``version``, data-parallel replicas are
-    compared first (`check_replicas`). ``first_round``: start there (the rounds a join
-    appended: the joining engines alone).
+    not in it assemble into their parameters. With ``version``, every trainer checks its
+    parameters' storage and data-parallel replicas are compared first (`check_replicas`).
+    ``first_round``: start there (the rounds a join appended: the joining engines alone).
 
     Raises:
         ReplicaMismatch: replicas disagree (before any byte moved).
+        ParameterRebound: a trainer's parameter storage was rebound (before any byte moved).
         StepFailed: a step failed on some worker (names the round and the step).
         asyncio.TimeoutError: the whole update outlasted ``deadline_s``.
     """
     if version is not None:
-        check_replicas(control, group, version)
+        check_replicas(control, group, version, every_trainer=True)
     steps = ControlSteps(control, group, slots)
     rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth,
                         first=first_round)

@@ -34,6 +34,7 @@ from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 # Defined in weightbridge.errors (one hierarchy); importable from here as before.
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
+from weightbridge.errors import ParameterRebound
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
@@ -87,6 +88,23 @@ def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
     """One checksum per parameter, in name order: what replicas compare."""
     return tuple(checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
                  for n in sorted(params))
+
+
+def storage_of(p: torch.Tensor) -> tuple:
+    """What the copy tables read of a parameter: data pointer, shape, strides, dtype."""
+    return p.data_ptr(), p.shape, p.stride(), p.dtype
+
+
+def rebound_error(worker: WorkerId, name: str, was: tuple, now: tuple) -> ParameterRebound:
+    """The error for a parameter whose storage is no longer the one registered."""
+    return ParameterRebound(
+        f"{worker}: parameter {name!r} no longer uses the storage it was registered with "
+        f"(data pointer {was[0]:#x}, shape {tuple(was[1])}, strides {was[2]}, {was[3]}; now "
+        f"{now[0]:#x}, {tuple(now[1])}, {now[2]}, {now[3]}): something rebound it (`p.data = "
+        f"new`, `load_state_dict(assign=True)`, a resharding wrapper). The copy tables read "
+        f"the registered storage, so its new values would never be sent. Nothing was sent: "
+        f"write new values in place (`p.copy_(new)` under torch.no_grad(), load_state_dict "
+        f"without assign=True), or build a new group on the new parameters")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +188,21 @@ class TransferWorker:
         """Rollouts, receiver staging: versions landed and not installed yet."""
         self.failure: str | None = None
         """Why this worker's engine is out of the group (`on_fail`; None: it is not)."""
+        self.storage = {n: storage_of(p) for n, p in self.params.items()}
+        """Parameter -> the storage registered here (`storage_of`), what the copy tables
+        read; `check_storage` compares it before every send."""
+
+    def check_storage(self) -> None:
+        """Trainers, before every send: each parameter still uses its registered storage.
+
+        Raises:
+            ParameterRebound: one was rebound (names the first, and how to fix it).
+        """
+        for name, p in self.params.items():
+            was = self.storage[name]
+            if p.data_ptr() != was[0] or p.stride() != was[2] or p.shape != was[1] or (
+                    p.dtype != was[3]):
+                raise rebound_error(self.worker, name, was, storage_of(p))
 
     def _log(self, event: tuple[str, int]) -> None:
         self.events.append((next(_SEQ), *event))
@@ -221,10 +254,14 @@ class TransferWorker:
         """Asked who is still there after a transfer failed."""
         return True
 
-    def on_digest(self, version: int) -> tuple[int, ...]:
-        """Trainers: per-parameter checksums of what this trainer sends as ``version`` (its
-        parameters, now), compared with its data-parallel replicas' before the update."""
-        return param_digest(self.params)
+    def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
+        """Trainers, before the rounds of ``version``: without sender staging, the storage
+        check (`check_storage`: the rounds read the parameters); then, if ``digest``,
+        per-parameter checksums of what this trainer sends (its parameters now), compared
+        with its data-parallel replicas'."""
+        if not self.config.sender_staging:
+            self.check_storage()
+        return param_digest(self.params) if digest else ()
 
     def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
                  ) -> dict:
@@ -257,7 +294,12 @@ class TransferWorker:
 
     def on_stage(self, version: int) -> None:
         """Trainers, sender staging: take the staged copy of ``version`` (the parameters now)
-        that the rounds send from; the parameters may change once this returned."""
+        that the rounds send from; the parameters may change once this returned.
+
+        Raises:
+            ParameterRebound: a parameter's storage was rebound (`check_storage`).
+        """
+        self.check_storage()
         with self.cond:
             self.staged.take(self.executor, version)
             self._log(("staged", version))
