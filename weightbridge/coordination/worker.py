@@ -90,6 +90,25 @@ def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
                  for n in sorted(params))
 
 
+def _by_name(params, side: str, rank: int) -> dict[str, torch.Tensor]:
+    """Name -> tensor of a mapping or of (name, tensor) pairs (``named_parameters()``).
+
+    Raises:
+        ValueError: a name given twice (``dict`` would keep the last tensor only, and the
+            first would never be updated).
+    """
+    if isinstance(params, Mapping):
+        return dict(params)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in params:
+        if name in out:
+            raise ValueError(f"the parameters of {side} {rank} name parameter {name!r} twice; "
+                             f"give one tensor per name (a mapping, or named_parameters() "
+                             f"with its default remove_duplicate=True)")
+        out[name] = tensor
+    return out
+
+
 def storage_of(p: torch.Tensor) -> tuple:
     """What the copy tables read of a parameter: data pointer, shape, strides, dtype."""
     return p.data_ptr(), p.shape, p.stride(), p.dtype
@@ -145,7 +164,8 @@ class TransferWorker:
 
     Args:
         side: "trainer" or "rollout".
-        params: Parameter name -> tensor; updated in place (rollouts), read (trainers).
+        params: Parameter name -> tensor, or (name, tensor) pairs with distinct names;
+            updated in place (rollouts), read (trainers).
         load_weights: The worker's own loader (probed at connect).
         spec: The checkpoint ``load_weights`` reads.
 
@@ -170,7 +190,7 @@ class TransferWorker:
             raise ValueError(f"{side} {rank} has no parameters: pass the name -> tensor mapping "
                              f"its load_weights fills")
         self.side = side
-        self.params, self.load_weights, self.spec = dict(params), load_weights, spec
+        self.params, self.load_weights, self.spec = _by_name(params, side, rank), load_weights, spec
         self.worker, self.placement = WorkerId(side, rank), placement
         self.transport, self.config, self.kernels = transport, config, kernels
         self.executor: WorkerExecutor | None = None
