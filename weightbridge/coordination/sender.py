@@ -16,7 +16,6 @@ from weightbridge.coordination.protocol import SenderStage, TrainerVersions, che
 from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
 from weightbridge.coordination.sender_delta import TrainerDelta
 from weightbridge.coordination.sender_membership import TrainerMembership, call_name
-from weightbridge.coordination.worker import param_digest
 from weightbridge.errors import from_kind
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
@@ -38,7 +37,7 @@ class SenderAdapter(AdapterWorker):
                          placement=placement or Placement("trainer"), control=control,
                          transport=transport, config=config, kernels=kernels)
         self.stage = SenderStage()
-        self.changes = TrainerDelta(self.params, spec, config)
+        self.changes = TrainerDelta(self.params, spec, config, self.digest)
         """This trainer's side of delta updates (``changed=``)."""
         self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
         """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
@@ -303,7 +302,7 @@ class SenderAdapter(AdapterWorker):
         """Copy the parameters into the staging buffer (``self.cond`` held, buffer free)."""
         self.staged.take(self.executor, version)
         if self.config.checksums:  # what replicas compare: the parameters staged now
-            self._staged_digest = (version, param_digest(self.params))
+            self._staged_digest = (version, self.digest())
         self.stage.stage(version)
         self._log(("staged", version))
         # Released: logged under the lock the sequencer reads `pending` with, so before any

@@ -66,9 +66,8 @@ class ConnectedGroup:
     on two or more trainers (data-parallel replicas; norms, biases, embeddings replicated
     across tensor-parallel ranks), compared by `check_replicas` before each update; empty
     with checksums off."""
-    param_names: tuple[tuple[str | None, ...], ...] = ()
-    """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer (None:
-    not compared)."""
+    param_names: tuple[tuple[str, ...], ...] = ()
+    """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer."""
     handles: dict = field(default_factory=dict)
     """(rollout, range) -> its registered handle: the writers' `PeerCall.SET_PEERS` table
     (kept, so a join hands the trainers the old rollouts' handles again)."""
@@ -157,11 +156,10 @@ def _emptied(maps, excluded: frozenset[int]) -> list:
             if i in excluded else (m, p) for i, (m, p) in enumerate(maps)]
 
 
-def _compared(smap: SourceMap) -> tuple[str | None, ...]:
-    """A trainer's parameter names in digest order; None for those with elements no
-    checkpoint element lands in (padding may differ between replicas)."""
-    padded = {n for n, _ in smap.unsourced}
-    return tuple(None if n in padded else n for n in sorted(p.name for p in smap.params))
+def _compared(smap: SourceMap) -> tuple[str, ...]:
+    """A trainer's parameter names in digest order (a parameter with padding is summed
+    without it: `worker.param_digest`)."""
+    return tuple(sorted(p.name for p in smap.params))
 
 
 def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
@@ -170,16 +168,15 @@ def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
     layout (equal parameter spec, equal pieces), which must hold equal bytes: every parameter
     of data-parallel replicas, and a norm, bias or embedding replicated across
     tensor-parallel ranks whose other parameters are sharded. Groups of (trainer, parameter
-    name), in rank order; parameters with padding (elements no checkpoint element lands in:
-    they may differ) are left out."""
+    name), in rank order. A parameter with padding (elements no checkpoint element lands in:
+    they may differ) is compared on the elements its pieces land in (`param_digest`)."""
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for i, (smap, _) in enumerate(trainer_maps):
-        padded = {n for n, _ in smap.unsourced}
         pieces: dict[str, list] = {}
         for p in smap.pieces:
             pieces.setdefault(p.param, []).append(p)
         for spec in smap.params:
-            if spec.name in pieces and spec.name not in padded:
+            if spec.name in pieces:
                 groups.setdefault((spec, frozenset(pieces[spec.name])), []).append(
                     (i, spec.name))
     return tuple(tuple(g) for g in groups.values() if len({i for i, _ in g}) > 1)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
+import xxhash
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
@@ -39,8 +40,8 @@ from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
-from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
-                                WorkerPlan)
+from weightbridge.types import (CheckpointSpec, Piece, Placement, Range, SourceMap, Stage,
+                                WorkerId, WorkerPlan)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
@@ -84,9 +85,46 @@ def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
                       f"connect if the engine needs them", UnsourcedParameter, stacklevel=3)
 
 
-def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
-    """One checksum per parameter, in name order: what replicas compare."""
-    return tuple(checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
+Padded = Mapping[str, tuple[Piece, ...]]
+"""Parameter with padding -> its pieces (`padded_pieces`): the elements its digest reads."""
+
+
+def padded_pieces(smap: SourceMap) -> dict[str, tuple[Piece, ...]]:
+    """The pieces of each parameter with padding (elements no checkpoint element lands in,
+    which may differ between replicas and change freely between versions)."""
+    padded = {n for n, _ in smap.unsourced}
+    out: dict[str, list[Piece]] = {}
+    for p in smap.pieces:
+        if p.param in padded:
+            out.setdefault(p.param, []).append(p)
+    return {n: tuple(ps) for n, ps in out.items()}
+
+
+def _sourced_digest(p: torch.Tensor, pieces: tuple[Piece, ...]) -> int:
+    """One checksum of the elements of ``p`` that ``pieces`` land in (padding left out):
+    one strided view per piece (a negative step walked backwards: replicas have equal pieces,
+    so they read their elements in the same order)."""
+    flat = p.detach().reshape(-1)
+    sums = []
+    for piece in pieces:
+        offset, strides = piece.offset, []
+        for count, stride in zip(piece.region.count, piece.strides):
+            if stride < 0:
+                offset += (count - 1) * stride
+            strides.append(abs(stride))
+        view = flat.as_strided(piece.region.count, strides, flat.storage_offset() + offset)
+        sums.append(checksum(view.contiguous().reshape(-1).view(torch.uint8)))
+    return xxhash.xxh3_64_intdigest(b"".join(x.to_bytes(9, "little") for x in sums))
+
+
+def param_digest(params: Mapping[str, torch.Tensor], padded: Padded | None = None
+                 ) -> tuple[int, ...]:
+    """One checksum per parameter, in name order: what replicas compare, and what delta
+    updates compare between versions. A parameter in ``padded`` is summed over the elements
+    its pieces land in only (its padding may differ and change)."""
+    padded = padded or {}
+    return tuple(_sourced_digest(params[n], padded[n]) if n in padded else
+                 checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
                  for n in sorted(params))
 
 
@@ -208,6 +246,9 @@ class TransferWorker:
         """Rollouts, receiver staging: versions landed and not installed yet."""
         self.failure: str | None = None
         """Why this worker's engine is out of the group (`on_fail`; None: it is not)."""
+        self.padded: Padded = {}
+        """Trainers: the pieces of each parameter with padding (set by the probe): its
+        digest reads only those elements (`param_digest`)."""
         self.storage = {n: storage_of(p) for n, p in self.params.items()}
         """Parameter -> the storage registered here (`storage_of`), what the copy tables
         read; `check_storage` compares it before every send."""
@@ -268,7 +309,13 @@ class TransferWorker:
                         p.copy_(saved[n])
         if self.side == "rollout":
             _warn_unsourced(self.worker, smap)
+        self.padded = padded_pieces(smap)
         return smap, self.placement, self.spec
+
+    def digest(self) -> tuple[int, ...]:
+        """Per-parameter checksums of the parameters now (`param_digest`, padding left
+        out)."""
+        return param_digest(self.params, self.padded)
 
     def on_ping(self) -> bool:
         """Asked who is still there after a transfer failed."""
@@ -281,7 +328,7 @@ class TransferWorker:
         with its data-parallel replicas'."""
         if not self.config.sender_staging:
             self.check_storage()
-        return param_digest(self.params) if digest else ()
+        return self.digest() if digest else ()
 
     def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
                  ) -> dict:
