@@ -19,6 +19,7 @@ from test_mesh_transfer import DiesInRound1Rollout
 from meshes.actors import TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import ParameterRebound, TransferConfig
+from weightbridge.driver import TransferWorker
 from weightbridge.config import Mode
 
 pytestmark = pytest.mark.mesh
@@ -178,3 +179,39 @@ def test_a_trainer_step_that_rebinds_storage_is_refused_before_any_byte_moves(pr
         assert mt.wait() is None  # (SS: nothing streams)
         count, bad = _holds(mt, 1)
         assert count > 0 and not bad, bad[:4]
+
+
+class StepsRightAfterStaging(TransferWorker):
+    """Trainer 1 starts its next train step the moment its staged copy is taken: its
+    parameters change while the staged version streams (as in the documented loop)."""
+
+    def on_stage(self, version):
+        super().on_stage(version)
+        if self.worker.index == 1:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.add_(1)
+
+
+class StepsRightAfterStagingTrainer(TrainerActor):
+    worker_class = StepsRightAfterStaging
+
+
+@pytest.mark.parametrize("mode", ["ss", "async"])
+def test_the_replica_check_compares_the_staged_copies_that_are_sent(procs, mode):
+    """Issue 44, item 9: with sender staging the replica check ran on the controller's
+    streaming thread and hashed the trainers' live parameters, so a train step that overlaps
+    the stream gave a false `ReplicaMismatch` (and a real divergence of the staged copies
+    would pass). Two data-parallel trainers; trainer 1 steps at once after staging: every
+    version still arrives whole, from the staged copies."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2"), ROLLOUT, "tiny",
+                      config=_config(mode), procs=procs,
+                      trainer_actor=StepsRightAfterStagingTrainer) as mt:
+        mt.connect()
+        for v in (1, 2):
+            mt.update(v)
+            streamed = mt.wait()
+            assert streamed.version == v and not streamed.mismatched, streamed.line()
+            mt.poll_requests()
+            count, bad = _holds(mt, v)
+            assert count > 0 and not bad, bad[:4]

@@ -39,8 +39,6 @@ class SenderAdapter(AdapterWorker):
         self.stage = SenderStage()
         self.changes = TrainerDelta(self.params, spec, config, self.digest)
         """This trainer's side of delta updates (``changed=``)."""
-        self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
-        """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
         self.versions = TrainerVersions()
         """This trainer's versions as trainer 0 moves them (the live half; ``stage``: the
         staged half)."""
@@ -57,9 +55,9 @@ class SenderAdapter(AdapterWorker):
         # The mode, chosen once: where send_weights takes the version from and who releases
         # the parameters (SS, async: the staged copy, released once copied; sync, RS: the live
         # parameters, released when trainer 0 says the transfer finished).
-        self._send, self._digest, self._release = (
-            (self._send_staged, self._staged_digest_of, _nothing) if config.sender_staging else
-            (self._send_live, super().on_digest, lambda v: self._log(("released", v))))
+        self._send, self._release = (
+            (self._send_staged, _nothing) if config.sender_staging else
+            (self._send_live, lambda v: self._log(("released", v))))
 
     # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
 
@@ -300,9 +298,7 @@ class SenderAdapter(AdapterWorker):
 
     def _stage_locked(self, version: int) -> None:
         """Copy the parameters into the staging buffer (``self.cond`` held, buffer free)."""
-        self.staged.take(self.executor, version)
-        if self.config.checksums:  # what replicas compare: the parameters staged now
-            self._staged_digest = (version, self.digest())
+        self.take_staged(version)  # (and its digest: what replicas compare)
         self.stage.stage(version)
         self._log(("staged", version))
         # Released: logged under the lock the sequencer reads `pending` with, so before any
@@ -332,14 +328,6 @@ class SenderAdapter(AdapterWorker):
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
         self._connected.set()
-
-    def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
-        return self._digest(version)  # (storage: checked on entering send_weights)
-
-    def _staged_digest_of(self, version: int) -> tuple[int, ...]:
-        staged, digest = self._staged_digest
-        assert staged == version, (staged, version)  # pinned by STAGE_START before the update
-        return digest
 
     def on_ready(self) -> int | None:
         """The version this trainer waits inside send_weights with (None: not inside it, or

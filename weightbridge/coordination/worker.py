@@ -322,12 +322,14 @@ class TransferWorker:
         return True
 
     def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
-        """Trainers, before the rounds of ``version``: without sender staging, the storage
-        check (`check_storage`: the rounds read the parameters); then, if ``digest``,
-        per-parameter checksums of what this trainer sends (its parameters now), compared
-        with its data-parallel replicas'."""
-        if not self.config.sender_staging:
-            self.check_storage()
+        """Trainers, before the rounds of ``version``: if ``digest``, per-parameter checksums
+        of what this trainer sends, compared with its data-parallel replicas': the
+        parameters now (after the storage check, `check_storage`), or with sender staging
+        the staged copy's, taken with it (the parameters may be a train step further)."""
+        if self.config.sender_staging:  # the staged copy is sent: its digest, taken with it
+            assert self.staged.version == version, (self.staged.version, version)
+            return self.staged.digest if digest else ()
+        self.check_storage()
         return self.digest() if digest else ()
 
     def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
@@ -368,8 +370,14 @@ class TransferWorker:
         """
         self.check_storage()
         with self.cond:
-            self.staged.take(self.executor, version)
+            self.take_staged(version)
             self._log(("staged", version))
+
+    def take_staged(self, version: int) -> None:
+        """Take the staged copy of ``version`` and, with checksums on, its digest (what
+        replicas compare); ``self.cond`` held."""
+        self.staged.take(self.executor, version)
+        self.staged.digest = self.digest() if self.config.checksums else ()
 
     def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
