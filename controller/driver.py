@@ -50,7 +50,7 @@ from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
                                WorkerMeshes)  # (ClosingContext re-exported)
-from controller.membership import Lost, Membership
+from controller.membership import Lost, Membership, serialized
 from controller.ranks import by_rank
 from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
                                mismatches)  # (re-exported)
@@ -123,6 +123,8 @@ class MeshTransfer(ClosingContext, Membership):
         self.link_rate, self._reroute = link_rate, reroute
         self._streaming = Streaming()
         """The transfer running on a thread of its own (SS, async)."""
+        self.calls = threading.RLock()
+        """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
         """``book``: the streaming thread lands versions while `poll_requests` installs."""
 
@@ -196,6 +198,7 @@ class MeshTransfer(ClosingContext, Membership):
     # -- connect --------------------------------------------------------------------------------
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def connect(self) -> TransferPlan:
         """Probe, plan, hand out plans, register buffers, hand out handles. Moves no weights.
 
@@ -244,6 +247,7 @@ class MeshTransfer(ClosingContext, Membership):
     # -- one update -----------------------------------------------------------------------------
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def update(self, version: int, changed: Collection[str] | None = None, *,
                train: bool = True) -> UpdateReport:
         """Train step, then move ``version`` as the sync mode says; returns once the trainers
@@ -323,6 +327,7 @@ class MeshTransfer(ClosingContext, Membership):
                 self.book.installed(version)
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def wait(self) -> UpdateReport | None:
         """SS, async: wait until the rounds of the newest staged version ended; returns their
         report (verified in SS; async: landed in staging). None: no transfer was streaming.
@@ -333,6 +338,7 @@ class MeshTransfer(ClosingContext, Membership):
         return self._streaming.join(self._deadline())
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def poll_requests(self) -> InstallReport | None:
         """Call between the rollouts' generation steps: afterwards every live engine's
         parameters hold the newest version they may take, all switched at this step.

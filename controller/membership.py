@@ -16,6 +16,7 @@ ever routes bytes between live workers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from controller.report import JoinReport, WorkersLost
@@ -26,11 +27,23 @@ from weightbridge import CatchUpRefused, TransferFailed, TransferPlan
 from weightbridge.driver import surfaced
 
 
+def serialized(method):
+    """One public call of a `MeshTransfer` at a time (its ``calls`` lock, reentrant): a
+    membership change or a poll from another thread waits for the update running, as the
+    adapters' session lock makes it, instead of re-planning under its rounds."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.calls:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Membership:
     """`add_engine`, `remove_engine`, `replan`, the recovery after a loss, and the live ranks
     of each side."""
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def add_engine(self, procs=None) -> JoinReport:
         """Add a rollout engine to the running group, between updates, without a new group.
 
@@ -135,6 +148,7 @@ class Membership:
             self.poll_requests()
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def replan(self) -> TransferPlan:
         """Plan the whole group again from the source maps of connect and joins (no probe):
         one non-redundant plan over every live engine, where joins had appended theirs. Every
@@ -146,6 +160,7 @@ class Membership:
         return self.plan
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def remove_engine(self, engine: int) -> TransferPlan:
         """Take rollout engine ``engine`` out of the group between updates (to restart or
         retire it); no byte is sent to or through it afterwards. An engine nothing depends on

@@ -10,6 +10,7 @@ manager; procs given to it are stopped by the test).
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from monarch.actor import this_host
@@ -128,6 +129,51 @@ def test_a_join_after_the_next_train_step_is_refused_and_the_engines_keep_their_
         mt.poll_requests()
         joined = mt.add_engine()  # the trainers hold what the engines hold again
         assert not joined.mismatched and joined.num_params == count, joined.line()
+
+
+def test_a_membership_change_from_another_thread_waits_for_the_running_update():
+    """Issue 44, item 6: remove_engine(1) from a second thread during update(2) re-planned
+    mid-transfer (a bogus ChecksumMismatch, engine 0 torn). It now waits for the update, as
+    the adapters' session lock makes it: the update ends whole on both engines, then the
+    engine leaves and the next update goes to engine 0 alone."""
+    with _transfer("engines=2,nodes=1,gpus=1") as mt:
+        mt.connect()
+        first = mt.update(1)
+        moving, leaving = threading.Event(), threading.Event()
+        order: list[str] = []
+        move, leave = mt._move, mt.leader.leave
+
+        def slow_move(version):  # (gives a concurrent leave 2 s to start: it must not)
+            moving.set()
+            leaving.wait(2)
+            move(version)
+            order.append("moved")
+
+        def told_leave(engine):
+            order.append("leave")
+            leaving.set()
+            return leave(engine)
+
+        mt._move, mt.leader.leave = slow_move, told_leave
+        result: list = []
+        updating = threading.Thread(target=lambda: result.append(_outcome(mt.update, 2)))
+        updating.start()
+        assert moving.wait(60)
+        mt.remove_engine(1)
+        updating.join(timeout=120)
+        assert order == ["moved", "leave"], order
+        assert not result[0].mismatched and result[0].num_params == first.num_params, result
+        mt._move = move
+        after = mt.update(3)
+        assert not after.mismatched and after.num_params * 2 == first.num_params, after.line()
+
+
+def _outcome(call, *args):
+    """What ``call(*args)`` returned, or the exception it raised."""
+    try:
+        return call(*args)
+    except Exception as e:  # noqa: BLE001  (the test asserts on it)
+        return e
 
 
 class DiesInItsSecondUpdate(TransferWorker):
