@@ -123,6 +123,8 @@ class MeshTransfer(ClosingContext, Membership):
         self.link_rate, self._reroute = link_rate, reroute
         self._streaming = Streaming()
         """The transfer running on a thread of its own (SS, async)."""
+        self.closed = False
+        """Set by `close`: every later call raises `GroupClosed`."""
         self.calls = threading.RLock()
         """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
@@ -161,6 +163,7 @@ class MeshTransfer(ClosingContext, Membership):
     def close(self) -> None:
         """Stop the actors and agents, and the procs if this object spawned them (a transfer
         still streaming is waited for first, at most its deadline). Safe to call twice."""
+        self.closed = True
         errors = []
         try:
             self._streaming.join(self._deadline())

@@ -23,17 +23,23 @@ from controller.report import JoinReport, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import CatchUpRefused, TransferFailed, TransferPlan
+from weightbridge import CatchUpRefused, GroupClosed, TransferFailed, TransferPlan
 from weightbridge.driver import surfaced
 
 
 def serialized(method):
     """One public call of a `MeshTransfer` at a time (its ``calls`` lock, reentrant): a
     membership change or a poll from another thread waits for the update running, as the
-    adapters' session lock makes it, instead of re-planning under its rounds."""
+    adapters' session lock makes it, instead of re-planning under its rounds. After `close`
+    every call raises `GroupClosed`."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with self.calls:
+            if self.closed:
+                raise GroupClosed(f"{method.__name__}() on a MeshTransfer that was closed: this "
+                                  f"MeshTransfer was closed (close(), or the end of its with "
+                                  f"block) and its actors are stopped; build a new MeshTransfer "
+                                  f"to go on")
             return method(self, *args, **kwargs)
     return run
 

@@ -18,7 +18,7 @@ from meshprocs import proc_pair
 from test_mesh_transfer import DiesInRound1Rollout
 from meshes.actors import TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import ParameterRebound, TransferConfig
+from weightbridge import GroupClosed, ParameterRebound, TransferConfig
 from weightbridge.driver import TransferWorker
 from weightbridge.config import Mode
 
@@ -215,3 +215,17 @@ def test_the_replica_check_compares_the_staged_copies_that_are_sent(procs, mode)
             mt.poll_requests()
             count, bad = _holds(mt, v)
             assert count > 0 and not bad, bad[:4]
+
+
+def test_a_closed_mesh_transfer_refuses_every_call_with_one_error(procs):
+    """Issue 44, item 10: calls on a closed `MeshTransfer` gave SupervisionError,
+    AttributeError or a KeyboardInterrupt; each now raises `GroupClosed` saying what to do."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config("sync"), procs=procs) as mt:
+        mt.connect()
+        mt.update(1)
+    for call, args in ((mt.update, (2,)), (mt.poll_requests, ()), (mt.wait, ()),
+                       (mt.add_engine, ()), (mt.remove_engine, (1,)), (mt.replan, ()),
+                       (mt.connect, ())):
+        with pytest.raises(GroupClosed, match="this MeshTransfer was closed"):
+            call(*args)
+    mt.close()  # (safe twice)

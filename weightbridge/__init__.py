@@ -31,8 +31,8 @@ from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec
 from weightbridge.discovery.correspond import correspond
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.discovery.replay import replay
-from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, LayoutError,
-                                 ParameterRebound, ReplicaMismatch, TransferFailed,
+from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, GroupClosed,
+                                 LayoutError, ParameterRebound, ReplicaMismatch, TransferFailed,
                                  WeightBridgeError, WorkersLost)
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
@@ -75,6 +75,7 @@ __all__ = [
     "ConfigMismatch",
     "CpuCopyKernels",
     "Estimate",
+    "GroupClosed",
     "LayoutError",
     "ParameterRebound",
     "Placement",

@@ -5,6 +5,7 @@
         ConfigMismatch (also a ValueError)   workers of one group were given different configs
         TransferFailed (a RuntimeError)      an update did not reach the rollouts
             WorkersLost                      ... workers were lost and left out (controller)
+            GroupClosed                      ... the group or MeshTransfer was closed
         ChecksumMismatch (a RuntimeError)    bytes changed on their way into a round buffer
         ReplicaMismatch (a RuntimeError)     data-parallel replicas hold different bytes
         StepFailed (a RuntimeError)          a step of the round sequencer failed on a worker
@@ -89,6 +90,11 @@ class WorkersLost(TransferFailed):
 
     def __reduce__(self):
         return type(self), (str(self), self.lost_engines, self.lost_trainers, self.report)
+
+
+class GroupClosed(TransferFailed):
+    """A call on a transfer group (`TransferGroup`) or a `controller.MeshTransfer` after it
+    was closed: nothing more moves through it; build a new one to go on."""
 
 
 class ChecksumMismatch(WeightBridgeError, RuntimeError):
