@@ -123,6 +123,9 @@ class MeshTransfer(ClosingContext, Membership):
         self.link_rate, self._reroute = link_rate, reroute
         self._streaming = Streaming()
         """The transfer running on a thread of its own (SS, async)."""
+        self.staged_generation: int | None = None
+        """Sender staging: the plan generation the trainers' staged copies were taken for (a
+        re-plan drops them: a join's catch-up then stages the held version again)."""
         self.closed = False
         """Set by `close`: every later call raises `GroupClosed`."""
         self.calls = threading.RLock()
@@ -298,6 +301,7 @@ class MeshTransfer(ClosingContext, Membership):
         self._use()
         if self.mode.sender_staging:
             self.control.call(self.leader.live_trainers(), PeerCall.STAGE, version)
+            self.staged_generation = self.leader.generation
             t2 = time.perf_counter()
             self._streaming.start(self._stream, version, t1 - t0, t2 - t1)
             return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=0.0,
@@ -365,12 +369,15 @@ class MeshTransfer(ClosingContext, Membership):
         with self._book_lock:
             # The leader's ledger says what landed where (a newer landing may have overwritten
             # a version never installed: superseded); every live engine lands every version.
+            # An engine that joined since holds the held version in its parameters (its
+            # catch-up did not land in staging): no claim, and nothing newer to install.
             claims = {e: self.leader.claim(e) for e in self.leader.live_engines()}
-            versions = {c[0] if c is not None else None for c in claims.values()}
-            assert len(versions) == 1, claims
-            version = versions.pop()
+            versions = {c[0] for c in claims.values() if c is not None}
+            assert len(versions) <= 1, claims
+            version = versions.pop() if versions else None
             if version is None or version <= self.book.held_version:
                 return None
+            assert None not in claims.values(), claims  # (every live engine lands each one)
         t0 = time.perf_counter()
         live = self.leader.live_rollouts()
         size = self.control.engine_size

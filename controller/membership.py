@@ -24,7 +24,7 @@ from controller.report import JoinReport, WorkersLost
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import CatchUpRefused, GroupClosed, TransferFailed, TransferPlan
-from weightbridge.driver import surfaced
+from weightbridge.driver import PeerCall, surfaced
 
 
 def serialized(method):
@@ -101,6 +101,11 @@ class Membership:
             # other engines' forwards, so the whole update runs again (start 0): the bytes
             # they hold already.
             try:
+                if self.mode.sender_staging and not self._staged_copy_kept():
+                    # (checked above: the trainers' parameters hold it)
+                    self.control.call(self.leader.live_trainers(), PeerCall.STAGE,
+                                      self.book.held_version)
+                    self.staged_generation = self.leader.generation
                 self._transfer(self.book.held_version, first_round=start)
             except Exception as e:  # noqa: BLE001  (the others' bytes are their version's)
                 raise TransferFailed(f"engine {engine} joined the plan but moving the current "
@@ -121,16 +126,22 @@ class Membership:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
 
+    def _staged_copy_kept(self) -> bool:
+        """Sender staging, and no re-plan since the trainers' staged copies were taken (a
+        re-plan drops them: they were laid out for the old plan)."""
+        return self.mode.sender_staging and self.staged_generation == self.leader.generation
+
     def _check_catch_up_source(self, engine: int) -> None:
-        """Without sender staging the catch-up re-sends the trainers' parameters to every
-        engine (a mirrored join runs the whole update again): they must still hold the
-        version the engines hold, checked against the trainers' own load_weights of it.
+        """Without a staged copy (no sender staging, or a re-plan dropped it) the catch-up
+        sends the trainers' parameters to every engine (a mirrored join runs the whole update
+        again): they must still hold the version the engines hold, checked against the
+        trainers' own load_weights of it.
 
         Raises:
             CatchUpRefused: a train step ran since (before anything spawns or moves).
         """
         holds = self.book.holds
-        if holds is None or self.mode.sender_staging:  # (staging: the staged copy is sent)
+        if holds is None or self._staged_copy_kept():  # (the staged copy is sent)
             return
         _, bad = self._verify(self._live("trainer"), holds, side="trainer")
         if bad:
@@ -139,11 +150,12 @@ class Membership:
                 f"add_engine() for engine {engine} refused: the trainers' parameters no longer "
                 f"hold version {version}, the version the engines hold ({len(bad)} parameters "
                 f"differ, e.g. {list(bad[:3])}): a train step ran since update({version}). "
-                f"Without sender staging the catch-up re-sends the trainers' parameters to "
+                f"Without a staged copy the catch-up re-sends the trainers' parameters to "
                 f"every engine, so it would write those bytes into the engines under version "
                 f"{version}. Nothing was spawned or sent: call add_engine() after update() "
                 f"(and poll_requests()) and before the next train step, or use sender staging "
-                f"(ss, async modes), whose catch-up sends the staged copy")
+                f"(ss, async modes), whose catch-up sends the staged copy (while no "
+                f"remove_engine() or replan() dropped it since)")
 
     def _between_updates(self) -> None:
         """Before a membership change: the transfer streaming ended and (receiver staging)

@@ -129,6 +129,37 @@ def test_a_join_after_the_next_train_step_is_refused_and_the_engines_keep_their_
         mt.poll_requests()
         joined = mt.add_engine()  # the trainers hold what the engines hold again
         assert not joined.mismatched and joined.num_params == count, joined.line()
+        # (RS: a poll after a join raised AssertionError: {0: (2, 0), 1: None}; item 9)
+        assert mt.poll_requests() is None
+
+
+@pytest.mark.parametrize("receiver_staging", [False, True], ids=["ss", "async"])
+def test_with_sender_staging_a_join_after_a_replan_stages_the_held_version_again(
+        receiver_staging):
+    """Issue 44, item 8: with sender staging the catch-up sends the staged copy, which a
+    re-plan drops (it was laid out for the old plan): any join after remove_engine() or
+    replan() failed with ``TypeError: 'NoneType' object is not subscriptable``. The join now
+    stages the version the engines hold again where the trainers still hold it, and refuses
+    (`CatchUpRefused`, before anything spawns) where a train step ran since."""
+    config = TransferConfig(round_bytes=64 << 10, sender_staging=True,
+                            receiver_staging=receiver_staging)
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      config=config) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.poll_requests()
+        mt.remove_engine(0)  # (engine 1 relied on engine 0's landings: planned again)
+        joined = mt.add_engine()
+        assert not joined.mismatched and joined.num_params > 0, joined.line()
+        mt.replan()
+        mt.trainers.train_step.call(2).get()  # the staged copy is gone, the trainers moved on
+        with pytest.raises(CatchUpRefused, match="no longer hold version 1"):
+            mt.add_engine()
+        assert mt.rollout_spec.engines == 3  # nothing spawned
+        count, bad = mismatches(by_rank(mt.meshes.rollout_meshes[-1][1].checksums.call(1)
+                                        .get()))
+        assert count > 0 and not bad, bad  # the joined engine still holds version 1
 
 
 def test_a_membership_change_from_another_thread_waits_for_the_running_update():
