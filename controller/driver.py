@@ -357,11 +357,14 @@ class MeshTransfer(ClosingContext, Membership):
 
         Raises:
             TransferFailed: an installed parameter differs from its own load_weights, or the
-                streaming transfer failed (SS, async: raised once).
+                streaming transfer failed (SS, async: raised once); SS: the parameters may
+                hold part of a version (a transfer into them failed part-way), until the next
+                update reached them.
         """
         self._connected("poll_requests")
         if not self.mode.receiver_staging:
             report = self.wait() if self.mode.sender_staging else None
+            self._check_whole()
             return None if report is None else InstallReport(
                 version=report.version, install_s=0.0, verify_s=report.verify_s,
                 num_params=report.num_params, mismatched=report.mismatched)
@@ -393,6 +396,23 @@ class MeshTransfer(ClosingContext, Membership):
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
+
+    def _check_whole(self) -> None:
+        """SS: a transfer into the parameters that failed part-way left them holding no whole
+        version (`VersionBook.torn`); every poll raises until the next update reached them,
+        as the adapters' polls do.
+
+        Raises:
+            TransferFailed: the live engines' parameters may hold part of a version.
+        """
+        with self._book_lock:
+            version = self.book.partial
+        if version is not None:
+            raise TransferFailed(
+                f"the live engines' parameters may hold part of version {version} (its "
+                f"transfer into them failed part-way, raised once as WorkersLost): run no "
+                f"generation step on them until the next update() reached them (it carries "
+                f"every tensor); call update() with the next version")
 
     def _deadline(self) -> float:
         """The longest a transfer may take (the rounds and a recovery), for waits on it."""
