@@ -61,8 +61,8 @@ from meshes.actors import RolloutActor, TrainerActor
 from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
-                                 TrainerSpec, TransferGroup, backend, eq1, run_update,
-                                 scaled_tensor, surfaced, unanswered)
+                                 TrainerSpec, TransferGroup, backend, describe, eq1,
+                                 run_update, scaled_tensor, surfaced, unanswered)
 
 
 
@@ -384,18 +384,46 @@ class MeshTransfer(ClosingContext, Membership):
         t0 = time.perf_counter()
         live = self.leader.live_rollouts()
         size = self.control.engine_size
-        self.control.call_each(live, PeerCall.INSTALL,
-                               [(claims[w.index // size][1], version) for w in live])
+        answers = self.control.call_each(live, PeerCall.INSTALL,
+                                         [(claims[w.index // size][1], version) for w in live],
+                                         return_errors=True)
         t1 = time.perf_counter()
         with self._book_lock:
             holds = self.book.installed(version)
+        failed = [(w, a) for w, a in zip(live, answers) if isinstance(a, BaseException)]
+        lost = self._fence_install(version, failed) if failed else None
         count, bad = self._verify(self._live("rollout"), holds)
         report = InstallReport(version=version, install_s=t1 - t0,
                                verify_s=time.perf_counter() - t1, num_params=count,
                                mismatched=bad)
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
+        if lost is not None:
+            raise WorkersLost(f"{lost}; the other engines installed it ({report.line()}): go "
+                              f"on with them", frozenset(self.leader.out_engines),
+                              frozenset(self.leader.out_trainers), None)
         return report
+
+    def _fence_install(self, version: int, failed: list) -> str:
+        """Workers that did not install ``version`` (stalled past the peer timeout, dead):
+        their engines' other ranks did, so each may run two versions. Leave them out (their
+        workers told why, their polls raise), re-plan over the others; returns what
+        happened, for the `WorkersLost` raised once the others are verified.
+
+        Raises:
+            TransferFailed: no engine is left.
+        """
+        size = self.control.engine_size
+        engines = sorted({w.index // size for w, _ in failed})
+        what = (f"{', '.join(str(w) for w, _ in failed)} did not install version {version} "
+                f"({describe(failed[0][1])}): engines {engines} may run two versions across "
+                f"their ranks and are out of the group: restart them and add_engine()")
+        self.leader.exclude(engines, (), why=what, unreachable=[w for w, _ in failed])
+        if not self.leader.live_engines():
+            raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
+        self.leader.replan()
+        self._use()
+        return what
 
     def _check_whole(self) -> None:
         """SS: a transfer into the parameters that failed part-way left them holding no whole

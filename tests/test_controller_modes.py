@@ -9,6 +9,8 @@ they must hold, known here independently of the controller's books.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import torch
@@ -16,7 +18,7 @@ import torch
 from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
 from test_mesh_transfer import DiesInRound1Rollout
-from meshes.actors import TrainerActor
+from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import GroupClosed, ParameterRebound, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
@@ -236,3 +238,39 @@ def test_a_closed_mesh_transfer_refuses_every_call_with_one_error(procs):
         with pytest.raises(GroupClosed, match="this MeshTransfer was closed"):
             call(*args)
     mt.close()  # (safe twice)
+
+
+class StallsInItsFirstInstall(TransferWorker):
+    """Rollout 1 (engine 1) stops for 8 s in its first install (a SIGSTOP, a long GC)."""
+
+    def on_install(self, slot, version):
+        if self.worker.index == 1 and version == 1:
+            time.sleep(8)
+        super().on_install(slot, version)
+
+
+class StallsInItsFirstInstallRollout(RolloutActor):
+    worker_class = StallsInItsFirstInstall
+
+
+def test_a_rank_stalled_at_install_is_fenced_within_timeout_and_the_others_go_on():
+    """Issue 44, item 7: RS, a rollout stalled in poll_requests' install gave a plain
+    TimeoutError after the peer timeout, its engine stayed in and ran two versions. Now the
+    engine is left out and told, the poll raises `WorkersLost` naming it within timeout_s,
+    and engine 0, which installed version 1, goes on with version 2."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      rollout_actor=StallsInItsFirstInstallRollout,
+                      config=_config("rs", timeout_s=3))
+    with mt:
+        mt.connect()
+        mt.update(1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkersLost, match="did not install version 1") as lost:
+            mt.poll_requests()
+        assert time.monotonic() - t0 < 3, time.monotonic() - t0
+        assert lost.value.lost_engines == {1}
+        count, bad = _holds(mt, 1)
+        assert count > 0 and not bad, bad[:4]
+        mt.update(2)
+        installed = mt.poll_requests()
+        assert installed.version == 2 and not installed.mismatched, installed.line()
