@@ -70,7 +70,8 @@ class Membership:
                 anything spawns.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
-            TransferFailed: the catch-up transfer failed or did not verify.
+            TransferFailed: the catch-up transfer failed (the engine is taken out again) or
+                did not verify.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before add_engine()")
@@ -108,11 +109,12 @@ class Membership:
                     self.staged_generation = self.leader.generation
                 self._transfer(self.book.held_version, first_round=start)
             except Exception as e:  # noqa: BLE001  (the others' bytes are their version's)
+                left = self._leave_out(engine)
                 raise TransferFailed(f"engine {engine} joined the plan but moving the current "
-                                    f"weights into it failed ({type(e).__name__}: {e}); the "
-                                    f"other engines hold their version (the catch-up writes "
-                                    f"them the same bytes): remove_engine({engine}) and try "
-                                    f"again") from e
+                                     f"weights into it failed ({type(e).__name__}: {e}); {left}"
+                                     f"; the other engines hold their version (the catch-up "
+                                     f"writes them the same bytes): restart its workers and "
+                                     f"add_engine() again") from e
             t = self.plan.tables
             moved = int(t.real_bytes[t.round >= start].sum())
             count, bad = self._verify([(first, actors)], holds)
@@ -125,6 +127,18 @@ class Membership:
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
+
+    def _leave_out(self, engine: int) -> str:
+        """A join whose catch-up failed: take the engine out again (told why; its rows
+        dropped, or the others planned again), so later updates do not run into it; says
+        how that went."""
+        try:
+            self.leader.leave(engine)
+            self._use()
+        except Exception as e:  # noqa: BLE001  (said in the caller's error)
+            return (f"taking it out of the group again failed too ({type(e).__name__}: {e}): "
+                    f"remove_engine({engine})")
+        return "it is out of the group again"
 
     def _staged_copy_kept(self) -> bool:
         """Sender staging, and no re-plan since the trainers' staged copies were taken (a

@@ -20,7 +20,7 @@ from controller.ranks import by_rank
 from controller.report import mismatches
 from meshes.actors import RolloutActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import CatchUpRefused, TransferConfig
+from weightbridge import CatchUpRefused, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
 
 pytestmark = pytest.mark.mesh
@@ -205,6 +205,36 @@ def _outcome(call, *args):
         return call(*args)
     except Exception as e:  # noqa: BLE001  (the test asserts on it)
         return e
+
+
+class DiesInItsCatchUp(TransferWorker):
+    """Rollout 2 (the first worker of a joining engine) exits in its catch-up's first land."""
+
+    def on_land(self, r, slots=None, expected=None):
+        if self.worker.index == 2:
+            os._exit(3)
+        super().on_land(r, slots, expected)
+
+
+class DiesInItsCatchUpRollout(RolloutActor):
+    worker_class = DiesInItsCatchUp
+
+
+def test_a_joiner_lost_in_its_catch_up_is_left_out_and_the_group_goes_on():
+    """Issue 44, item 8: a joining engine killed in its catch-up stayed in the group (the
+    next update ran into it). It is left out now, `add_engine` says so, and the next update
+    reaches the other engines whole."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      rollout_actor=DiesInItsCatchUpRollout,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=5)) as mt:
+        mt.connect()
+        first = mt.update(1)
+        with pytest.raises(TransferFailed, match="it is out of the group again"):
+            mt.add_engine()
+        assert mt.lost_engines == {2}
+        after = mt.update(2)
+        assert not after.mismatched and after.num_params == first.num_params, after.line()
 
 
 class DiesInItsSecondUpdate(TransferWorker):
