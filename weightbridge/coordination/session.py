@@ -158,7 +158,7 @@ def _emptied(maps, excluded: frozenset[int]) -> list:
 
 def _compared(smap: SourceMap) -> tuple[str, ...]:
     """A trainer's parameter names in digest order (a parameter with padding is summed
-    without it: `worker.param_digest`)."""
+    without it: `params.param_digest`)."""
     return tuple(sorted(p.name for p in smap.params))
 
 

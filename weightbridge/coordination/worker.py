@@ -28,20 +28,20 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import torch
-import xxhash
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import Transport
 from weightbridge.discovery.probe import extract_source_map
 # Defined in weightbridge.errors (one hierarchy); importable from here as before.
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
-from weightbridge.errors import ParameterRebound
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
+from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
+                                              param_digest, rebound_error, storage_of)
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
-from weightbridge.types import (CheckpointSpec, Piece, Placement, Range, SourceMap, Stage,
-                                WorkerId, WorkerPlan)
+from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
+                                WorkerPlan)
 
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
 Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
@@ -83,85 +83,6 @@ def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
                       f"{', '.join(lost[:4])}{' and more' if len(lost) > 4 else ''}; the probe "
                       f"left them zero and no update writes them. Restore their values after "
                       f"connect if the engine needs them", UnsourcedParameter, stacklevel=3)
-
-
-Padded = Mapping[str, tuple[Piece, ...]]
-"""Parameter with padding -> its pieces (`padded_pieces`): the elements its digest reads."""
-
-
-def padded_pieces(smap: SourceMap) -> dict[str, tuple[Piece, ...]]:
-    """The pieces of each parameter with padding (elements no checkpoint element lands in,
-    which may differ between replicas and change freely between versions)."""
-    padded = {n for n, _ in smap.unsourced}
-    out: dict[str, list[Piece]] = {}
-    for p in smap.pieces:
-        if p.param in padded:
-            out.setdefault(p.param, []).append(p)
-    return {n: tuple(ps) for n, ps in out.items()}
-
-
-def _sourced_digest(p: torch.Tensor, pieces: tuple[Piece, ...]) -> int:
-    """One checksum of the elements of ``p`` that ``pieces`` land in (padding left out):
-    one strided view per piece (a negative step walked backwards: replicas have equal pieces,
-    so they read their elements in the same order)."""
-    flat = p.detach().reshape(-1)
-    sums = []
-    for piece in pieces:
-        offset, strides = piece.offset, []
-        for count, stride in zip(piece.region.count, piece.strides):
-            if stride < 0:
-                offset += (count - 1) * stride
-            strides.append(abs(stride))
-        view = flat.as_strided(piece.region.count, strides, flat.storage_offset() + offset)
-        sums.append(checksum(view.contiguous().reshape(-1).view(torch.uint8)))
-    return xxhash.xxh3_64_intdigest(b"".join(x.to_bytes(9, "little") for x in sums))
-
-
-def param_digest(params: Mapping[str, torch.Tensor], padded: Padded | None = None
-                 ) -> tuple[int, ...]:
-    """One checksum per parameter, in name order: what replicas compare, and what delta
-    updates compare between versions. A parameter in ``padded`` is summed over the elements
-    its pieces land in only (its padding may differ and change)."""
-    padded = padded or {}
-    return tuple(_sourced_digest(params[n], padded[n]) if n in padded else
-                 checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
-                 for n in sorted(params))
-
-
-def _by_name(params, side: str, rank: int) -> dict[str, torch.Tensor]:
-    """Name -> tensor of a mapping or of (name, tensor) pairs (``named_parameters()``).
-
-    Raises:
-        ValueError: a name given twice (``dict`` would keep the last tensor only, and the
-            first would never be updated).
-    """
-    if isinstance(params, Mapping):
-        return dict(params)
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in params:
-        if name in out:
-            raise ValueError(f"the parameters of {side} {rank} name parameter {name!r} twice; "
-                             f"give one tensor per name (a mapping, or named_parameters() "
-                             f"with its default remove_duplicate=True)")
-        out[name] = tensor
-    return out
-
-
-def storage_of(p: torch.Tensor) -> tuple:
-    """What the copy tables read of a parameter: data pointer, shape, strides, dtype."""
-    return p.data_ptr(), p.shape, p.stride(), p.dtype
-
-
-def rebound_error(worker: WorkerId, name: str, was: tuple, now: tuple) -> ParameterRebound:
-    """The error for a parameter whose storage is no longer the one registered."""
-    return ParameterRebound(
-        f"{worker}: parameter {name!r} no longer uses the storage it was registered with "
-        f"(data pointer {was[0]:#x}, shape {tuple(was[1])}, strides {was[2]}, {was[3]}; now "
-        f"{now[0]:#x}, {tuple(now[1])}, {now[2]}, {now[3]}): something rebound it (`p.data = "
-        f"new`, `load_state_dict(assign=True)`, a resharding wrapper). The copy tables read "
-        f"the registered storage, so its new values would never be sent. Nothing was sent: "
-        f"write new values in place (`p.copy_(new)` under torch.no_grad(), load_state_dict "
-        f"without assign=True), or build a new group on the new parameters")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -228,7 +149,8 @@ class TransferWorker:
             raise ValueError(f"{side} {rank} has no parameters: pass the name -> tensor mapping "
                              f"its load_weights fills")
         self.side = side
-        self.params, self.load_weights, self.spec = _by_name(params, side, rank), load_weights, spec
+        self.params = named_params(params, side, rank)
+        self.load_weights, self.spec = load_weights, spec
         self.worker, self.placement = WorkerId(side, rank), placement
         self.transport, self.config, self.kernels = transport, config, kernels
         self.executor: WorkerExecutor | None = None
