@@ -21,7 +21,7 @@ import pytest
 import torch
 from tinygroup import MODES, SPEC, build, checkpoint, connect, in_threads, send
 
-from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.local_control import LocalControl
 
 
@@ -156,3 +156,26 @@ def test_duplicate_parameter_names_are_refused_at_construction(side):
         cls, kw = ReceiverAdapter, dict(kw, engine=0, engine_rank=0, engine_size=1)
     with pytest.raises(ValueError, match=r"name parameter 'w' twice; give one tensor per name"):
         cls(pairs, lambda weights: None, SPEC, **kw)
+
+
+def _fails_its_first_send(rank: int):
+    """Trainer 1's adapter raises a bug of its own in its first round (every worker still
+    answers: nobody is lost)."""
+    class FailsItsFirstSend(SenderAdapter):
+        def on_send_round(self, r):
+            raise RuntimeError("a bug in trainer 1's pack")
+    return FailsItsFirstSend if rank == 1 else SenderAdapter
+
+
+def test_a_failed_step_reaches_every_trainer_as_transfer_failed():
+    """Issue 44, item 10: `except TransferFailed` (the documented idiom) missed trainer 0's
+    `StepFailed` when a step failed and every worker still answered; the other trainers got
+    `TransferFailed`. Every trainer raises `TransferFailed` now, naming the step."""
+    _, trainers, rollouts = build(TransferConfig(timeout_s=2), num_engines=1,
+                                  sender_cls=_fails_its_first_send)
+    connect(trainers)
+    got = in_threads(*send(trainers, 1, ss=False),
+                     lambda: rollouts[0][1].wait_for_version(1, timeout_s=6))
+    for error in got[:2]:
+        assert isinstance(error, TransferFailed), got
+        assert "a bug in trainer 1's pack" in str(error), str(error)
