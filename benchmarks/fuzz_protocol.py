@@ -7,7 +7,8 @@
 Each seed is a small adapter group in one process (`weightbridge.testing.fuzz`: one or two
 trainers, one to three engines of one or two ranks, a three-tensor model) in the mode
 ``seed % 4`` (sync, SS, RS, async), running eight random operations (full and delta updates,
-joins, leaves, kills, stalls, pauses) and then full updates until one goes through. Printed:
+joins, leaves, kills, stalls, pauses; in 30% of seeds a train step that rebinds a parameter's
+storage, which every send must refuse) and then full updates until one goes through. Printed:
 one line per violation kind with the number of seeds showing it (per mode), the first seeds
 that do and one example; then a summary line. Exit status 1 when any seed violates.
 """

@@ -50,7 +50,7 @@ from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
                                WorkerMeshes)  # (ClosingContext re-exported)
-from controller.membership import Lost, Membership
+from controller.membership import Lost, Membership, serialized
 from controller.ranks import by_rank
 from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
                                mismatches)  # (re-exported)
@@ -61,8 +61,8 @@ from meshes.actors import RolloutActor, TrainerActor
 from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
-                                 TrainerSpec, TransferGroup, backend, eq1, run_update,
-                                 scaled_tensor, surfaced, unanswered)
+                                 TrainerSpec, TransferGroup, backend, describe, eq1,
+                                 run_update, scaled_tensor, surfaced, unanswered)
 
 
 
@@ -123,6 +123,13 @@ class MeshTransfer(ClosingContext, Membership):
         self.link_rate, self._reroute = link_rate, reroute
         self._streaming = Streaming()
         """The transfer running on a thread of its own (SS, async)."""
+        self.staged_generation: int | None = None
+        """Sender staging: the plan generation the trainers' staged copies were taken for (a
+        re-plan drops them: a join's catch-up then stages the held version again)."""
+        self.closed = False
+        """Set by `close`: every later call raises `GroupClosed`."""
+        self.calls = threading.RLock()
+        """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
         """``book``: the streaming thread lands versions while `poll_requests` installs."""
 
@@ -159,6 +166,7 @@ class MeshTransfer(ClosingContext, Membership):
     def close(self) -> None:
         """Stop the actors and agents, and the procs if this object spawned them (a transfer
         still streaming is waited for first, at most its deadline). Safe to call twice."""
+        self.closed = True
         errors = []
         try:
             self._streaming.join(self._deadline())
@@ -196,6 +204,7 @@ class MeshTransfer(ClosingContext, Membership):
     # -- connect --------------------------------------------------------------------------------
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def connect(self) -> TransferPlan:
         """Probe, plan, hand out plans, register buffers, hand out handles. Moves no weights.
 
@@ -244,6 +253,7 @@ class MeshTransfer(ClosingContext, Membership):
     # -- one update -----------------------------------------------------------------------------
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def update(self, version: int, changed: Collection[str] | None = None, *,
                train: bool = True) -> UpdateReport:
         """Train step, then move ``version`` as the sync mode says; returns once the trainers
@@ -291,6 +301,7 @@ class MeshTransfer(ClosingContext, Membership):
         self._use()
         if self.mode.sender_staging:
             self.control.call(self.leader.live_trainers(), PeerCall.STAGE, version)
+            self.staged_generation = self.leader.generation
             t2 = time.perf_counter()
             self._streaming.start(self._stream, version, t1 - t0, t2 - t1)
             return UpdateReport(version=version, train_step_s=t1 - t0, transfer_s=0.0,
@@ -323,6 +334,7 @@ class MeshTransfer(ClosingContext, Membership):
                 self.book.installed(version)
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def wait(self) -> UpdateReport | None:
         """SS, async: wait until the rounds of the newest staged version ended; returns their
         report (verified in SS; async: landed in staging). None: no transfer was streaming.
@@ -333,6 +345,7 @@ class MeshTransfer(ClosingContext, Membership):
         return self._streaming.join(self._deadline())
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def poll_requests(self) -> InstallReport | None:
         """Call between the rollouts' generation steps: afterwards every live engine's
         parameters hold the newest version they may take, all switched at this step.
@@ -344,11 +357,14 @@ class MeshTransfer(ClosingContext, Membership):
 
         Raises:
             TransferFailed: an installed parameter differs from its own load_weights, or the
-                streaming transfer failed (SS, async: raised once).
+                streaming transfer failed (SS, async: raised once); SS: the parameters may
+                hold part of a version (a transfer into them failed part-way), until the next
+                update reached them.
         """
         self._connected("poll_requests")
         if not self.mode.receiver_staging:
             report = self.wait() if self.mode.sender_staging else None
+            self._check_whole()
             return None if report is None else InstallReport(
                 version=report.version, install_s=0.0, verify_s=report.verify_s,
                 num_params=report.num_params, mismatched=report.mismatched)
@@ -356,27 +372,75 @@ class MeshTransfer(ClosingContext, Membership):
         with self._book_lock:
             # The leader's ledger says what landed where (a newer landing may have overwritten
             # a version never installed: superseded); every live engine lands every version.
+            # An engine that joined since holds the held version in its parameters (its
+            # catch-up did not land in staging): no claim, and nothing newer to install.
             claims = {e: self.leader.claim(e) for e in self.leader.live_engines()}
-            versions = {c[0] if c is not None else None for c in claims.values()}
-            assert len(versions) == 1, claims
-            version = versions.pop()
+            versions = {c[0] for c in claims.values() if c is not None}
+            assert len(versions) <= 1, claims
+            version = versions.pop() if versions else None
             if version is None or version <= self.book.held_version:
                 return None
+            assert None not in claims.values(), claims  # (every live engine lands each one)
         t0 = time.perf_counter()
         live = self.leader.live_rollouts()
         size = self.control.engine_size
-        self.control.call_each(live, PeerCall.INSTALL,
-                               [(claims[w.index // size][1], version) for w in live])
+        answers = self.control.call_each(live, PeerCall.INSTALL,
+                                         [(claims[w.index // size][1], version) for w in live],
+                                         return_errors=True)
         t1 = time.perf_counter()
         with self._book_lock:
             holds = self.book.installed(version)
+        failed = [(w, a) for w, a in zip(live, answers) if isinstance(a, BaseException)]
+        lost = self._fence_install(version, failed) if failed else None
         count, bad = self._verify(self._live("rollout"), holds)
         report = InstallReport(version=version, install_s=t1 - t0,
                                verify_s=time.perf_counter() - t1, num_params=count,
                                mismatched=bad)
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
+        if lost is not None:
+            raise WorkersLost(f"{lost}; the other engines installed it ({report.line()}): go "
+                              f"on with them", frozenset(self.leader.out_engines),
+                              frozenset(self.leader.out_trainers), None)
         return report
+
+    def _fence_install(self, version: int, failed: list) -> str:
+        """Workers that did not install ``version`` (stalled past the peer timeout, dead):
+        their engines' other ranks did, so each may run two versions. Leave them out (their
+        workers told why, their polls raise), re-plan over the others; returns what
+        happened, for the `WorkersLost` raised once the others are verified.
+
+        Raises:
+            TransferFailed: no engine is left.
+        """
+        size = self.control.engine_size
+        engines = sorted({w.index // size for w, _ in failed})
+        what = (f"{', '.join(str(w) for w, _ in failed)} did not install version {version} "
+                f"({describe(failed[0][1])}): engines {engines} may run two versions across "
+                f"their ranks and are out of the group: restart them and add_engine()")
+        self.leader.exclude(engines, (), why=what, unreachable=[w for w, _ in failed])
+        if not self.leader.live_engines():
+            raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
+        self.leader.replan()
+        self._use()
+        return what
+
+    def _check_whole(self) -> None:
+        """SS: a transfer into the parameters that failed part-way left them holding no whole
+        version (`VersionBook.torn`); every poll raises until the next update reached them,
+        as the adapters' polls do.
+
+        Raises:
+            TransferFailed: the live engines' parameters may hold part of a version.
+        """
+        with self._book_lock:
+            version = self.book.partial
+        if version is not None:
+            raise TransferFailed(
+                f"the live engines' parameters may hold part of version {version} (its "
+                f"transfer into them failed part-way, raised once as WorkersLost): run no "
+                f"generation step on them until the next update() reached them (it carries "
+                f"every tensor); call update() with the next version")
 
     def _deadline(self) -> float:
         """The longest a transfer may take (the rounds and a recovery), for waits on it."""
@@ -407,13 +471,14 @@ class MeshTransfer(ClosingContext, Membership):
                             ideal_s=self.ideal_s, stall_s=t2 - t1,
                             state="installed" if installed else "landed")
 
-    def _verify(self, runs, versions, futures=None) -> tuple[int, tuple[str, ...]]:
-        """(parameters compared, mismatches) of the rollouts in ``runs`` ((first rank, actor
+    def _verify(self, runs, versions, futures=None, side: str = "rollout"
+                ) -> tuple[int, tuple[str, ...]]:
+        """(parameters compared, mismatches) of the workers in ``runs`` ((first rank, actor
         mesh) pairs) against their own load_weights of ``versions``."""
         futures = futures or [mesh.checksums.call(versions) for _, mesh in runs]
         results = [r for f in futures for r in by_rank(f.get())]
         ranks = [first + i for first, mesh in runs for i in range(int(mesh.size()))]
-        return mismatches(results, ranks)
+        return mismatches(results, ranks, side)
 
     def _transfer(self, version: int, slots: dict | None = None, *,
                   first_round: int = 0) -> None:

@@ -16,14 +16,32 @@ ever routes bytes between live workers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from controller.report import JoinReport, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import TransferFailed, TransferPlan
-from weightbridge.driver import surfaced
+from weightbridge import CatchUpRefused, GroupClosed, TransferFailed, TransferPlan
+from weightbridge.driver import PeerCall, surfaced
+
+
+def serialized(method):
+    """One public call of a `MeshTransfer` at a time (its ``calls`` lock, reentrant): a
+    membership change or a poll from another thread waits for the update running, as the
+    adapters' session lock makes it, instead of re-planning under its rounds. After `close`
+    every call raises `GroupClosed`."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.calls:
+            if self.closed:
+                raise GroupClosed(f"{method.__name__}() on a MeshTransfer that was closed: this "
+                                  f"MeshTransfer was closed (close(), or the end of its with "
+                                  f"block) and its actors are stopped; build a new MeshTransfer "
+                                  f"to go on")
+            return method(self, *args, **kwargs)
+    return run
 
 
 class Membership:
@@ -31,6 +49,7 @@ class Membership:
     of each side."""
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def add_engine(self, procs=None) -> JoinReport:
         """Add a rollout engine to the running group, between updates, without a new group.
 
@@ -46,9 +65,13 @@ class Membership:
 
         Raises:
             ValueError: ``procs`` of another size than an engine.
+            CatchUpRefused: without sender staging, the trainers' parameters no longer hold
+                the version the engines hold (a train step ran since it was sent); before
+                anything spawns.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
-            TransferFailed: the catch-up transfer failed or did not verify.
+            TransferFailed: the catch-up transfer failed (the engine is taken out again) or
+                did not verify.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before add_engine()")
@@ -58,6 +81,7 @@ class Membership:
             raise ValueError(f"add_engine got {int(procs.size())} procs; an engine of this "
                              f"group has {size} workers (nodes x gpus of the rollout spec)")
         self._between_updates()  # every live engine holds the newest version sent
+        self._check_catch_up_source(engine)
         t0 = time.perf_counter()
         grown = dataclasses.replace(spec, engines=engine + 1)
         procs, actors = self.meshes.spawn_engine(procs, grown, first)
@@ -78,13 +102,19 @@ class Membership:
             # other engines' forwards, so the whole update runs again (start 0): the bytes
             # they hold already.
             try:
+                if self.mode.sender_staging and not self._staged_copy_kept():
+                    # (checked above: the trainers' parameters hold it)
+                    self.control.call(self.leader.live_trainers(), PeerCall.STAGE,
+                                      self.book.held_version)
+                    self.staged_generation = self.leader.generation
                 self._transfer(self.book.held_version, first_round=start)
             except Exception as e:  # noqa: BLE001  (the others' bytes are their version's)
+                left = self._leave_out(engine)
                 raise TransferFailed(f"engine {engine} joined the plan but moving the current "
-                                    f"weights into it failed ({type(e).__name__}: {e}); the "
-                                    f"other engines hold their version (the catch-up writes "
-                                    f"them the same bytes): remove_engine({engine}) and try "
-                                    f"again") from e
+                                     f"weights into it failed ({type(e).__name__}: {e}); {left}"
+                                     f"; the other engines hold their version (the catch-up "
+                                     f"writes them the same bytes): restart its workers and "
+                                     f"add_engine() again") from e
             t = self.plan.tables
             moved = int(t.real_bytes[t.round >= start].sum())
             count, bad = self._verify([(first, actors)], holds)
@@ -98,6 +128,49 @@ class Membership:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
 
+    def _leave_out(self, engine: int) -> str:
+        """A join whose catch-up failed: take the engine out again (told why; its rows
+        dropped, or the others planned again), so later updates do not run into it; says
+        how that went."""
+        try:
+            self.leader.leave(engine)
+            self._use()
+        except Exception as e:  # noqa: BLE001  (said in the caller's error)
+            return (f"taking it out of the group again failed too ({type(e).__name__}: {e}): "
+                    f"remove_engine({engine})")
+        return "it is out of the group again"
+
+    def _staged_copy_kept(self) -> bool:
+        """Sender staging, and no re-plan since the trainers' staged copies were taken (a
+        re-plan drops them: they were laid out for the old plan)."""
+        return self.mode.sender_staging and self.staged_generation == self.leader.generation
+
+    def _check_catch_up_source(self, engine: int) -> None:
+        """Without a staged copy (no sender staging, or a re-plan dropped it) the catch-up
+        sends the trainers' parameters to every engine (a mirrored join runs the whole update
+        again): they must still hold the version the engines hold, checked against the
+        trainers' own load_weights of it.
+
+        Raises:
+            CatchUpRefused: a train step ran since (before anything spawns or moves).
+        """
+        holds = self.book.holds
+        if holds is None or self._staged_copy_kept():  # (the staged copy is sent)
+            return
+        _, bad = self._verify(self._live("trainer"), holds, side="trainer")
+        if bad:
+            version = self.book.held_version
+            raise CatchUpRefused(
+                f"add_engine() for engine {engine} refused: the trainers' parameters no longer "
+                f"hold version {version}, the version the engines hold ({len(bad)} parameters "
+                f"differ, e.g. {list(bad[:3])}): a train step ran since update({version}). "
+                f"Without a staged copy the catch-up re-sends the trainers' parameters to "
+                f"every engine, so it would write those bytes into the engines under version "
+                f"{version}. Nothing was spawned or sent: call add_engine() after update() "
+                f"(and poll_requests()) and before the next train step, or use sender staging "
+                f"(ss, async modes), whose catch-up sends the staged copy (while no "
+                f"remove_engine() or replan() dropped it since)")
+
     def _between_updates(self) -> None:
         """Before a membership change: the transfer streaming ended and (receiver staging)
         the newest version landed is installed, so every live engine holds the newest
@@ -107,6 +180,7 @@ class Membership:
             self.poll_requests()
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def replan(self) -> TransferPlan:
         """Plan the whole group again from the source maps of connect and joins (no probe):
         one non-redundant plan over every live engine, where joins had appended theirs. Every
@@ -118,6 +192,7 @@ class Membership:
         return self.plan
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
     def remove_engine(self, engine: int) -> TransferPlan:
         """Take rollout engine ``engine`` out of the group between updates (to restart or
         retire it); no byte is sent to or through it afterwards. An engine nothing depends on

@@ -133,12 +133,13 @@ class JoinReport:
                 f"{self.num_rounds[1]})  | {verdict}")
 
 
-def mismatches(results: list, ranks: list[int] | None = None) -> tuple[int, tuple[str, ...]]:
-    """(parameters compared, ``rollout<i>:<param>`` of each that differs) from every rollout's
+def mismatches(results: list, ranks: list[int] | None = None, side: str = "rollout"
+               ) -> tuple[int, tuple[str, ...]]:
+    """(parameters compared, ``<side><i>:<param>`` of each that differs) from every worker's
     (live checksums, own load_weights' checksums), in the order of ``ranks`` (default: all
-    rollouts in rank order)."""
+    workers of ``side`` in rank order)."""
     bad, count = [], 0
     for i, (got, want) in zip(ranks if ranks is not None else range(len(results)), results):
         count += len(want)
-        bad += [f"rollout{i}:{n}" for n in want if got.get(n) != want[n]]
+        bad += [f"{side}{i}:{n}" for n in want if got.get(n) != want[n]]
     return count, tuple(bad)

@@ -41,6 +41,9 @@ class VersionBook:
         """Per tensor, what the live rollouts' parameters hold (None: nothing yet)."""
         self.held_version = 0
         """The version the live rollouts' parameters hold (0: none)."""
+        self.partial: int | None = None
+        """The version a transfer into the parameters failed part-way in (`torn`), until the
+        next install: the parameters may hold part of it."""
         self._landed: dict[int, Versions] = {}
         """Versions landed whole in staging and not installed, and what each tensor holds in
         them (receiver staging; older ones are dropped when a newer one is installed)."""
@@ -86,12 +89,12 @@ class VersionBook:
         if holds is None:
             assert version == self.version, (version, self.version)  # (in place: the newest)
             holds = dict(self.last_sent)
-        self.holds, self.held_version = holds, version
+        self.holds, self.held_version, self.partial = holds, version, None
         self._landed = {v: t for v, t in self._landed.items() if v > version}
         return holds
 
     def torn(self) -> None:
         """A transfer into the parameters failed part-way: they hold no whole version until
         the next one is installed (the next transfer must carry every tensor)."""
-        self.holds, self.held_version = None, 0
+        self.holds, self.held_version, self.partial = None, 0, self.version
         self._landed.clear()

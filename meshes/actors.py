@@ -4,7 +4,8 @@ Each actor builds its rank's `weightbridge.WorkerParts` with a worker factory (a
 ``module:factory``; the demo model's are in `meshes.workers`), then, given the group handle,
 its `TransferWorker` (`TransferGroup.worker`). The library's agents on the same procs serve
 connect and the rounds (`weightbridge.mesh.control`); these endpoints are the demo's own:
-the stand-in train step, the checksums that verify an update, the spans, the link probe.
+the stand-in train step, the checksums that verify an update (and what a trainer holds),
+the spans, the link probe.
 
 Typical usage (see controller/driver.py)::
 
@@ -105,6 +106,21 @@ class _WorkerActor(Actor):
         return passes
 
     @endpoint
+    def checksums(self, version: int | Mapping[str, int]
+                  ) -> tuple[dict[str, str], dict[str, str]]:
+        """(checksums of the live parameters, of this rank's own load_weights of ``version``
+        on a second build of its parts): a rollout's verification, and whether a trainer's
+        parameters still hold the version the engines hold (a join's catch-up)."""
+        return self._checksums(version)
+
+    def _checksums(self, version: int | Mapping[str, int]
+                   ) -> tuple[dict[str, str], dict[str, str]]:
+        scratch = self._make_parts(self.index)
+        with torch.no_grad():
+            scratch.load_weights(self._checkpoint(version))
+        return checksums(self.parts.params), checksums(scratch.params)
+
+    @endpoint
     def timings(self) -> list[tuple[str, int, int, int]]:
         """This update's (stage, round, start_ns, end_ns) spans; clears them."""
         return self.worker.take_spans()
@@ -161,14 +177,3 @@ class RolloutActor(_WorkerActor):
         self._probe_arena = torch.zeros(nbytes, dtype=torch.uint8)
         return register_ranges([self._probe_arena], [(0, 0, nbytes)])[(0, 0, nbytes)]
 
-    @endpoint
-    def checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
-        """(checksums of the live parameters, of this rank's own load_weights of ``version``
-        on a second build of its parts)."""
-        return self._checksums(version)
-
-    def _checksums(self, version: int) -> tuple[dict[str, str], dict[str, str]]:
-        scratch = self._make_parts(self.index)
-        with torch.no_grad():
-            scratch.load_weights(self._checkpoint(version))
-        return checksums(self.parts.params), checksums(scratch.params)

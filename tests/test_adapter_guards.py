@@ -10,16 +10,19 @@ misuse or a fault that used to tear weights or fail late:
 - a rollout whose poll timed out, counted in by the next sync transfer (bytes entered its
   parameters outside any poll; it reported version 0 holding version 2);
 - poll_requests from two threads of one rank;
-- rollout workers that disagree on the engine size (caught only at the second update).
+- rollout workers that disagree on the engine size (caught only at the second update);
+- a (name, tensor) list naming a parameter twice (the first tensor was never updated).
 """
 
 import threading
 import time
 
 import pytest
-from tinygroup import MODES, build, checkpoint, connect, in_threads, send
+import torch
+from tinygroup import MODES, SPEC, build, checkpoint, connect, in_threads, send
 
-from weightbridge import TransferConfig
+from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
+from weightbridge.coordination.local_control import LocalControl
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -138,3 +141,41 @@ def test_connect_refuses_rollouts_that_disagree_on_the_engine_size(sizes, match)
     with pytest.raises(ValueError, match=match):
         raise got[0]
     assert control.transport.bytes_written == 0
+
+
+@pytest.mark.parametrize("side", ["trainer", "rollout"])
+def test_duplicate_parameter_names_are_refused_at_construction(side):
+    """Issue 44, item 5: a (name, tensor) list naming one parameter twice kept only the last
+    tensor (``dict`` of the pairs), so the first was never updated. Refused by name now."""
+    control = LocalControl()
+    first, second = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)
+    pairs = [("w", first), ("v", torch.zeros(5)), ("w", second)]
+    kw = dict(rank=0, control=control, transport=control.transport, config=TransferConfig())
+    cls = SenderAdapter
+    if side == "rollout":
+        cls, kw = ReceiverAdapter, dict(kw, engine=0, engine_rank=0, engine_size=1)
+    with pytest.raises(ValueError, match=r"name parameter 'w' twice; give one tensor per name"):
+        cls(pairs, lambda weights: None, SPEC, **kw)
+
+
+def _fails_its_first_send(rank: int):
+    """Trainer 1's adapter raises a bug of its own in its first round (every worker still
+    answers: nobody is lost)."""
+    class FailsItsFirstSend(SenderAdapter):
+        def on_send_round(self, r):
+            raise RuntimeError("a bug in trainer 1's pack")
+    return FailsItsFirstSend if rank == 1 else SenderAdapter
+
+
+def test_a_failed_step_reaches_every_trainer_as_transfer_failed():
+    """Issue 44, item 10: `except TransferFailed` (the documented idiom) missed trainer 0's
+    `StepFailed` when a step failed and every worker still answered; the other trainers got
+    `TransferFailed`. Every trainer raises `TransferFailed` now, naming the step."""
+    _, trainers, rollouts = build(TransferConfig(timeout_s=2), num_engines=1,
+                                  sender_cls=_fails_its_first_send)
+    connect(trainers)
+    got = in_threads(*send(trainers, 1, ss=False),
+                     lambda: rollouts[0][1].wait_for_version(1, timeout_s=6))
+    for error in got[:2]:
+        assert isinstance(error, TransferFailed), got
+        assert "a bug in trainer 1's pack" in str(error), str(error)

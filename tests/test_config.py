@@ -15,7 +15,7 @@ from tinygroup import SPEC, Model, in_threads
 
 from weightbridge import (ConfigMismatch, ReceiverAdapter, SenderAdapter, TransferConfig,
                           WeightBridgeError)
-from weightbridge.config import DEFAULT_DEPTH, WAIT_TIMEOUTS
+from weightbridge.config import DEFAULT_DEPTH, MAX_TIMEOUT_S, WAIT_TIMEOUTS
 from weightbridge.driver import LocalControl
 
 
@@ -129,3 +129,13 @@ def test_local_demo_plans_with_the_configs_round(monkeypatch, capsys, flags, rou
     cli_main.main(["--local", *flags])
     assert seen == [round_bytes]
     assert "bit-identical" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), 1e300, MAX_TIMEOUT_S * 2, True,
+                                       float("nan"), 0])
+def test_a_timeout_that_is_not_a_finite_bounded_number_is_refused(timeout_s):
+    """Issue 44, item 10: ``timeout_s=inf`` or ``1e300`` passed validation and failed later
+    inside a wait (OverflowError) or never bounded it; True was read as 1 second."""
+    with pytest.raises(ValueError, match="timeout_s must be a number of seconds in"):
+        TransferConfig(timeout_s=timeout_s)
+    assert TransferConfig(timeout_s=MAX_TIMEOUT_S).timeout_s == MAX_TIMEOUT_S

@@ -51,8 +51,10 @@ BAD_INPUT = {
     "cluster updates -2": (("--cluster", "--updates", "-2"), "--updates must be at least 1"),
     "depth 1": (("--depth", "1"), "--depth must be >= 2"),
     "cluster depth 1": (("--cluster", "--depth", "1"), "--depth must be >= 2"),
-    "timeout 0": (("--timeout", "0"), "--timeout 0: timeout_s must be a positive"),
-    "timeout -1": (("--timeout", "-1"), "--timeout -1: timeout_s must be a positive"),
+    "timeout 0": (("--timeout", "0"), "--timeout 0: timeout_s must be a number of seconds in"),
+    "timeout -1": (("--timeout", "-1"), "--timeout -1: timeout_s must be a number of seconds"),
+    "timeout 1e300": (("--timeout", "1e300"), "--timeout 1e+300: timeout_s must be a number of"),
+    "timeout inf": (("--timeout", "inf"), "--timeout inf: timeout_s must be a number of"),
     "trace in no folder": (("--trace", "/no-such-folder/t.json"), "in an existing folder"),
     "not an int": (("--updates", "abc"), "invalid int value: 'abc' (see --help)"),
     # --cluster N and the flags a cluster run would ignore

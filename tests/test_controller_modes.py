@@ -9,13 +9,19 @@ they must hold, known here independently of the controller's books.
 
 from __future__ import annotations
 
+import time
+
 import pytest
+
+import torch
 
 from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
 from test_mesh_transfer import DiesInRound1Rollout
+from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
-from weightbridge import TransferConfig
+from weightbridge import GroupClosed, ParameterRebound, TransferConfig, TransferFailed
+from weightbridge.driver import TransferWorker
 from weightbridge.config import Mode
 
 pytestmark = pytest.mark.mesh
@@ -112,7 +118,8 @@ def test_async_a_landed_version_overwritten_before_any_install_is_never_installe
 def test_a_rollout_lost_while_a_version_streams_is_raised_once_and_the_group_goes_on(mode):
     """R1 (engine 1) dies while version 1 streams: the next call that joins the stream
     raises `WorkersLost` (engine 1 out; nothing re-sent: the staged copy was laid out for the
-    old plan), and version 2 reaches engine 0 whole."""
+    old plan), and version 2 reaches engine 0 whole. SS: engine 0's parameters may hold part
+    of version 1, so every poll raises until version 2 reached it (they returned None)."""
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
                       rollout_actor=DiesInRound1Rollout, config=_config(mode, timeout_s=5))
     with mt:
@@ -121,6 +128,12 @@ def test_a_rollout_lost_while_a_version_streams_is_raised_once_and_the_group_goe
         with pytest.raises(WorkersLost) as lost:
             mt.wait()
         assert mt.wait() is None  # raised once
+        if mode == "ss":  # engine 0 may hold part of version 1: fenced (issue 44, item 7)
+            for _ in range(2):
+                with pytest.raises(TransferFailed, match="hold part of version 1"):
+                    mt.poll_requests()
+        else:
+            assert mt.poll_requests() is None  # (async: engine 0 keeps what it runs)
         mt.update(2)
         mt.wait()
         mt.poll_requests()
@@ -146,3 +159,119 @@ def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
     assert "poll_requests installs it" in str(lost.value), str(lost.value)
     assert installed.version == 1 and not installed.mismatched
     assert count > 0 and not bad, bad[:4]
+
+
+class RebindingTrainer(TrainerActor):
+    """Its train step of version 2 and later rebinds every parameter's storage
+    (``p.data = new``, as ``load_state_dict(assign=True)`` does), then loads the version."""
+
+    def _train_step(self, version):
+        if version >= 2:
+            for p in self.parts.params.values():
+                p.data = torch.empty_like(p)
+        super()._train_step(version)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_a_trainer_step_that_rebinds_storage_is_refused_before_any_byte_moves(procs, mode):
+    """Issue 44, item 4: the copy tables read the storage registered at connect, so a
+    rebound parameter shipped its connect-time bytes under every later label (checksums on).
+    The controller's update now raises `ParameterRebound` naming it (sync: before the rounds;
+    SS: before the staged copy is taken), and the rollouts keep version 1."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs,
+                      trainer_actor=RebindingTrainer) as mt:
+        mt.connect()
+        mt.update(1)
+        mt.poll_requests()
+        with pytest.raises(ParameterRebound, match="no longer uses the storage"):
+            mt.update(2)
+        assert mt.wait() is None  # (SS: nothing streams)
+        count, bad = _holds(mt, 1)
+        assert count > 0 and not bad, bad[:4]
+
+
+class StepsRightAfterStaging(TransferWorker):
+    """Trainer 1 starts its next train step the moment its staged copy is taken: its
+    parameters change while the staged version streams (as in the documented loop)."""
+
+    def on_stage(self, version):
+        super().on_stage(version)
+        if self.worker.index == 1:
+            with torch.no_grad():
+                for p in self.params.values():
+                    p.add_(1)
+
+
+class StepsRightAfterStagingTrainer(TrainerActor):
+    worker_class = StepsRightAfterStaging
+
+
+@pytest.mark.parametrize("mode", ["ss", "async"])
+def test_the_replica_check_compares_the_staged_copies_that_are_sent(procs, mode):
+    """Issue 44, item 9: with sender staging the replica check ran on the controller's
+    streaming thread and hashed the trainers' live parameters, so a train step that overlaps
+    the stream gave a false `ReplicaMismatch` (and a real divergence of the staged copies
+    would pass). Two data-parallel trainers; trainer 1 steps at once after staging: every
+    version still arrives whole, from the staged copies."""
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2"), ROLLOUT, "tiny",
+                      config=_config(mode), procs=procs,
+                      trainer_actor=StepsRightAfterStagingTrainer) as mt:
+        mt.connect()
+        for v in (1, 2):
+            mt.update(v)
+            streamed = mt.wait()
+            assert streamed.version == v and not streamed.mismatched, streamed.line()
+            mt.poll_requests()
+            count, bad = _holds(mt, v)
+            assert count > 0 and not bad, bad[:4]
+
+
+def test_a_closed_mesh_transfer_refuses_every_call_with_one_error(procs):
+    """Issue 44, item 10: calls on a closed `MeshTransfer` gave SupervisionError,
+    AttributeError or a KeyboardInterrupt; each now raises `GroupClosed` saying what to do."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config("sync"), procs=procs) as mt:
+        mt.connect()
+        mt.update(1)
+    for call, args in ((mt.update, (2,)), (mt.poll_requests, ()), (mt.wait, ()),
+                       (mt.add_engine, ()), (mt.remove_engine, (1,)), (mt.replan, ()),
+                       (mt.connect, ())):
+        with pytest.raises(GroupClosed, match="this MeshTransfer was closed"):
+            call(*args)
+    mt.close()  # (safe twice)
+
+
+class StallsInItsFirstInstall(TransferWorker):
+    """Rollout 1 (engine 1) stops for 8 s in its first install (a SIGSTOP, a long GC)."""
+
+    def on_install(self, slot, version):
+        if self.worker.index == 1 and version == 1:
+            time.sleep(8)
+        super().on_install(slot, version)
+
+
+class StallsInItsFirstInstallRollout(RolloutActor):
+    worker_class = StallsInItsFirstInstall
+
+
+def test_a_rank_stalled_at_install_is_fenced_within_timeout_and_the_others_go_on():
+    """Issue 44, item 7: RS, a rollout stalled in poll_requests' install gave a plain
+    TimeoutError after the peer timeout, its engine stayed in and ran two versions. Now the
+    engine is left out and told, the poll raises `WorkersLost` naming it without waiting for
+    the stalled rank, and engine 0, which installed version 1, goes on with version 2."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      rollout_actor=StallsInItsFirstInstallRollout,
+                      config=_config("rs", timeout_s=3))
+    with mt:
+        mt.connect()
+        mt.update(1)
+        t0 = time.monotonic()
+        with pytest.raises(WorkersLost, match="did not install version 1") as lost:
+            mt.poll_requests()
+        # Named at the peer timeout (2.4 s), then the others verified: not the 8 s stall.
+        assert time.monotonic() - t0 < 8, time.monotonic() - t0
+        assert lost.value.lost_engines == {1}
+        count, bad = _holds(mt, 1)
+        assert count > 0 and not bad, bad[:4]
+        mt.update(2)
+        installed = mt.poll_requests()
+        assert installed.version == 2 and not installed.mismatched, installed.line()

@@ -14,12 +14,13 @@ import pytest
 
 import weightbridge
 from weightbridge import errors
-from weightbridge.errors import (ChecksumMismatch, ConfigMismatch, LayoutError, ReplicaMismatch,
-                                 StepFailed, TransferFailed, WeightBridgeError, WorkersLost,
-                                 describe, failure_kind, from_kind, library_error)
+from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, GroupClosed,
+                                 LayoutError, ParameterRebound, ReplicaMismatch, StepFailed,
+                                 TransferFailed, WeightBridgeError, WorkersLost, describe,
+                                 failure_kind, from_kind, library_error)
 
 LIBRARY_ERRORS = (LayoutError, ConfigMismatch, TransferFailed, WorkersLost, ChecksumMismatch,
-                  ReplicaMismatch, StepFailed)
+                  ReplicaMismatch, StepFailed, CatchUpRefused, ParameterRebound, GroupClosed)
 
 
 def test_every_library_exception_is_a_weightbridge_error_and_keeps_its_builtin_base():
@@ -27,9 +28,10 @@ def test_every_library_exception_is_a_weightbridge_error_and_keeps_its_builtin_b
         assert issubclass(cls, WeightBridgeError), cls
     # What users caught before still catches them.
     assert issubclass(LayoutError, ValueError) and issubclass(ConfigMismatch, ValueError)
-    for cls in (TransferFailed, ChecksumMismatch, ReplicaMismatch, StepFailed):
+    for cls in (TransferFailed, ChecksumMismatch, ReplicaMismatch, StepFailed, CatchUpRefused,
+                ParameterRebound):
         assert issubclass(cls, RuntimeError), cls
-    assert issubclass(WorkersLost, TransferFailed)
+    assert issubclass(WorkersLost, TransferFailed) and issubclass(GroupClosed, TransferFailed)
     # Every exception class the library defines is in the hierarchy (nothing scattered).
     defined = [v for v in vars(errors).values()
                if isinstance(v, type) and issubclass(v, BaseException)]

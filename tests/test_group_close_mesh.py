@@ -16,7 +16,7 @@ from monarch.actor import this_host
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshprocs import close_group, proc_pair
-from weightbridge import TransferConfig, TransferGroup
+from weightbridge import GroupClosed, TransferConfig, TransferGroup
 
 pytestmark = pytest.mark.mesh
 
@@ -85,6 +85,9 @@ def test_close_releases_a_rollout_waiting_for_a_version(rs):
         with pytest.raises(Exception, match=f"transfer group {group.name} was closed") as e:
             waiting.get(timeout=WAIT_S)
         assert "TransferFailed" in str(e.value), e.value
+        # Issue 44, item 10: a closed group's handle built workers as if it were open.
+        with pytest.raises(GroupClosed, match=f"transfer group {group.name} was closed"):
+            group.sender({}, None, None)
 
 
 def test_close_releases_trainers_waiting_in_send_weights():

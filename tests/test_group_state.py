@@ -36,7 +36,7 @@ from tinygroup import MODES, build, checkpoint, connect, in_threads, send
 import weightbridge.coordination.staging as staging_module
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
-from tinygroup import SPEC, SHAPES, Model
+from tinygroup import SPEC, SHAPES, Model, PaddedModel
 
 
 @pytest.mark.parametrize("bad", [True, 1.5, 2.0, "3", None, 0, -1])
@@ -338,11 +338,15 @@ def test_a_diverged_tensor_replicated_across_sharded_trainers_fails_before_any_b
     assert all(m.holds(3) for m, _ in rollouts)
 
 
+@pytest.mark.parametrize("trainer_model", [Model, PaddedModel], ids=["whole", "padded"])
 @pytest.mark.parametrize("mode", ["sync", "rs"])
-def test_a_changed_that_leaves_out_a_changed_tensor_is_refused_before_any_byte(mode):
+def test_a_changed_that_leaves_out_a_changed_tensor_is_refused_before_any_byte(mode,
+                                                                              trainer_model):
+    """Padded: the trainers' ``m`` has a padding row; the contract check skipped padded
+    parameters, so the rollouts kept ``m`` at version 1 under the label 2 (issue 44, item 3)."""
     ss, rs = MODES[mode]
     config = TransferConfig(timeout_s=2, sender_staging=ss, receiver_staging=rs)
-    control, trainers, rollouts = build(config)
+    control, trainers, rollouts = build(config, trainer_model=trainer_model)
     connect(trainers)
     assert in_threads(*send(trainers, 1, ss=ss),
                       *[lambda a=a: a.wait_for_version(1) for _, a in rollouts])[2:] == [1, 1]

@@ -57,18 +57,34 @@ class Model:
                    for n, p in self.params.items())
 
 
+class PaddedModel(Model):
+    """A trainer's copy whose ``m`` has one padding row (a vocabulary padded for its shards):
+    row 4 is an element no checkpoint element lands in."""
+
+    def __init__(self):
+        self.params = {n: torch.zeros((shape[0] + (n == "m"), *shape[1:]), dtype=dtype)
+                       for n, (shape, dtype) in SHAPES.items()}
+        self.load_weights(checkpoint(0).items())
+
+    def load_weights(self, weights) -> None:
+        with torch.no_grad():
+            for name, t in weights:
+                self.params[name][:t.shape[0]].copy_(t)
+
+
 def build(config: TransferConfig, *, num_trainers: int = 2, num_engines: int = 2,
-          sizes: tuple[int, ...] | None = None, transport=None, sender_cls=None):
+          sizes: tuple[int, ...] | None = None, transport=None, sender_cls=None,
+          trainer_model=Model):
     """(control, [(model, sender)], [(model, receiver)]); ``sizes``: each rollout's own
     engine_size (default: 1 each, an engine per rollout); ``transport(control)`` replaces
     the control's `LocalTransport` and ``sender_cls(rank)`` a trainer's adapter class (tests
-    inject faults this way)."""
+    inject faults this way); ``trainer_model`` the trainers' model class (`PaddedModel`)."""
     control = LocalControl()
     if transport is not None:
         control.transport = transport(control)
     trainers = []
     for i in range(num_trainers):
-        m = Model()
+        m = trainer_model()
         cls = SenderAdapter if sender_cls is None else sender_cls(i)
         trainers.append((m, control.add(cls(
             m.params, m.load_weights, SPEC, rank=i, control=control,

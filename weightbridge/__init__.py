@@ -31,8 +31,9 @@ from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec
 from weightbridge.discovery.correspond import correspond
 from weightbridge.discovery.probe import extract_source_map
 from weightbridge.discovery.replay import replay
-from weightbridge.errors import (ChecksumMismatch, ConfigMismatch, LayoutError, ReplicaMismatch,
-                                 TransferFailed, WeightBridgeError, WorkersLost)
+from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatch, GroupClosed,
+                                 LayoutError, ParameterRebound, ReplicaMismatch, TransferFailed,
+                                 WeightBridgeError, WorkersLost)
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.planning.plan import TransferPlan, plan_transfer
@@ -67,13 +68,16 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "CatchUpRefused",
     "CheckpointSpec",
     "ChecksumMismatch",
     "Cluster",
     "ConfigMismatch",
     "CpuCopyKernels",
     "Estimate",
+    "GroupClosed",
     "LayoutError",
+    "ParameterRebound",
     "Placement",
     "ReceiverAdapter",
     "ReplicaMismatch",

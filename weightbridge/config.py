@@ -27,6 +27,10 @@ DEFAULT_DEPTH = 2
 `TransferConfig.depth` and of every function that takes a ``depth``."""
 WAIT_TIMEOUTS = 3
 """`TransferConfig.wait_s` in units of ``timeout_s``."""
+MAX_TIMEOUT_S = 86_400
+"""The longest `TransferConfig.timeout_s`, one day: waits are bounded (a lost peer must
+surface) and a deadline is a few hundred timeouts (``timeout_s`` x rounds), which Python's
+timed waits must still take."""
 ARENAS = ("device", "host")
 """`TransferConfig.arenas` choices."""
 TRAINER_RESTORES = ("host-copy", "none")
@@ -96,7 +100,7 @@ class TransferConfig:
     trip per round where control messages are slow against a round)."""
     timeout_s: float = 60.0
     """Longest wait for a peer (a write, a peer's answer, a rollout that stops polling); a lost
-    worker surfaces within about this long."""
+    worker surfaces within about this long. Finite, at most `MAX_TIMEOUT_S` (a day)."""
     sender_staging: bool = False
     """SS: `send_weights` returns once the trainer's bytes are in host memory."""
     receiver_staging: bool = False
@@ -141,8 +145,10 @@ class TransferConfig:
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 2:
             raise ValueError(f"depth must be an int >= 2 (round buffers per worker: one fills "
                              f"while another drains), got {self.depth!r}")
-        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got "
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
+                or not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be a number of seconds in (0, {MAX_TIMEOUT_S}] "
+                             f"(the longest wait for a peer; at most a day), got "
                              f"{self.timeout_s!r}")
         if self.arenas not in ARENAS:
             raise ValueError(f"arenas must be one of {ARENAS} (where round buffers live), got "

@@ -5,9 +5,12 @@
         ConfigMismatch (also a ValueError)   workers of one group were given different configs
         TransferFailed (a RuntimeError)      an update did not reach the rollouts
             WorkersLost                      ... workers were lost and left out (controller)
+            GroupClosed                      ... the group or MeshTransfer was closed
         ChecksumMismatch (a RuntimeError)    bytes changed on their way into a round buffer
         ReplicaMismatch (a RuntimeError)     data-parallel replicas hold different bytes
         StepFailed (a RuntimeError)          a step of the round sequencer failed on a worker
+        CatchUpRefused (a RuntimeError)      a join cannot send the version the engines hold
+        ParameterRebound (a RuntimeError)    a trainer's parameter no longer uses its storage
 
 Bad input is also refused with a plain ``ValueError`` and a slow peer with ``TimeoutError``,
 each before any byte moves where it can be. `TransferError` (the controller's old name for
@@ -89,6 +92,11 @@ class WorkersLost(TransferFailed):
         return type(self), (str(self), self.lost_engines, self.lost_trainers, self.report)
 
 
+class GroupClosed(TransferFailed):
+    """A call on a transfer group (`TransferGroup`) or a `controller.MeshTransfer` after it
+    was closed: nothing more moves through it; build a new one to go on."""
+
+
 class ChecksumMismatch(WeightBridgeError, RuntimeError):
     """Bytes that arrived in a round buffer differ from what their writer sent."""
 
@@ -101,6 +109,18 @@ class ReplicaMismatch(WeightBridgeError, RuntimeError):
 class StepFailed(WeightBridgeError, RuntimeError):
     """A step of the round sequencer failed on some worker; the message names the round and
     the step, then the worker's own error (`library_error` of what the step raised)."""
+
+
+class CatchUpRefused(WeightBridgeError, RuntimeError):
+    """An engine's join was refused before anything spawned or moved: its catch-up would
+    send other bytes than the version the engines hold (without sender staging it re-sends
+    the trainers' parameters, and a train step ran since that version was sent)."""
+
+
+class ParameterRebound(WeightBridgeError, RuntimeError):
+    """A trainer's parameter no longer uses the storage it was registered with (``p.data =
+    new``, ``load_state_dict(assign=True)``): the copy tables read the old storage, so its
+    new values would never be sent. Raised before any byte of the update moves."""
 
 
 # -- across processes ---------------------------------------------------------------------------

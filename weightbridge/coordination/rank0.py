@@ -280,7 +280,7 @@ class GroupSequencer:
             e, self.error = self.error, None
             if isinstance(e, TransferFailed):
                 raise e
-            raise RuntimeError(f"{self.worker}: a background transfer failed: {e}") from e
+            raise TransferFailed(f"{self.worker}: a background transfer failed: {e}") from e
 
     def wait_idle(self) -> None:
         """Wait until every staged version was transferred (SS modes)."""

@@ -10,15 +10,16 @@ from __future__ import annotations
 from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.control import engine_workers, rollouts
 from weightbridge.coordination.session import unanswered
-from weightbridge.errors import failure_kind
+from weightbridge.errors import describe, failure_kind
 
 
 def recover(seq, version: int, error: Exception, moved: bool) -> None:
     """A session call failed: find the workers that are gone (rollouts and trainers),
     exclude the lost engines and trainers, re-plan over the others (a lost trainer's
     regions from its replicas), re-send ``version`` where the trainers still hold it, tell
-    every trainer; raise `TransferFailed`. Anything else is raised unchanged (the group is
-    closed if bytes had moved: no engine's state is known)."""
+    every trainer; raise `TransferFailed`. Anything else is raised as every trainer is told
+    it (a failed step, a worker's bug: `TransferFailed`; bad input, a replica mismatch: its
+    own kind), and the group is closed if bytes had moved: no engine's state is known."""
     mode = seq.config.mode
     gone, gone_t = find_lost(seq)
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -32,6 +33,9 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
                       f"({type(error).__name__}: {cause}) and every worker still answers, "
                       f"so no engine's weights are known; build a new group (new "
                       f"adapters, connect()) to go on")
+        if kind == "transfer" and not isinstance(error, TransferFailed):
+            # (as the other trainers are told it: `except TransferFailed` catches it)
+            raise TransferFailed(f"{seq.worker}: {describe(error)}") from error
         raise error
     what = _exclude(seq, gone, gone_t, f"the transfer of version {version}", error)
     survivors = seq.leader.live_engines()

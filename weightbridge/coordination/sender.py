@@ -16,7 +16,6 @@ from weightbridge.coordination.protocol import SenderStage, TrainerVersions, che
 from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
 from weightbridge.coordination.sender_delta import TrainerDelta
 from weightbridge.coordination.sender_membership import TrainerMembership, call_name
-from weightbridge.coordination.worker import param_digest
 from weightbridge.errors import from_kind
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
@@ -38,10 +37,8 @@ class SenderAdapter(AdapterWorker):
                          placement=placement or Placement("trainer"), control=control,
                          transport=transport, config=config, kernels=kernels)
         self.stage = SenderStage()
-        self.changes = TrainerDelta(self.params, spec, config)
+        self.changes = TrainerDelta(self.params, spec, config, self.digest)
         """This trainer's side of delta updates (``changed=``)."""
-        self._staged_digest: tuple[int | None, tuple[int, ...]] = (None, ())
-        """(version, per-parameter checksums) of the staged copy (SS): replicas compare it."""
         self.versions = TrainerVersions()
         """This trainer's versions as trainer 0 moves them (the live half; ``stage``: the
         staged half)."""
@@ -58,9 +55,9 @@ class SenderAdapter(AdapterWorker):
         # The mode, chosen once: where send_weights takes the version from and who releases
         # the parameters (SS, async: the staged copy, released once copied; sync, RS: the live
         # parameters, released when trainer 0 says the transfer finished).
-        self._send, self._digest, self._release = (
-            (self._send_staged, self._staged_digest_of, _nothing) if config.sender_staging else
-            (self._send_live, super().on_digest, lambda v: self._log(("released", v))))
+        self._send, self._release = (
+            (self._send_staged, _nothing) if config.sender_staging else
+            (self._send_live, lambda v: self._log(("released", v))))
 
     # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
 
@@ -141,6 +138,8 @@ class SenderAdapter(AdapterWorker):
             ValueError: a version not newer than the last one sent; a ``changed`` that is not
                 supported in this mode, names unknown tensors, comes before any full update, or
                 differs between trainers (before any byte moves).
+            ParameterRebound: a parameter of this trainer no longer uses the storage it was
+                registered with (``p.data = new``; before any byte moves).
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
             TransferFailed: a rollout worker was lost during this transfer (sync, RS; on every
                 trainer) or an earlier one (SS, async; on rank 0, after this version was
@@ -150,6 +149,7 @@ class SenderAdapter(AdapterWorker):
         version = check_version(version)
         if self.executor is None:
             raise RuntimeError("call connect() before send_weights()")
+        self.check_storage()  # (the copy tables read the storage registered)
         with self.cond:
             if self._calling is not None:
                 raise RuntimeError(
@@ -298,9 +298,7 @@ class SenderAdapter(AdapterWorker):
 
     def _stage_locked(self, version: int) -> None:
         """Copy the parameters into the staging buffer (``self.cond`` held, buffer free)."""
-        self.staged.take(self.executor, version)
-        if self.config.checksums:  # what replicas compare: the parameters staged now
-            self._staged_digest = (version, param_digest(self.params))
+        self.take_staged(version)  # (and its digest: what replicas compare)
         self.stage.stage(version)
         self._log(("staged", version))
         # Released: logged under the lock the sequencer reads `pending` with, so before any
@@ -330,14 +328,6 @@ class SenderAdapter(AdapterWorker):
     def on_set_peers(self, handles: dict) -> None:
         super().on_set_peers(handles)
         self._connected.set()
-
-    def on_digest(self, version: int) -> tuple[int, ...]:
-        return self._digest(version)
-
-    def _staged_digest_of(self, version: int) -> tuple[int, ...]:
-        staged, digest = self._staged_digest
-        assert staged == version, (staged, version)  # pinned by STAGE_START before the update
-        return digest
 
     def on_ready(self) -> int | None:
         """The version this trainer waits inside send_weights with (None: not inside it, or

@@ -31,7 +31,6 @@ from typing import Collection
 
 from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.delta import DeltaLog
-from weightbridge.coordination.worker import param_digest
 
 AUTO = "auto"
 
@@ -43,8 +42,11 @@ class TrainerDelta:
     changed since a call (`unchanged`). No lock of its own: the adapter calls `begin` and
     reads ``pending`` under its ``cond``."""
 
-    def __init__(self, params, spec, config):
+    def __init__(self, params, spec, config, digest):
         self.params, self.spec, self.config = params, spec, config
+        self.digest = digest
+        """Per-parameter checksums of the parameters now, padding left out
+        (`TransferWorker.digest`)."""
         self.prev = 0
         """The version of this trainer's previous send_weights call (sync, RS)."""
         self.pending: tuple | None = None
@@ -75,7 +77,7 @@ class TrainerDelta:
                 "send_weights(version) without changed")
         if isinstance(changed, str) and changed == AUTO:
             # Checksummed here, outside any lock: the parameters are this version's now.
-            return "auto", param_digest(self.params)
+            return "auto", self.digest()
         if isinstance(changed, str) or not isinstance(changed, Collection):
             raise ValueError(f"changed must be None, \"auto\" or a collection of checkpoint "
                              f"tensor names, got {changed!r}"
@@ -95,7 +97,7 @@ class TrainerDelta:
         """With checksums on (sync, RS): per-parameter checksums of what this call sends, for
         the delta contract (`_undeclared`) and `unchanged`; None otherwise."""
         if self.config.checksums and not self.config.sender_staging:
-            return param_digest(self.params)
+            return self.digest()
         return None
 
     def begin(self, version: int, checked: tuple, source_map) -> None:
@@ -125,21 +127,19 @@ class TrainerDelta:
         last = self.digests
         if last is None or last[0] != version:
             return ()
-        now = param_digest(self.params)
+        now = self.digest()
         return tuple(n for n, a, b in zip(sorted(self.params), last[1], now) if a != b)
 
 
 def _undeclared(smap, changed: frozenset[str], names: frozenset[str]) -> tuple[str, ...]:
     """The parameters in ``changed`` that load from none of the tensors ``names``: a
     ``changed=`` that leaves them out would install their old bytes under the new label.
-    (Parameters with padding are left out: elements no checkpoint element lands in may change
-    freely.)"""
+    (A parameter with padding is in ``changed`` only if an element a checkpoint element
+    lands in changed: its digest leaves the padding out.)"""
     loads: dict[str, set[str]] = {}
     for p in smap.pieces:
         loads.setdefault(p.param, set()).add(p.region.tensor)
-    padded = {n for n, _ in smap.unsourced}
-    return tuple(sorted(n for n in changed if n in loads and n not in padded
-                        and not loads[n] & names))
+    return tuple(sorted(n for n in changed if n in loads and not loads[n] & names))
 
 
 def plan_delta(seq, ts: list, version: int) -> None:

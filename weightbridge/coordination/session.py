@@ -67,9 +67,8 @@ class ConnectedGroup:
     on two or more trainers (data-parallel replicas; norms, biases, embeddings replicated
     across tensor-parallel ranks), compared by `check_replicas` before each update; empty
     with checksums off."""
-    param_names: tuple[tuple[str | None, ...], ...] = ()
-    """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer (None:
-    not compared)."""
+    param_names: tuple[tuple[str, ...], ...] = ()
+    """Per trainer, its parameter names in the order of its `PeerCall.DIGEST` answer."""
     handles: dict = field(default_factory=dict)
     """(rollout, range) -> its registered handle: the writers' `PeerCall.SET_PEERS` table
     (kept, so a join hands the trainers the old rollouts' handles again)."""
@@ -172,11 +171,10 @@ def _emptied(maps, excluded: frozenset[int]) -> list:
             if i in excluded else (m, p) for i, (m, p) in enumerate(maps)]
 
 
-def _compared(smap: SourceMap) -> tuple[str | None, ...]:
-    """A trainer's parameter names in digest order; None for those with elements no
-    checkpoint element lands in (padding may differ between replicas)."""
-    padded = {n for n, _ in smap.unsourced}
-    return tuple(None if n in padded else n for n in sorted(p.name for p in smap.params))
+def _compared(smap: SourceMap) -> tuple[str, ...]:
+    """A trainer's parameter names in digest order (a parameter with padding is summed
+    without it: `params.param_digest`)."""
+    return tuple(sorted(p.name for p in smap.params))
 
 
 def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
@@ -185,35 +183,46 @@ def replicated_params(trainer_maps: Sequence[tuple[SourceMap, Placement]]
     layout (equal parameter spec, equal pieces), which must hold equal bytes: every parameter
     of data-parallel replicas, and a norm, bias or embedding replicated across
     tensor-parallel ranks whose other parameters are sharded. Groups of (trainer, parameter
-    name), in rank order; parameters with padding (elements no checkpoint element lands in:
-    they may differ) are left out."""
+    name), in rank order. A parameter with padding (elements no checkpoint element lands in:
+    they may differ) is compared on the elements its pieces land in (`param_digest`)."""
     groups: dict[tuple, list[tuple[int, str]]] = {}
     for i, (smap, _) in enumerate(trainer_maps):
-        padded = {n for n, _ in smap.unsourced}
         pieces: dict[str, list] = {}
         for p in smap.pieces:
             pieces.setdefault(p.param, []).append(p)
         for spec in smap.params:
-            if spec.name in pieces and spec.name not in padded:
+            if spec.name in pieces:
                 groups.setdefault((spec, frozenset(pieces[spec.name])), []).append(
                     (i, spec.name))
     return tuple(tuple(g) for g in groups.values() if len({i for i, _ in g}) > 1)
 
 
-def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int) -> None:
+def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int, *,
+                   every_trainer: bool = False) -> None:
     """Compare the per-parameter checksums of ``version`` of every parameter more than one
-    trainer holds (`replicated_params`).
+    trainer holds (`replicated_params`). ``every_trainer``: ask every live trainer, for its
+    storage check too (`TransferWorker.on_digest`; the controller's path, whose trainers
+    have no send call of their own to check in).
 
     The plan takes each element from one holder, so holders that diverged would be blended
     element by element into the rollouts without this; it runs before any byte moves.
 
     Raises:
         ReplicaMismatch: two trainers hold different bytes for the same elements.
+        ParameterRebound: (``every_trainer``) a trainer's parameter storage was rebound.
     """
+    ranks = sorted({i for g in group.replicas for i, _ in g})
+    if every_trainer:
+        asked = list(group.live_trainers or trainers(control))
+        answers = control.call_each(asked, PeerCall.DIGEST,
+                                    [(version, t.index in ranks) for t in asked])
+        by_rank = dict(zip((t.index for t in asked), answers))
+        answers = [by_rank[i] for i in ranks]
     if not group.replicas:
         return
-    ranks = sorted({i for g in group.replicas for i, _ in g})
-    answers = control.call([WorkerId("trainer", i) for i in ranks], PeerCall.DIGEST, version)
+    if not every_trainer:
+        answers = control.call([WorkerId("trainer", i) for i in ranks], PeerCall.DIGEST,
+                               version)
     digests = {i: dict(zip(group.param_names[i], d)) for i, d in zip(ranks, answers)}
     bad: dict[tuple[int, int], list[str]] = {}
     for g in group.replicas:
@@ -285,17 +294,18 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     """Move one version: every round, sequenced; returns once the last round landed.
 
     ``slots``: engine -> the staging slot its rollouts land into (receiver staging); engines
-    not in it assemble into their parameters. With ``version``, data-parallel replicas are
-    compared first (`check_replicas`). ``first_round``: start there (the rounds a join
-    appended: the joining engines alone).
+    not in it assemble into their parameters. With ``version``, every trainer checks its
+    parameters' storage and data-parallel replicas are compared first (`check_replicas`).
+    ``first_round``: start there (the rounds a join appended: the joining engines alone).
 
     Raises:
         ReplicaMismatch: replicas disagree (before any byte moved).
+        ParameterRebound: a trainer's parameter storage was rebound (before any byte moved).
         StepFailed: a step failed on some worker (names the round and the step).
         asyncio.TimeoutError: the whole update outlasted ``deadline_s``.
     """
     if version is not None:
-        check_replicas(control, group, version)
+        check_replicas(control, group, version, every_trainer=True)
     steps = ControlSteps(control, group, slots)
     rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth,
                         first=first_round)

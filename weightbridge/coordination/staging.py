@@ -52,10 +52,13 @@ class StagedCopy:
         self.offsets: list[int] = [0]
         self.version: int | None = None
         """The version the copy holds (None: none since the last set-up)."""
+        self.digest: tuple[int, ...] = ()
+        """Per-parameter checksums of the parameters the copy was taken from (set by the
+        worker with checksums on): what data-parallel replicas compare."""
 
     def reset(self, executor: WorkerExecutor) -> None:
         """A new plan: the old copy is laid out for the old one."""
-        self.buffer, self.version = None, None
+        self.buffer, self.version, self.digest = None, None, ()
         self.offsets = round_offsets(executor, "trainer")
 
     def take(self, executor: WorkerExecutor, version: int) -> None:

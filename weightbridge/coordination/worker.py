@@ -37,6 +37,8 @@ from weightbridge.discovery.cache import (SourceMapCache, cache_key, probe_and_k
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
+from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
+                                              param_digest, rebound_error, storage_of)
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
@@ -86,12 +88,6 @@ def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
                       f"connect if the engine needs them", UnsourcedParameter, stacklevel=3)
 
 
-def param_digest(params: Mapping[str, torch.Tensor]) -> tuple[int, ...]:
-    """One checksum per parameter, in name order: what replicas compare."""
-    return tuple(checksum(params[n].detach().contiguous().reshape(-1).view(torch.uint8))
-                 for n in sorted(params))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkerParts:
     """What a worker factory builds for one rank: its model, its loader and the checkpoint.
@@ -130,7 +126,8 @@ class TransferWorker:
 
     Args:
         side: "trainer" or "rollout".
-        params: Parameter name -> tensor; updated in place (rollouts), read (trainers).
+        params: Parameter name -> tensor, or (name, tensor) pairs with distinct names;
+            updated in place (rollouts), read (trainers).
         load_weights: The worker's own loader (probed at connect).
         spec: The checkpoint ``load_weights`` reads.
 
@@ -155,7 +152,8 @@ class TransferWorker:
             raise ValueError(f"{side} {rank} has no parameters: pass the name -> tensor mapping "
                              f"its load_weights fills")
         self.side = side
-        self.params, self.load_weights, self.spec = dict(params), load_weights, spec
+        self.params = named_params(params, side, rank)
+        self.load_weights, self.spec = load_weights, spec
         self.worker, self.placement = WorkerId(side, rank), placement
         self.transport, self.config, self.kernels = transport, config, kernels
         self.executor: WorkerExecutor | None = None
@@ -178,6 +176,24 @@ class TransferWorker:
         """Rollouts, receiver staging: versions landed and not installed yet."""
         self.failure: str | None = None
         """Why this worker's engine is out of the group (`on_fail`; None: it is not)."""
+        self.padded: Padded = {}
+        """Trainers: the pieces of each parameter with padding (set by the probe): its
+        digest reads only those elements (`param_digest`)."""
+        self.storage = {n: storage_of(p) for n, p in self.params.items()}
+        """Parameter -> the storage registered here (`storage_of`), what the copy tables
+        read; `check_storage` compares it before every send."""
+
+    def check_storage(self) -> None:
+        """Trainers, before every send: each parameter still uses its registered storage.
+
+        Raises:
+            ParameterRebound: one was rebound (names the first, and how to fix it).
+        """
+        for name, p in self.params.items():
+            was = self.storage[name]
+            if p.data_ptr() != was[0] or p.stride() != was[2] or p.shape != was[1] or (
+                    p.dtype != was[3]):
+                raise rebound_error(self.worker, name, was, storage_of(p))
 
     def _log(self, event: tuple[str, int]) -> None:
         self.events.append((next(_SEQ), *event))
@@ -251,16 +267,28 @@ class TransferWorker:
                         p.copy_(saved[n])
         if self.side == "rollout":
             _warn_unsourced(self.worker, smap)
+        self.padded = padded_pieces(smap)
         return smap, self.placement, self.spec
+
+    def digest(self) -> tuple[int, ...]:
+        """Per-parameter checksums of the parameters now (`param_digest`, padding left
+        out)."""
+        return param_digest(self.params, self.padded)
 
     def on_ping(self) -> bool:
         """Asked who is still there after a transfer failed."""
         return True
 
-    def on_digest(self, version: int) -> tuple[int, ...]:
-        """Trainers: per-parameter checksums of what this trainer sends as ``version`` (its
-        parameters, now), compared with its data-parallel replicas' before the update."""
-        return param_digest(self.params)
+    def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
+        """Trainers, before the rounds of ``version``: if ``digest``, per-parameter checksums
+        of what this trainer sends, compared with its data-parallel replicas': the
+        parameters now (after the storage check, `check_storage`), or with sender staging
+        the staged copy's, taken with it (the parameters may be a train step further)."""
+        if self.config.sender_staging:  # the staged copy is sent: its digest, taken with it
+            assert self.staged.version == version, (self.staged.version, version)
+            return self.staged.digest if digest else ()
+        self.check_storage()
+        return self.digest() if digest else ()
 
     def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
                  ) -> dict:
@@ -293,10 +321,21 @@ class TransferWorker:
 
     def on_stage(self, version: int) -> None:
         """Trainers, sender staging: take the staged copy of ``version`` (the parameters now)
-        that the rounds send from; the parameters may change once this returned."""
+        that the rounds send from; the parameters may change once this returned.
+
+        Raises:
+            ParameterRebound: a parameter's storage was rebound (`check_storage`).
+        """
+        self.check_storage()
         with self.cond:
-            self.staged.take(self.executor, version)
+            self.take_staged(version)
             self._log(("staged", version))
+
+    def take_staged(self, version: int) -> None:
+        """Take the staged copy of ``version`` and, with checksums on, its digest (what
+        replicas compare); ``self.cond`` held."""
+        self.staged.take(self.executor, version)
+        self.staged.digest = self.digest() if self.config.checksums else ()
 
     def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from monarch.actor import current_rank
 
 from weightbridge.config import TransferConfig
+from weightbridge.errors import GroupClosed
 from weightbridge.mesh import monarch_api
 from weightbridge.mesh.agent import TransferAgent
 from weightbridge.mesh.control import AXIS, MeshControl, _size
@@ -129,12 +130,10 @@ class TransferGroup:
         which plans them in. This handle stays valid for the workers built from it.
 
         Raises:
-            ValueError: ``engine_size`` does not divide the new procs, or the group was
-                closed.
+            ValueError: ``engine_size`` does not divide the new procs.
+            GroupClosed: the group was closed.
         """
-        if self._life.closed:
-            raise ValueError(f"transfer group {self.name} was closed (TransferGroup.close()); "
-                             f"spawn a new group to add engines to")
+        self._check_open("add engines to")
         count = _size(rollout_procs)
         if count < 1 or count % self.engine_size:
             raise ValueError(f"add_engines got {count} rollout procs; give whole engines: a "
@@ -183,6 +182,11 @@ class TransferGroup:
 
     # -- inside an actor: this rank's worker ---------------------------------------------------
 
+    def _check_open(self, what: str) -> None:
+        if self._life.closed:
+            raise GroupClosed(f"transfer group {self.name} was closed (TransferGroup.close()); "
+                              f"spawn a new group to {what}")
+
     def _wiring(self) -> dict:
         return {"control": MeshControl(self),
                 "transport": MeshTransport(self.config.peer_timeout_s), "config": self.config}
@@ -192,6 +196,8 @@ class TransferGroup:
         """This trainer rank's `SenderAdapter` (or ``cls``, a subclass); its rank is this
         actor's flat rank in its mesh."""
         from weightbridge.coordination.sender import SenderAdapter
+
+        self._check_open("build workers in")
 
         worker = (cls or SenderAdapter)(params, load_weights, spec, rank=current_rank().rank,
                                placement=placement, kernels=kernels, **self._wiring())
@@ -204,6 +210,8 @@ class TransferGroup:
         engine rank follow from its flat rank and ``engine_size``. The hooks run around each
         install (`ReceiverAdapter.poll_requests`)."""
         from weightbridge.coordination.receiver import ReceiverAdapter
+
+        self._check_open("build workers in")
 
         rank = current_rank().rank + self.rollout_base
         worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,
@@ -221,6 +229,8 @@ class TransferGroup:
         """This rank's plain `TransferWorker` (or ``cls``, a subclass), for a group a
         controller drives (`controller.MeshTransfer`)."""
         from weightbridge.coordination.worker import TransferWorker
+
+        self._check_open("build workers in")
 
         wiring = self._wiring()
         del wiring["control"]

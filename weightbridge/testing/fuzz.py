@@ -21,6 +21,8 @@ is told it is out. What is checked (the kinds of `Violation`):
                  trainer 0 lives and the group was not closed
     error        a poll or a trainer call raised something the documentation does not list
     hang         a trainer call did not return within its bound (the seed stops there)
+    stale        a trainer's send_weights after it rebound a parameter's storage did not
+                 raise `ParameterRebound` (the registered storage's old bytes would go out)
 
 Typical usage::
 
@@ -45,12 +47,13 @@ from weightbridge.coordination.adapter_base import TransferFailed
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.receiver import ReceiverAdapter
 from weightbridge.coordination.sender import SenderAdapter
+from weightbridge.errors import ParameterRebound
 from weightbridge.testing.fuzz_plan import (SHAPES, Model, Op, Scenario, same_bytes,
                                              scenario_of, value)
 from weightbridge.types import CheckpointSpec, WorkerId
 
 KINDS = ("torn", "outside", "decrease", "mixed", "untold", "not_at_last", "wedged", "error",
-         "hang")
+         "hang", "stale")
 SPEC = CheckpointSpec.from_tensors({n: value(n, 0) for n in SHAPES})
 _TOLERATED = (TransferFailed, TimeoutError)
 _TOLD_POLLS = 3
@@ -183,6 +186,9 @@ class _Fuzz:
                 self._start(rank)
             self._collective("add_engines", lambda a: a.add_engines())
             return not self._hung()
+        if op.kind == "rebind":
+            self._rebind()
+            return not self._hung()
         if op.kind == "leave":
             done = self._collective(f"remove_engine({op.engine})",
                                     lambda a: a.remove_engine(op.engine))
@@ -238,8 +244,36 @@ class _Fuzz:
                 a.wait_idle()
         return self._collective(f"send_weights({v}, changed={changed})", send)
 
-    def _collective(self, what: str, call) -> bool:
-        """``call(adapter)`` on every live trainer at once; True if none raised."""
+    def _rebind(self) -> None:
+        """A train step that rebinds one tensor's storage (new values in new storage) on
+        every live trainer: each send_weights must raise `ParameterRebound`. Then the values
+        go into the registered storage (the documented fix) and a full update follows."""
+        name = sorted(SHAPES)[self.version % len(SHAPES)]
+        self.version += 1
+        v = self.version
+        self.held[name] = v
+        self.truth[v] = dict(self.held)  # (what the rollouts must hold if it went out)
+        registered = {}
+        for i in self.live_trainers:
+            p = self.trainers[i][0].params[name]
+            registered[i] = p.data
+            p.data = self._value(name, v).clone()
+        out = self._call_all(f"send_weights({v}) after a rebind", lambda a: a.send_weights(v))
+        for i, e in (out or {}).items():
+            if not isinstance(e, ParameterRebound):
+                did = "returned" if e is None else f"raised {type(e).__name__}: {e}"
+                self._violate("stale", f"T{i}: send_weights({v}) after {name!r} was rebound "
+                                       f"{did}")
+        for i, storage in registered.items():
+            p = self.trainers[i][0].params[name]
+            storage.copy_(p.data)
+            p.data = storage
+        if out is not None and not self.ended:
+            self._update(None)
+
+    def _call_all(self, what: str, call) -> dict[int, BaseException | None] | None:
+        """``call(adapter)`` on every live trainer at once; what each raised (None: it
+        returned), for the trainers still live; None if one hung (a violation)."""
         live = list(self.live_trainers)
         out: dict[int, BaseException | None] = {}
 
@@ -255,14 +289,19 @@ class _Fuzz:
         end = time.monotonic() + self.bound
         for t in threads:
             t.join(max(0.0, end - time.monotonic()))
-        ok = True
         for i in live:
-            if i not in self.live_trainers:  # died meanwhile: what it raised is moot
-                continue
-            if i not in out:
+            if i in self.live_trainers and i not in out:
                 self._violate("hang", f"T{i}: {what} did not return within {self.bound:g}s")
-                return False
-            e = out[i]
+                return None
+        return {i: out[i] for i in live if i in self.live_trainers}
+
+    def _collective(self, what: str, call) -> bool:
+        """``call(adapter)`` on every live trainer at once; True if none raised."""
+        out = self._call_all(what, call)
+        if out is None:
+            return False
+        ok = True
+        for i, e in out.items():
             if e is None:
                 continue
             ok = False

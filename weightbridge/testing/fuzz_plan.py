@@ -14,6 +14,10 @@ order. Updates and membership changes are collective calls on the trainers; faul
             ``side`` is "trainer" (trainer 0: the group ends)
     stall   rollout worker ``worker`` stops for ``seconds`` (`LocalControl.stall`: a SIGSTOP)
     pause   engine ``engine`` stops polling for ``seconds`` (alive, answering its peers)
+    rebind  a train step rebinds one tensor's storage on every live trainer (``p.data =
+            new``): each send_weights must refuse it; the values are then written into the
+            registered storage and sent in full (drawn on an RNG of its own: the other
+            operations of a seed are those drawn without it)
 
 Typical usage::
 
@@ -60,7 +64,7 @@ class Model:
 @dataclass(frozen=True, slots=True)
 class Op:
     kind: str
-    """"update", "join", "leave", "kill", "stall" or "pause"."""
+    """"update", "join", "leave", "kill", "stall", "pause" or "rebind"."""
     changed: tuple[str, ...] | None = None
     """update: the tensors that changed (None: a full update)."""
     engine: int = -1
@@ -77,8 +81,8 @@ class Op:
     def describe(self) -> str:
         if self.kind == "update":
             return "full" if self.changed is None else f"delta{list(self.changed)}"
-        if self.kind == "join":
-            return "join"
+        if self.kind in ("join", "rebind"):
+            return self.kind
         if self.kind == "leave":
             return f"leave(e{self.engine})"
         who = f"{'T' if self.side == 'trainer' else 'R'}{self.worker}" if self.worker >= 0 \
@@ -113,11 +117,16 @@ class Scenario:
 FAULTS = ("kill", "stall", "pause")
 
 
+REBIND_SHARE = 0.3
+"""Share of seeds with one ``rebind`` operation (`scenario_of`)."""
+
+
 def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
-                faults: bool | tuple[str, ...] = True) -> Scenario:
+                faults: bool | tuple[str, ...] = True, rebinds: bool = True) -> Scenario:
     """The scenario of ``seed``: ``num_ops`` operations after a first full update, at most
     one trainer kill, joins up to four engines. ``faults``: True (every kind of `FAULTS`),
-    False (updates and membership changes only) or the kinds to draw."""
+    False (updates and membership changes only) or the kinds to draw. ``rebinds``: a share
+    `REBIND_SHARE` of seeds get one ``rebind`` somewhere after the first update."""
     kinds_of_fault = FAULTS if faults is True else tuple(faults or ())
     if not set(kinds_of_fault) <= set(FAULTS):
         raise ValueError(f"faults must be True, False or kinds among {FAULTS}, got {faults!r}")
@@ -167,6 +176,9 @@ def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
     if "kill" in kinds_of_fault and rng.random() < 0.05:  # trainer 0 dies: the group ends
         ops.append(Op("kill", worker=0, side="trainer", delay_s=_delay(rng)))
     think = tuple(rng.choice((0.0, 0.001, 0.003, 0.01)) for _ in range(4))
+    misuse = random.Random(seed * 7907 + 3)  # (its own draws: the others stay as they were)
+    if rebinds and misuse.random() < REBIND_SHARE:
+        ops.insert(misuse.randint(1, len(ops)), Op("rebind"))
     return Scenario(seed, mode, trainers, engines, size, timeout_s, tuple(ops), think)
 
 
