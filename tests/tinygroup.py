@@ -74,7 +74,7 @@ class PaddedModel(Model):
 
 def build(config: TransferConfig, *, num_trainers: int = 2, num_engines: int = 2,
           sizes: tuple[int, ...] | None = None, transport=None, sender_cls=None,
-          trainer_model=Model):
+          trainer_model=None):
     """(control, [(model, sender)], [(model, receiver)]); ``sizes``: each rollout's own
     engine_size (default: 1 each, an engine per rollout); ``transport(control)`` replaces
     the control's `LocalTransport` and ``sender_cls(rank)`` a trainer's adapter class (tests
@@ -84,7 +84,8 @@ def build(config: TransferConfig, *, num_trainers: int = 2, num_engines: int = 2
         control.transport = transport(control)
     trainers = []
     for i in range(num_trainers):
-        m = trainer_model()
+        # (Looked up at the call: tests patch tinygroup.Model to move every model's parameters.)
+        m = (trainer_model or Model)()
         cls = SenderAdapter if sender_cls is None else sender_cls(i)
         trainers.append((m, control.add(cls(
             m.params, m.load_weights, SPEC, rank=i, control=control,
