@@ -10,11 +10,11 @@ Two user actors, as docs/integration.md describes them:
 
 `run` drives both from the controller: connect, then per version a training step,
 ``send_weights``, ``poll_requests`` on every rollout rank until installed, and a generation on
-fixed prompts. `reference` generates the same prompts with fresh engines that loaded the same
-checkpoint from disk, each in fresh processes. tests/engines/test_vllm_generate.py compares
-the two.
+fixed prompts. `reference_rank` generates the same prompts with a fresh engine that loaded the
+same checkpoint from disk (run it in fresh processes). tests/engines/test_vllm_generate.py
+compares the two.
 
-    python -m examples.engines.generating --tp 2 --mode rs      # prints per-version verdicts
+    python -m examples.engines.generating --tp 2 --mode rs    # what each version generated
 """
 
 from __future__ import annotations
