@@ -103,8 +103,8 @@ class VllmEngine:
         self.params: dict[str, torch.Tensor] = dict(self.model.named_parameters())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's in-place reload (the probed loader), derived state included
-        (`vllm_steps.reload`). Collective under TP: every rank calls it with the same tensors."""
+        """vLLM's in-place reload (the probed loader; it rebuilds derived state itself,
+        `vllm_steps.reload`). Collective under TP: every rank calls it with the same tensors."""
         vllm_steps.reload(self.model, self.vllm_config, weights)
 
     def before_update(self, version: int) -> None:

@@ -54,8 +54,9 @@ def reload(model: torch.nn.Module, vllm_config, weights: Iterable[tuple[str, tor
         _forget_moe_kernels(model)
         initialize_layerwise_reload(model)
         model.load_weights(iter(weights))
+        # (This re-runs every layer's post-load step, lm_head's handle included: measured,
+        # no `refresh_derived` needed after it.)
         finalize_layerwise_reload(model, vllm_config.model_config)
-        refresh_derived(model)
 
 
 def refresh_derived(model: torch.nn.Module) -> int:
