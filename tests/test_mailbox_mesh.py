@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from monarch.actor import Actor, current_rank, endpoint
 
-from tests.meshprocs import proc_pair
+from meshprocs import proc_pair
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import PeerCall
 from weightbridge.mesh import registry

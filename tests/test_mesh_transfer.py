@@ -17,6 +17,7 @@ import pytest
 from monarch.actor import ActorError
 
 from controller.driver import WorkersLost, MeshTransfer, TransferError
+from faults import DiesInRound1Rollout
 from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.spec import RolloutSpec, TrainerSpec
@@ -294,19 +295,6 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
             mt.update(1)
         # Nobody waited out the 60 s timeout.
         assert time.monotonic() - t0 < 30
-
-
-class DiesInRound1(TransferWorker):
-    """Rollout 1's process exits in round 1 (an OOM kill, say)."""
-
-    def on_land(self, r, slots=None, expected=None):
-        if self.worker.index == 1 and r == 1:
-            os._exit(3)
-        super().on_land(r, slots, expected)
-
-
-class DiesInRound1Rollout(RolloutActor):
-    worker_class = DiesInRound1
 
 
 def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on():

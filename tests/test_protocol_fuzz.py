@@ -12,8 +12,7 @@ import time
 import pytest
 import tinygroup
 import torch
-from test_local_stalls import STALLED
-from test_local_stalls import _group as stalling_group
+from faults import STALLED, stalling_group
 from tinygroup import build, checkpoint, connect, in_threads
 
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed

@@ -12,23 +12,10 @@ import threading
 
 import pytest
 import tinygroup
+from faults import DiesSendingVersion2
 from tinygroup import MODES, build, connect, in_threads
 
 from weightbridge import SenderAdapter, TransferConfig, TransferFailed
-from weightbridge.coordination.local_control import WorkerGone
-
-
-class DiesSendingVersion2(SenderAdapter):
-    """Trainer 1: its process dies at its first send of a round of the second transfer."""
-
-    sends = 0
-
-    def on_send_round(self, r):
-        self.sends += 1
-        if self.sends > self.executor.num_rounds:
-            self.control.kill(self.worker)
-            raise WorkerGone(f"{self.worker} died")
-        return super().on_send_round(r)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

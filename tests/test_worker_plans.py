@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_dtype_transfer import _workers
+from moegroup import probed_workers
 
 from planning_layouts import fsdp_trainer, fused_rollout, tp_trainer
 from reference_worker_plan import reference_worker_plan
@@ -24,7 +24,7 @@ def _small_layouts():
     yield "tp1 -> 1 engine tp2, one round", plan_transfer(
         [(tp_trainer(0, 1), Placement("t0"))], engines(1, 2), round_bytes=1 << 20)
     # Converting boxes: float32 trainers, bfloat16 rollouts (the wire is bfloat16).
-    yield "fp32 tp2 x ep2 -> 2 bf16 engines", _workers(torch.float32, torch.bfloat16)[-1]
+    yield "fp32 tp2 x ep2 -> 2 bf16 engines", probed_workers(torch.float32, torch.bfloat16)[-1]
 
 
 def _assert_same(plan):
