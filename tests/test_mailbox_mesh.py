@@ -15,6 +15,8 @@ from weightbridge.mesh import registry
 from weightbridge.mesh.control import MeshControl, TransferGroup
 from weightbridge.types import WorkerId
 
+pytestmark = pytest.mark.mesh
+
 TIMEOUT_S = 4.0
 PEER = WorkerId("rollout", 0)
 
