@@ -1,5 +1,5 @@
-"""Every ```python block of the guides (quickstart, concepts, integration, delta-elastic, your-model)
-runs as written.
+"""Every ```python block of the guides (`DOCS`: quickstart, concepts, integration,
+delta-elastic, your-model) runs as written.
 
 A block may be preceded by a marker line, an HTML comment (invisible when rendered):
 
