@@ -3,10 +3,11 @@
     .venv/bin/python benchmarks/round_size.py                       # medium model, ~1-2 min
     .venv/bin/python benchmarks/round_size.py --sizes-kib 512 8192 --updates 3 --model tiny
 
-The measurement behind `weightbridge.config.DEFAULT_ROUND_BYTES`: per-round fixed costs (a
-control message per step, one pack and one assemble launch per worker) dominate small rounds,
-and rounds much bigger than a few MB only lengthen the pipeline fill and drain and the round
-buffers (a model smaller than two rounds per worker has no pipeline at all).
+What `weightbridge.config.DEFAULT_ROUND_BYTES` is weighed against: per-round fixed costs (a
+control message per step, one pack and one assemble launch per worker) dominate small rounds;
+bigger rounds cost round-buffer memory and, where links bound the transfer, a longer pipeline
+fill and drain (a model smaller than two rounds per worker has no pipeline at all). Results
+and what they do and do not support: docs/performance.md, "Round size".
 
 One trainer and one rollout proc mesh on this host (``--trainer`` / ``--rollout``, default two
 TP ranks -> two one-proc engines, so four procs fit a two-core machine). Every round size gets

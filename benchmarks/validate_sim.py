@@ -15,7 +15,8 @@ blocks, and pickles every point's plan, link rate, depth and every update's acto
 (`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
 ``--spawns`` fresh sets of procs (`MORE_SETS` times as many at the controller-bound
 six-proc points): on this saturated 2-core machine one set of procs can run a controller-bound
-point up to 68% slower than the next, for as long as it lives (4 Dec, docs/performance.md), so a
+point up to 68% slower than the next, for as long as it lives (4 Dec: runs 22-25,
+docs/notes/simulator-validation-runs-15-25.md), so a
 point measured on one set does not repeat. Beside ``uptime`` every point
 records the cores its updates kept busy: the cluster's own, other processes' and steal
 (`benchmarks.machine.CpuMeter`), which says whether anything else was running, and how fast a
@@ -98,7 +99,8 @@ class Point:
 MORE_SETS = 3
 """Sets-of-procs factor of the controller-bound points on six procs or more (200 Mbit/s): their
 speed is set by the set of procs, so the median over 4 sets moves by about +-10% and over 12
-by about +-4% (`t2 r4` and `r4 d2`, 12 sets twice, 4 Dec, docs/performance.md); a set there
+by about +-4% (`t2 r4` and `r4 d2`, 12 sets twice, 4 Dec, runs 24-25 in
+docs/notes/simulator-validation-runs-15-25.md); a set there
 costs seconds."""
 T2 = "nodes=1,gpus=2,tp=2"
 R1 = "nodes=1,gpus=1"
@@ -129,7 +131,8 @@ write that the link-bound points hide. ``200M tiny t2 r4 128K``, added on 5 Dec 
 runs 30-33, before runs 34-37 were collected), is six procs bound by the controller's
 messages: their cost per message moves by a third from one half hour to the next on a
 saturated 2-core machine while the other calibration points stay put, so without such a
-point the fit sees only one state of the machine (docs/performance.md)."""
+point the fit sees only one state of the machine (runs 30-37:
+docs/notes/simulator-validation-runs-26-37.md)."""
 REPEATED = "50M med r1"
 """Measured again at the end of its rate block, labelled ``+ " again"``: in-run drift."""
 REPEATS = 0.15

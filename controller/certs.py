@@ -11,7 +11,7 @@ was dialled by; each is usable to serve and to dial (every process does both). K
 written readable by their owner only.
 
 Copy ``ca.crt`` and a host's own ``.crt``/``.key`` to that host, and point the worker there at
-them (docs/controller.md, "Authenticated workers"). No crypto is done here: every step is one
+them (docs/multihost.md, "Authenticated workers"). No crypto is done here: every step is one
 ``openssl`` command.
 
 Typical usage::

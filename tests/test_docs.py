@@ -1,4 +1,5 @@
-"""Every ```python block of docs/integration.md runs as written.
+"""Every ```python block of the guides (`DOCS`: quickstart, concepts, integration,
+delta-elastic, your-model) runs as written.
 
 A block may be preceded by a marker line, an HTML comment (invisible when rendered):
 
@@ -27,7 +28,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "integration.md"
+DOCS = [REPO / "docs" / name for name in (
+    "quickstart.md", "concepts.md", "integration.md", "delta-elastic.md", "your-model.md")]
+"""The pages whose ```python blocks run; a "file" block of any of them is importable from all."""
 MARKER = re.compile(r"<!--\s*test:\s*(.*?)\s*-->")
 MESH_TIMEOUT_S = 240
 """Per mesh block: spawning procs and importing torch in them dominates (about 10-15 s here)."""
@@ -35,6 +38,7 @@ MESH_TIMEOUT_S = 240
 
 @dataclass(frozen=True)
 class Block:
+    doc: Path
     line: int
     """1-based line of the doc where the code starts (after the fence)."""
     kind: str
@@ -45,14 +49,14 @@ class Block:
 
     @property
     def label(self) -> str:
-        return f"{DOC.relative_to(REPO)}:{self.line}"
+        return f"{self.doc.relative_to(REPO)}:{self.line}"
 
     def source(self) -> str:
         """The code, shifted down so that line numbers in tracebacks are the doc's."""
         return "\n" * (self.line - 1) + self.code
 
 
-def python_blocks(path: Path = DOC) -> list[Block]:
+def python_blocks(path: Path) -> list[Block]:
     lines = path.read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
@@ -75,19 +79,19 @@ def python_blocks(path: Path = DOC) -> list[Block]:
         while end < len(lines) and lines[end].strip() != "```":
             end += 1
         code = "\n".join(line[len(indent):] for line in lines[i + 1:end]) + "\n"
-        blocks.append(Block(line=i + 2, kind=kind, name=name, code=code))
+        blocks.append(Block(doc=path, line=i + 2, kind=kind, name=name, code=code))
         i = end + 1
     return blocks
 
 
-BLOCKS = python_blocks()
+BLOCKS = [b for doc in DOCS for b in python_blocks(doc)]
 RUN = [b for b in BLOCKS if b.kind != "file"]
 FILES = [b for b in BLOCKS if b.kind == "file"]
 
 
 @pytest.fixture(scope="module")
 def modules(tmp_path_factory) -> Path:
-    """The doc's "file" blocks as modules in a directory of their own."""
+    """The docs' "file" blocks as modules in a directory of their own."""
     root = tmp_path_factory.mktemp("doc_modules")
     for b in FILES:
         (root / b.name).write_text(b.source())
@@ -106,7 +110,7 @@ def _run_here(block: Block, modules: Path) -> None:
 
 
 def _run_subprocess(block: Block, modules: Path, tmp_path: Path) -> None:
-    script = tmp_path / f"integration_md_{block.line}.py"
+    script = tmp_path / f"{block.doc.stem.replace('-', '_')}_md_{block.line}.py"
     script.write_text(block.source())
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -125,10 +129,13 @@ def _run_subprocess(block: Block, modules: Path, tmp_path: Path) -> None:
                                   f"{out[-3000:]}\n{err[-5000:]}")
 
 
-def test_the_doc_has_each_kind_of_block():
+def test_the_docs_have_each_kind_of_block():
     kinds = [b.kind for b in BLOCKS]
     assert kinds.count("local") >= 3 and kinds.count("mesh") >= 2 and kinds.count("file") >= 1, \
         [(b.label, b.kind) for b in BLOCKS]
+    assert {b.doc for b in BLOCKS} == set(DOCS), "a page listed in DOCS has no python block"
+    names = [b.name for b in FILES]
+    assert len(names) == len(set(names)), f"two file blocks share a module name: {names}"
 
 
 @pytest.mark.parametrize("block", [b for b in RUN if b.kind == "local"], ids=lambda b: b.label)

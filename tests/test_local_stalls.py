@@ -2,7 +2,7 @@
 
 `LocalControl.stall(worker)` stands in for a stopped process (SIGSTOP): calls to it wait and
 are answered once it is resumed, writes into it wait and are lost. A worker that stops
-answering in the middle of a transfer must surface as it does on a mesh (docs/integration.md,
+answering in the middle of a transfer must surface as it does on a mesh (docs/failures.md,
 "A rollout worker lost mid-transfer"): the trainers' `send_weights` raises `TransferFailed`
 naming it, and the other engine holds the version whole (a stopped trainer replica: its
 replica sends what it held); nothing waits forever.

@@ -1,5 +1,5 @@
 """`MeshControl`: a worker's calls on itself run in its own process, on its group's threads,
-with no Monarch message (each leaves state behind: docs/integration.md, "Memory over many
+with no Monarch message (each leaves state behind: docs/failures.md, "Memory over many
 updates"), and behave as calls through its agent: same answers, same order, same errors."""
 
 import asyncio

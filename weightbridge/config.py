@@ -19,9 +19,11 @@ import enum
 from dataclasses import dataclass
 
 DEFAULT_ROUND_BYTES = 8 << 20
-"""Chosen from `benchmarks/round_size.py` (docs/performance.md, "Round size"): per-round fixed
-costs (a control message per step, one pack and one assemble launch) dominate rounds under a
-few MB; much bigger rounds only lengthen the pipeline fill and the round buffers."""
+"""Per-round fixed costs (a control message per step, one pack and one assemble launch) dominate
+rounds under a few MiB (`benchmarks/round_size.py`); bigger rounds cost `depth` x this much
+buffer per worker and, where links bound the transfer, a longer pipeline fill. Not a measured
+optimum: on one host larger rounds kept winning, on slow emulated links 512 KiB at depth 3
+did (docs/performance.md, "Round size")."""
 DEFAULT_DEPTH = 2
 """Round buffers per worker unless told otherwise (the paper's double buffering): the default of
 `TransferConfig.depth` and of every function that takes a ``depth``."""

@@ -61,7 +61,7 @@ class TransferFailed(WeightBridgeError, RuntimeError):
     The message names the worker, its engine and the version, says which engines were excluded
     and what the surviving engines hold, and how to go on (with the adapters: restart a lost
     engine and add it as a new engine, `SenderAdapter.add_engines`). The controller
-    (`controller.MeshTransfer`) raises it too, under its old name `TransferError`.
+    (`controller.MeshTransfer`) raises it too; `TransferError` is a deprecated alias of it.
     """
 
 

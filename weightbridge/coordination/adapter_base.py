@@ -57,7 +57,7 @@ class AdapterWorker(TransferWorker):
         The interval starts at the control plane's ``poll_interval_s`` and grows to
         `POLL_BACKOFF` times it: a long wait (a trainer that comes late) costs a few peer
         calls a second, not 100 (on meshes every call leaves Monarch state behind,
-        docs/integration.md, "Memory over many updates"). Between polls it waits on
+        docs/failures.md, "Memory over many updates"). Between polls it waits on
         ``self.cond``, so a predicate on this worker's own state, which its handlers change
         under that lock with notify_all, ends the wait at once."""
         poll_until(self, self.cond, predicate, what, deadline=deadline)

@@ -22,7 +22,7 @@ directly (tests, demos); `weightbridge.mesh.control` turns each call into an act
 call and each write into an RDMA write.
 
 A rollout worker lost mid-transfer raises `TransferFailed`; its engine leaves the group and
-rank 0 re-plans without it (docs/integration.md, "Failures").
+rank 0 re-plans without it (docs/failures.md).
 
 Delta updates (``send_weights(v, changed=...)``, sync and RS modes) move only the tensors the
 rollouts lack over a plan restricted to them: `sender_delta`, `delta`.

@@ -90,7 +90,7 @@ class ReceiverAdapter(AdapterWorker):
 
         Raises:
             TransferFailed: this worker's engine lost a worker during a transfer; the engine
-                is out of the group (docs/integration.md, "Failures").
+                is out of the group (docs/failures.md).
             TimeoutError: the transfer this poll joined did not start within 3 x timeout_s
                 (nothing was written; poll again to join again), or started and did not finish
                 (the parameters may hold part of it).

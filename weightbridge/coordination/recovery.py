@@ -2,7 +2,7 @@
 
 `recover` runs on trainer 0's `weightbridge.coordination.rank0.GroupSequencer` when a call of
 a transfer failed; the group's state changes only through its `GroupLeader` (``exclude``,
-``replan``). See docs/integration.md, "Failures", for the guarantees.
+``replan``). See docs/failures.md, for the guarantees.
 """
 
 from __future__ import annotations

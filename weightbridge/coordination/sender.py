@@ -143,8 +143,7 @@ class SenderAdapter(AdapterWorker):
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
             TransferFailed: a rollout worker was lost during this transfer (sync, RS; on every
                 trainer) or an earlier one (SS, async; on rank 0, after this version was
-                staged: it still goes to the surviving engines). See docs/integration.md,
-                "Failures".
+                staged: it still goes to the surviving engines). See docs/failures.md.
         """
         version = check_version(version)
         if self.executor is None:

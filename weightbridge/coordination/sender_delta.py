@@ -22,7 +22,7 @@ the last version whose transfer finished (every live rollout took part in it); w
 staging, per live engine the version of the staging slot it claimed last (it installs that
 one before any newer one), the oldest over the engines. Sender staging (SS, async) refuses
 ``changed``: a staged copy is packed for the plan in force when send_weights is called, which
-a later re-plan could not read (docs/integration.md, "Delta updates").
+a later re-plan could not read (docs/delta-elastic.md, "Delta updates").
 """
 
 from __future__ import annotations

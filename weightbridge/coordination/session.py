@@ -1,7 +1,7 @@
 """Connect and update, once, for every path: the controller, the adapters' rank-0 sender and
 any driver of a `ControlPlane`.
 
-    connect_group(control, config)
+    connect_group(control, config) -> (GroupMaps, ConnectedGroup)
         every worker at once: CONFIG -> equal to the leader's? (ConfigMismatch otherwise)
         every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec): kept
             maps verified if every worker holds one and all hold, else every worker probes
@@ -17,7 +17,7 @@ Probing and planning happen once per group; `plan_group` alone re-plans from the
 
 Typical usage::
 
-    group = connect_group(control, TransferConfig())
+    maps, group = connect_group(control, TransferConfig())   # maps: kept for re-plans
     run_update(control, group)           # per version, after the trainers' step
 """
 

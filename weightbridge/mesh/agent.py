@@ -25,7 +25,7 @@ class TransferAgent(Actor):
     response port from there, so it serves many calls at once. Not an async actor: Monarch
     0.7 never closes a stopped async actor's event loop, and each stopped agent left 5 file
     descriptors (epoll, self-pipe, waker pipe) and its executor's threads in the process,
-    once per session (docs/integration.md, "Memory over many updates").
+    once per session (docs/failures.md, "Memory over many updates").
     """
 
     def __init__(self):

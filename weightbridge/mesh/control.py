@@ -6,7 +6,7 @@ Every bounded `PeerCall` a worker makes is one message to the mailbox of the pee
 and setup, which may take unbounded time, are calls of the ``serve`` endpoint of the peer's
 agent (to a run of consecutive ranks, one message); a worker's calls on itself run in its
 process without a message. Monarch keeps state for every reply port it opens
-(docs/integration.md, "Memory over many updates").
+(docs/failures.md, "Memory over many updates").
 
 The Monarch integration's modules, by job:
 
@@ -69,7 +69,7 @@ class MeshControl:
         self._agents: dict = {}
         """Each peer's agent, sliced once: Monarch 0.7 keeps native state for every slice it
         sends through (about 10 KB each, never freed), so a slice per call grew every
-        process by that much per peer call (docs/integration.md, "Memory over many
+        process by that much per peer call (docs/failures.md, "Memory over many
         updates")."""
         self._last_send: asyncio.Future | None = None
         """The newest `PeerCall.SEND_ROUND` in flight (`call_async`)."""
@@ -257,7 +257,7 @@ class MeshControl:
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
         """One message to the peers' agents when they are consecutive ranks (the rounds' steps
         go to every trainer or rollout): Monarch keeps about 1.5 KB per call that never goes
-        away in the caller (docs/integration.md, "Memory over many updates"), so one call
+        away in the caller (docs/failures.md, "Memory over many updates"), so one call
         for all costs the sequencing trainer a few times less than one call per peer."""
         timeout = self._timeout(call)
         me = self._me(peers)

@@ -4,7 +4,7 @@ Monarch 0.7 keeps state for every reply port an endpoint call opens, and never f
 about 1.5 KB in the caller and 0.6 KB in the callee per call (`benchmarks/message_memory.py`),
 most of a worker's memory growth over many updates. A mailbox opens two ports, once: peers
 send their calls to its inbox as plain messages naming the caller's reply port, and it answers
-each through that port, so a call costs tens of bytes (docs/integration.md, "Memory over many
+each through that port, so a call costs tens of bytes (docs/failures.md, "Memory over many
 updates").
 
     caller's MeshControl                              peer's TransferAgent

@@ -10,7 +10,7 @@ those the worker makes on itself, which `MeshControl` runs here without a Monarc
 trainer's `PeerCall.SEND_ROUND`s run on one thread, in order.
 
 `calls` counts the peer calls this process issued and served, per `PeerCall`: Monarch keeps
-state for every message (docs/integration.md, "Memory over many updates"), so the counts are
+state for every message (docs/failures.md, "Memory over many updates"), so the counts are
 what a soak divides its memory growth by (benchmarks/bench_soak.py).
 """
 

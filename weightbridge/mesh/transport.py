@@ -2,7 +2,8 @@
 
 Monarch 0.7.0's `RDMABuffer` is 1-D and has no offset writes (``write_from`` fills the prefix of
 the remote buffer), so a receiver registers one buffer per byte range that some peer writes into,
-each over a view of one of its two round arenas, once, at connect. A writer then sends a slice of
+each over a view of one of its ``depth`` round arenas (`TransferConfig.depth`), once, at
+connect. A writer then sends a slice of
 its own arena into the handle of exactly that range. Handles are small picklable objects: they
 travel through endpoint arguments (control plane); bytes move only through ``write_from`` (data
 plane).
@@ -26,9 +27,7 @@ import torch
 from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
 
 from weightbridge.mesh.registry import calls
-
-Range = tuple[int, int, int]
-"""(arena parity, byte offset, nbytes): a range of one of a receiver's two round arenas."""
+from weightbridge.types import Range
 
 DEFAULT_CHUNK_MB = 8
 """TCP-fallback chunk size: 4-16 MB chunks move about 2x the bytes of the 64 MB default here."""
@@ -77,13 +76,13 @@ def register_ranges(arenas: Sequence[torch.Tensor], ranges: Iterable[Range]
         # Every receiving process would warn once about the TCP fallback; the controller
         # reports the backend once instead (`backend`).
         warnings.simplefilter("ignore", RDMATcpFallbackWarning)
-        for parity, offset, nbytes in sorted(set(ranges)):
-            arena = arenas[parity]
+        for index, offset, nbytes in sorted(set(ranges)):
+            arena = arenas[index]
             if nbytes < 1 or offset < 0 or offset + nbytes > arena.numel():
-                raise ValueError(f"range [{offset}, {offset + nbytes}) of arena {parity} lies "
+                raise ValueError(f"range [{offset}, {offset + nbytes}) of arena {index} lies "
                                  f"outside its {arena.numel()} bytes; the plan and the arena "
                                  f"size disagree")
-            handles[(parity, offset, nbytes)] = RDMABuffer(arena[offset:offset + nbytes])
+            handles[(index, offset, nbytes)] = RDMABuffer(arena[offset:offset + nbytes])
     return handles
 
 

@@ -354,7 +354,7 @@ class _Fuzz:
     def _poll(self, rank: _Rank) -> None:
         r = rank.receiver
         # (A joining engine holds no version until its first install: the join probes its
-        # parameters, docs/integration.md "Engines joining and leaving".)
+        # parameters, docs/delta-elastic.md, "Engines joining and leaving".)
         fresh = rank.joined and r.version == 0
         changed = [n for n, p in rank.model.params.items() if not same_bytes(p, rank.snapshot[n])]
         if changed and not rank.dead and not fresh:
