@@ -75,7 +75,7 @@ def planning(name: str, repeats: int) -> str:
 
 def mesh() -> str:
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
 
     lines = []

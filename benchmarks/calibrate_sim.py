@@ -54,7 +54,7 @@ def collect(args) -> list[Run]:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # Monarch reads the transport when first imported: only now.
         from controller.driver import MeshTransfer
-        from meshes.spec import RolloutSpec, TrainerSpec
+        from weightbridge.specs import RolloutSpec, TrainerSpec
         from weightbridge import TransferConfig
 
         config = TransferConfig(round_bytes=args.round_kib << 10, depth=args.depth)

@@ -231,7 +231,7 @@ def _spawn(cluster, p: Point, updates: int):
     """(plan, reports, `CpuUse` over the updates, their (start, end) ``time.monotonic()``) of
     ``updates`` updates of point ``p`` on a fresh set of procs, stopped after."""
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
 
     tspec, rspec = TrainerSpec.parse(p.trainer), RolloutSpec.parse(p.rollout)

@@ -19,7 +19,7 @@ from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
 from faults import DiesInRound1Rollout
 from meshes.actors import RolloutActor, TrainerActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import GroupClosed, ParameterRebound, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
 from weightbridge.config import Mode

@@ -116,21 +116,11 @@ def test_the_driver_face_names_resolve():
             "library_error", "TrainerSpec", "RolloutSpec"} <= set(driver.__all__)
 
 
-def test_mesh_specs_are_public_in_the_library_and_the_demo_path_still_works():
-    from meshes.spec import RolloutSpec as DemoRollout
-    from meshes.spec import TrainerSpec as DemoTrainer
-    from weightbridge.driver import TrainerSpec
-    from weightbridge.specs import RolloutSpec
+def test_mesh_specs_are_public_in_the_library():
+    from weightbridge import driver, specs
 
-    assert DemoTrainer is TrainerSpec and DemoRollout is RolloutSpec
-    with pytest.warns(DeprecationWarning, match="trainer_shard"):
-        TrainerSpec.parse("gpus=2,tp=2").shard(_tiny(), 1)
+    assert driver.TrainerSpec is specs.TrainerSpec and driver.RolloutSpec is specs.RolloutSpec
 
-
-def _tiny():
-    from meshes.qwen3_moe import SIZES
-
-    return SIZES["tiny"]
 
 
 def test_controller_and_baselines_import_only_the_two_faces():

@@ -12,7 +12,8 @@ from meshprocs import proc_pair
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import PeerCall
 from weightbridge.mesh import registry
-from weightbridge.mesh.control import MeshControl, TransferGroup
+from weightbridge.mesh.control import MeshControl
+from weightbridge.mesh.group import TransferGroup
 from weightbridge.types import WorkerId
 
 pytestmark = pytest.mark.mesh

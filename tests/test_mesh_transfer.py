@@ -20,7 +20,7 @@ from controller.driver import WorkersLost, MeshTransfer, TransferError
 from faults import DiesInRound1Rollout
 from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from meshes.workers import qwen3_moe
 from weightbridge import LayoutError, TransferConfig
 from weightbridge.driver import TransferWorker

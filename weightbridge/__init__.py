@@ -57,7 +57,7 @@ def __getattr__(name: str):
     import importlib
 
     if name == "TransferGroup":  # imported on first use: it needs Monarch
-        return importlib.import_module("weightbridge.mesh.control").TransferGroup
+        return importlib.import_module("weightbridge.mesh.group").TransferGroup
     if name in _MOVED:
         import warnings
 

@@ -56,7 +56,7 @@ from weightbridge.types import (BoxCopy, BufferWrite, CheckpointSpec, Chunk, Cor
                                 scaled_tensor)
 from weightbridge.views import as_bits, memory_order
 
-_MESH = {"MeshControl": "control", "TransferGroup": "control", "TransferAgent": "control",
+_MESH = {"MeshControl": "control", "TransferGroup": "group", "TransferAgent": "agent",
          "configure_transport": "transport", "backend": "transport", "drop_all": "transport",
          "register_ranges": "transport", "wait_all": "transport", "write": "transport"}
 """Imported on first use from ``weightbridge.mesh.<module>``: they need Monarch."""
