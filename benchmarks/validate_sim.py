@@ -12,7 +12,7 @@
 ``--collect`` (needs root) runs WeightBridge (`MeshTransfer`) at every point of `POINTS` on one
 emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the rate
 blocks, and pickles every point's plan, link rate, depth and every update's actor spans
-(`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
+(`weightbridge.simulation.calibrate.Run`). Each point runs ``--updates`` updates on each of
 ``--spawns`` fresh sets of procs (`MORE_SETS` times as many at the controller-bound
 six-proc points): on this saturated 2-core machine one set of procs can run a controller-bound
 point up to 68% slower than the next, for as long as it lives (4 Dec: runs 22-25,
@@ -76,9 +76,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cluster import attached  # noqa: E402
 from benchmarks.machine import CoreProbe, CpuMeter, CpuUse, load  # noqa: E402
-from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
+from weightbridge.simulation.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
-from weightbridge.planning.simulate import simulate  # noqa: E402
+from weightbridge.simulation.simulate import simulate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -379,8 +379,8 @@ def hops(runs: list[Run]) -> None:
     """Per point: the median gap from a step's last answer to the next step on a rollout (two
     messages and a step: what the control latency is read from) and the median busiest
     worker's link time of a round; their correlation over the points."""
-    from weightbridge.planning.calibrate import _hop_gaps
-    from weightbridge.planning.timeline import Overheads, _steps
+    from weightbridge.simulation.calibrate import _hop_gaps
+    from weightbridge.simulation.timeline import Overheads, _steps
 
     xs, ys = [], []
     for run in runs:
@@ -400,8 +400,8 @@ def stages(runs: list[Run]) -> None:
     """Per point, medians over rounds and updates: how long a write stage (receive, external)
     lasts from its first worker's start to its last one's end, against its busiest worker's
     bytes at the link's rate; and how far apart the workers of a step start."""
-    from weightbridge.planning.calibrate import WRITE_STAGES, _numbered, step_starts
-    from weightbridge.planning.timeline import _steps
+    from weightbridge.simulation.calibrate import WRITE_STAGES, _numbered, step_starts
+    from weightbridge.simulation.timeline import _steps
 
     for run in runs:
         steps, T = _steps(run.plan), len(run.plan.trainers)
@@ -429,7 +429,7 @@ def stages(runs: list[Run]) -> None:
 
 def show_rounds(runs: list[Run], label: str, rounds) -> None:
     """Every span of ``rounds`` of the second update of point ``label``, ms from its start."""
-    from weightbridge.planning.calibrate import _numbered
+    from weightbridge.simulation.calibrate import _numbered
 
     run = next((r for r in runs if r.label == label), None)
     if run is None:

@@ -19,7 +19,7 @@ from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from moegroup import dtype_name, probed_workers
 from weightbridge import (CpuCopyKernels, run_plan_locally)
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 
 CONFIG = SIZES["tiny"]
 

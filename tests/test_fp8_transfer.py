@@ -21,7 +21,7 @@ from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (CpuCopyKernels, LayoutError, Placement, extract_source_map,
                           plan_transfer, run_plan_locally)
 from weightbridge.discovery.replay import replay
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.quant import block_grid, block_quantize
 from weightbridge.types import BoxCopy, scaled_tensor

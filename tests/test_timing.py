@@ -7,7 +7,7 @@ from planning_layouts import one_tensor_plan
 
 from controller.timing import chrome_trace, update_timing
 from weightbridge import Cluster, Placement, simulate
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 
 MS = 1_000_000  # ns
 

@@ -48,7 +48,7 @@ from weightbridge.errors import (StepFailed, describe, failure_kind, from_kind, 
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.executor import default_kernels
 from weightbridge.planning.route import RECEIVE, STAGES
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge.types import (BoxCopy, BufferWrite, CheckpointSpec, Chunk, Correspondence,
                                 Overlap, ParamSpec, Piece, Region, Round, SourceMap, Stage,

@@ -46,8 +46,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
-from weightbridge.planning.simulate import Cluster
-from weightbridge.planning.timeline import Overheads, _steps, timeline_ewtt
+from weightbridge.simulation.simulate import Cluster
+from weightbridge.simulation.timeline import Overheads, _steps, timeline_ewtt
 
 WRITE_STAGES = {"receive": RECEIVE, "external": EXTERNAL, "internal": INTERNAL}
 """Span stage name (`controller.timing`) -> route stage of the writes it times."""
