@@ -162,7 +162,7 @@ class _Update:
             self.cpus = FluidNetwork(np.concatenate([np.ones(self.W + 1),
                                                      [cluster.shared_cpus]]),
                                      np.zeros(self.W + 2, dtype=bool), 0.0)
-        self.steps = _steps(plan)
+        self.steps = plan_steps(plan)
         self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
         self.heap: list = []
         self.seq = 0
@@ -353,7 +353,7 @@ class _Join:
             self.then()
 
 
-def _steps(plan) -> dict:
+def plan_steps(plan) -> dict:
     """(worker, round, stage) -> (bytes packed, [(stage, dst, bytes)] one write per peer);
     (rollout, round, "land") -> bytes received. From the plan's tables, no worker plans."""
     t = plan.tables
