@@ -143,6 +143,7 @@ class Twins:
 
 
 @pytest.mark.parametrize("mode", ["sync", "rs"])
+@pytest.mark.slow
 def test_delta_updates_move_only_what_changed_bit_identical_to_full_updates(mode):
     twins = Twins(mode)
     moved, full = twins.update(1, None)
@@ -291,6 +292,7 @@ def test_a_rollout_lost_in_a_delta_leaves_the_survivors_bit_exact(mode):
                                       for n, p in ref.params.items())
 
 
+@pytest.mark.slow
 def test_a_trainer_lost_in_a_delta_is_planned_out_and_its_replica_sends_the_delta():
     # Data-parallel replicas (`tinygroup`): trainer 1 dies sending a round of version 2 (sync
     # mode: finding the lost trainer takes timeout_s; RS re-plans the same way).

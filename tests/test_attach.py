@@ -65,6 +65,7 @@ def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
             w.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_attach_needs_both_sides_and_one_address_per_node_and_depth_two_arenas():
     base = [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
             "--rollout", "engines=2,nodes=1,gpus=1"]

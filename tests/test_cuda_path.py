@@ -54,6 +54,7 @@ PROBED = {
 
 
 @pytest.mark.parametrize("case", list(PROBED))
+@pytest.mark.slow
 def test_the_probe_maps_cuda_parameters_as_host_ones(case):
     make, spec = PROBED[case]
     host = make("cpu")
@@ -141,6 +142,7 @@ def on_device(monkeypatch):
 
 @pytest.mark.parametrize("arenas", ["device", "host"])
 @pytest.mark.parametrize("mode", list(moegroup.MODES))
+@pytest.mark.slow
 def test_every_mode_installs_bit_exact_versions_on_cuda_parameters(on_device, mode, arenas):
     ss, rs = moegroup.MODES[mode]
     config = TransferConfig(timeout_s=30, sender_staging=ss, receiver_staging=rs,
@@ -223,6 +225,7 @@ def test_replay_fills_cuda_parameters_as_their_loader_does():
 
 
 @pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["torch", "cpu-path"])
+@pytest.mark.slow
 def test_run_plan_locally_moves_cuda_parameters_bit_exact(kernels):
     spec = checkpoint_spec(CONFIG)
     trainers, rollouts = _maps(TRAINER, ROLLOUT, spec)

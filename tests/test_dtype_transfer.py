@@ -49,6 +49,7 @@ def _update_and_check(spec, trainers, rollouts, plan, kernels, seeds) -> None:
 @pytest.mark.parametrize("rollout_dtype, kernels", [
     (torch.bfloat16, None), (torch.bfloat16, CpuCopyKernels()), (torch.float16, CpuCopyKernels()),
 ], ids=["bf16-reference", "bf16-cpu", "fp16-cpu"])
+@pytest.mark.slow
 def test_fp32_trainers_update_narrower_rollouts_bit_exactly(rollout_dtype, kernels):
     spec, trainers, rollouts, rmaps, plan = probed_workers(torch.float32, rollout_dtype)
     assert {p.cast_from for m in rmaps for p in m.pieces} == {"float32"}
@@ -58,6 +59,7 @@ def test_fp32_trainers_update_narrower_rollouts_bit_exactly(rollout_dtype, kerne
     _update_and_check(spec, trainers, rollouts, plan, kernels, seeds=(3, 4, 5))
 
 
+@pytest.mark.slow
 def test_plan_bytes_and_eq1_are_in_the_wire_dtype():
     """The converted plan moves half the bytes of the same layout sent as fp32 (fp32 rollouts,
     planned in the same test), in fewer rounds, and its Eq. (1) ideal halves with them."""
@@ -77,6 +79,7 @@ def test_plan_bytes_and_eq1_are_in_the_wire_dtype():
 
 
 @pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["reference", "cpu"])
+@pytest.mark.slow
 def test_widening_rollouts_receive_the_narrow_dtype_and_convert_on_assemble(kernels):
     """bf16 trainers and checkpoint, fp32 rollouts (their loaders widen): bf16 on the wire."""
     spec, trainers, rollouts, rmaps, plan = probed_workers(torch.bfloat16, torch.float32)
@@ -85,6 +88,7 @@ def test_widening_rollouts_receive_the_narrow_dtype_and_convert_on_assemble(kern
     _update_and_check(spec, trainers, rollouts, plan, kernels, seeds=(6, 7))
 
 
+@pytest.mark.slow
 def test_fp32_master_trainers_of_a_bf16_checkpoint_send_bf16():
     """Trainers widen a bf16 checkpoint into fp32 parameters (exact), rollouts load it as is:
     the trainers' pack narrows back, exactly."""
@@ -106,6 +110,7 @@ _ADAPTER_CASES = {
 
 @pytest.mark.parametrize("case", sorted(_ADAPTER_CASES))
 @pytest.mark.parametrize("staging", [(False, False), (True, True)], ids=["sync", "async"])
+@pytest.mark.slow
 def test_adapters_install_bit_exact_converted_versions(staging, case):
     """The user-actor path (SenderAdapter / ReceiverAdapter, in one process): fp32 trainers
     send, bf16 rollouts install (or bf16 trainers, block-scaled FP8 rollouts: their pack

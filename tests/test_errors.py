@@ -59,16 +59,9 @@ def test_old_import_paths_give_the_one_class(module, name, cls):
         assert getattr(importlib.import_module(module), name) is cls
 
 
-def test_transfer_error_is_a_deprecated_alias_of_transfer_failed():
-    import controller.report
-
-    with pytest.warns(DeprecationWarning, match="weightbridge.TransferFailed"):
-        from controller.report import TransferError
-    assert TransferError is TransferFailed is errors.TransferError
-    with pytest.warns(DeprecationWarning):
-        assert controller.report.TransferError is TransferFailed
-    # One event, one class: catching either name catches what both paths raise.
-    with pytest.raises(TransferError):
+def test_workers_lost_is_a_transfer_failed():
+    # One event, one class: catching TransferFailed catches what both paths raise.
+    with pytest.raises(TransferFailed):
         raise WorkersLost("engine 1 lost", frozenset({1}), frozenset(), None)
 
 

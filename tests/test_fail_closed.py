@@ -66,6 +66,7 @@ def _catch(errors, fn, *args):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
     ss, rs = MODES[mode]
     options = TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,

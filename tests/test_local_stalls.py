@@ -18,6 +18,7 @@ from weightbridge.coordination.control import PeerCall
 from weightbridge.types import WorkerId
 
 @pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.slow
 def test_a_rollout_that_stops_mid_transfer_is_found_and_the_other_engine_holds_the_version(
         mode):
     ss, rs = MODES[mode]

@@ -19,6 +19,7 @@ from weightbridge import SenderAdapter, TransferConfig, TransferFailed
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.slow
 def test_a_lost_trainer_replica_is_left_out_and_its_replica_sends_for_it(mode):
     ss, rs = MODES[mode]
     config = TransferConfig(timeout_s=5, sender_staging=ss, receiver_staging=rs)

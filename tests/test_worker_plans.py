@@ -53,6 +53,7 @@ def test_p2p_plans_pack_each_box_once_as_the_reference_does():
     _assert_same(p2p_plan(plan))
 
 
+@pytest.mark.slow
 def test_block_fp8_plans_equal_the_reference():
     """A sender's quantizing boxes (whole blocks, `block` set) in the reference's order, small
     rounds cutting the value overlaps often; in a P2P plan too, where one segment is packed at
@@ -118,6 +119,7 @@ def test_write_dests_from_the_tables_are_the_peers_of_the_workers_writes():
         assert write_dests(plan) == {k: frozenset(v) for k, v in want.items()}
 
 
+@pytest.mark.slow
 def test_segment_chunks_are_every_segments_placed_chunks():
     from weightbridge.planning.box_copies import segment_chunks
 
