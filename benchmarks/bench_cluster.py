@@ -111,7 +111,7 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     from controller.baselines import (Broadcast, BucketedP2P, GlooBroadcast, RingBroadcast,
                                       p2p_plan)
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
     from weightbridge.config import Mode
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weightbridge import plan_transfer  # noqa: E402
 from weightbridge.planning.extend import extend_plan, rewired  # noqa: E402
-from weightbridge.planning.simulate import simulate  # noqa: E402
+from weightbridge.simulation.simulate import simulate  # noqa: E402
 from weightbridge.shapes import TABLE_2, workers  # noqa: E402
 from weightbridge.shapes.deployments import PAPER_CLUSTER  # noqa: E402
 
@@ -75,7 +75,7 @@ def planning(name: str, repeats: int) -> str:
 
 def mesh() -> str:
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
 
     lines = []

@@ -21,7 +21,7 @@ from monarch.actor import this_host
 
 from controller.driver import MeshTransfer
 from meshes.qwen3_moe import SIZES, checkpoint_spec
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig
 from weightbridge.mesh.transport import configure_transport
 

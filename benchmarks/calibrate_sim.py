@@ -8,7 +8,7 @@ Runs WeightBridge (`MeshTransfer`) at every point of `benchmarks/bench_cluster.p
 configs, model, links, round size and depth), keeps every update's actor spans and the plan,
 and pickles them to out/calibrate_sim/runs_procs<rollout procs>.pkl. Then:
 
-1. fit: `weightbridge.planning.calibrate.fit_overheads` fits the per-step fixed costs, the
+1. fit: `weightbridge.simulation.calibrate.fit_overheads` fits the per-step fixed costs, the
    control-message latency, the per-write cost, the copy and checksum rates and the links'
    goodput from the spans of the calibration points only (``--fit``, default: replicas=1 and
    trainer nodes=4);
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_cluster import attached, configs  # noqa: E402
 from benchmarks.machine import load  # noqa: E402
-from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
+from weightbridge.simulation.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
-from weightbridge.planning.simulate import simulate  # noqa: E402
+from weightbridge.simulation.simulate import simulate  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "calibrate_sim"
 
@@ -54,7 +54,7 @@ def collect(args) -> list[Run]:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # Monarch reads the transport when first imported: only now.
         from controller.driver import MeshTransfer
-        from meshes.spec import RolloutSpec, TrainerSpec
+        from weightbridge.specs import RolloutSpec, TrainerSpec
         from weightbridge import TransferConfig
 
         config = TransferConfig(round_bytes=args.round_kib << 10, depth=args.depth)

@@ -47,7 +47,7 @@ def parse_variant(text: str):
 def run_point(addrs, tspec_text: str, rspec_text: str, args) -> dict[str, list[float]]:
     """EWTT / ideal of every measured update, per variant."""
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
 
     tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
     ratios: dict[str, list[float]] = {v: [] for v in args.variants}

@@ -12,7 +12,7 @@ the emulated cluster (one per host, or two), ``--calls`` calls one after another
 
 It fits ``t(n) = a + b n`` on the calibration layouts (`FIT`: 2, 4 and 8 procs, one per host)
 and predicts the held-out ones (4, 8, 12 and 16 procs, two per host), printing measured,
-predicted and error. ``b`` is `Overheads.fanout_s` (weightbridge/planning/timeline.py): what
+predicted and error. ``b`` is `Overheads.fanout_s` (weightbridge/simulation/timeline.py): what
 each further worker a step waits for adds to that step.
 """
 

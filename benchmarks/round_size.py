@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controller.driver import MeshTransfer  # noqa: E402
 from meshes.qwen3_moe import SIZES, checkpoint_spec  # noqa: E402
-from meshes.spec import RolloutSpec, TrainerSpec  # noqa: E402
+from weightbridge.specs import TrainerSpec  # noqa: E402
+from weightbridge.specs import RolloutSpec
 from weightbridge import TransferConfig  # noqa: E402
 from weightbridge.mesh.transport import configure_transport  # noqa: E402
 

@@ -37,8 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from weightbridge import plan_transfer, simulate  # noqa: E402
-from weightbridge.planning.calibrate import golden_min  # noqa: E402
-from weightbridge.planning.timeline import Overheads  # noqa: E402
+from weightbridge.simulation.calibrate import golden_min  # noqa: E402
+from weightbridge.simulation.timeline import Overheads  # noqa: E402
 from weightbridge.shapes import PAPER_CLUSTER, TABLE_2, workers  # noqa: E402
 
 PAPER_EWTT_OVER_IDEAL = {"a": 1.27, "b": 1.18, "c": 1.69, "d": 2.12}
@@ -71,7 +71,7 @@ def main() -> int:
         print(f"fanout_s fitted on ({dep.name}) to the paper's {PAPER_EWTT_OVER_IDEAL[dep.name]}x:"
               f" {x:.3g} s per worker", flush=True)
     if args.fitted:
-        from weightbridge.planning.calibrate import fit_overheads, load_runs
+        from weightbridge.simulation.calibrate import fit_overheads, load_runs
 
         runs = load_runs(args.fitted)
         got = fit_overheads([r for r in runs if r.label in args.fit])

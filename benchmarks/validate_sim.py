@@ -12,7 +12,7 @@
 ``--collect`` (needs root) runs WeightBridge (`MeshTransfer`) at every point of `POINTS` on one
 emulated cluster of 8 hosts (controller/cluster.py), changing the links' tc rate between the rate
 blocks, and pickles every point's plan, link rate, depth and every update's actor spans
-(`weightbridge.planning.calibrate.Run`). Each point runs ``--updates`` updates on each of
+(`weightbridge.simulation.calibrate.Run`). Each point runs ``--updates`` updates on each of
 ``--spawns`` fresh sets of procs (`MORE_SETS` times as many at the controller-bound
 six-proc points): on this saturated 2-core machine one set of procs can run a controller-bound
 point up to 68% slower than the next, for as long as it lives (4 Dec: runs 22-25,
@@ -76,9 +76,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_cluster import attached  # noqa: E402
 from benchmarks.machine import CoreProbe, CpuMeter, CpuUse, load  # noqa: E402
-from weightbridge.planning.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
+from weightbridge.simulation.calibrate import (Run, fit_overheads, load_runs,  # noqa: E402
                                              point_cluster)
-from weightbridge.planning.simulate import simulate  # noqa: E402
+from weightbridge.simulation.simulate import simulate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -144,16 +144,16 @@ OUT = Path(__file__).resolve().parents[1] / "out" / "validate_sim"
 def set_rate(cluster, mbit: float) -> None:
     """Re-shape every host link of a running `EmulatedCluster` to ``mbit`` each direction
     (tbf rate and, with control priority, the bulk band's byte FIFO sized for the new rate)."""
-    from controller.cluster import NS_PREFIX, QUEUE_S, VETH_PREFIX, _ip
+    from controller.cluster import NS_PREFIX, QUEUE_S, VETH_PREFIX, netns_run
 
     cluster.link_mbit = float(mbit)
     for i in range(cluster.hosts):
         for dev, ns in ((f"{VETH_PREFIX}{i}", None), ("eth0", f"{NS_PREFIX}{i}")):
-            _ip("tc", "qdisc", "change", "dev", dev, "root", "handle", "1:", *cluster._tbf(),
-                ns=ns)
+            netns_run("tc", "qdisc", "change", "dev", dev, "root", "handle", "1:",
+                      *cluster._tbf(), ns=ns)
             if cluster.control_priority:
-                _ip("tc", "qdisc", "replace", "dev", dev, "parent", "10:2", "bfifo", "limit",
-                    str(int(cluster.link_bytes_per_s * QUEUE_S)), ns=ns)
+                netns_run("tc", "qdisc", "replace", "dev", dev, "parent", "10:2", "bfifo",
+                          "limit", str(int(cluster.link_bytes_per_s * QUEUE_S)), ns=ns)
 
 
 def collect(points, updates: int, spawns: int, runs: int = 1) -> list[list[Run]]:
@@ -231,7 +231,7 @@ def _spawn(cluster, p: Point, updates: int):
     """(plan, reports, `CpuUse` over the updates, their (start, end) ``time.monotonic()``) of
     ``updates`` updates of point ``p`` on a fresh set of procs, stopped after."""
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from weightbridge import TransferConfig
 
     tspec, rspec = TrainerSpec.parse(p.trainer), RolloutSpec.parse(p.rollout)
@@ -379,14 +379,14 @@ def hops(runs: list[Run]) -> None:
     """Per point: the median gap from a step's last answer to the next step on a rollout (two
     messages and a step: what the control latency is read from) and the median busiest
     worker's link time of a round; their correlation over the points."""
-    from weightbridge.planning.calibrate import _hop_gaps
-    from weightbridge.planning.timeline import Overheads, _steps
+    from weightbridge.simulation.calibrate import hop_gaps
+    from weightbridge.simulation.timeline import Overheads, plan_steps
 
     xs, ys = [], []
     for run in runs:
-        gaps = _hop_gaps(run, Overheads())
+        gaps = hop_gaps(run, Overheads())
         out: dict[int, int] = {}
-        for (_, r, stage), v in _steps(run.plan).items():
+        for (_, r, stage), v in plan_steps(run.plan).items():
             if stage != "land":
                 out[r] = max(out.get(r, 0), sum(n for _, _, n in v[1]))
         xs.append(statistics.median(out.values()) / run.link_rate)
@@ -400,18 +400,18 @@ def stages(runs: list[Run]) -> None:
     """Per point, medians over rounds and updates: how long a write stage (receive, external)
     lasts from its first worker's start to its last one's end, against its busiest worker's
     bytes at the link's rate; and how far apart the workers of a step start."""
-    from weightbridge.planning.calibrate import WRITE_STAGES, _numbered, step_starts
-    from weightbridge.planning.timeline import _steps
+    from weightbridge.simulation.calibrate import WRITE_STAGES, spans_by_worker, step_starts
+    from weightbridge.simulation.timeline import plan_steps
 
     for run in runs:
-        steps, T = _steps(run.plan), len(run.plan.trainers)
+        steps, T = plan_steps(run.plan), len(run.plan.trainers)
         took: dict[str, list] = {"receive": [], "external": []}
         ratio: dict[str, list] = {"receive": [], "external": []}
         spread = []
         for spans in run.updates():
             spread += [v[-1][0] - v[0][0] for v in step_starts(spans, T).values() if len(v) > 1]
             by_step: dict[tuple, list] = {}
-            for w, ss in _numbered(spans, T).items():
+            for w, ss in spans_by_worker(spans, T).items():
                 for stage, r, a, b in ss:
                     by_step.setdefault((stage, r), []).append((w, a, b))
             for (stage, r), ws in by_step.items():
@@ -429,12 +429,12 @@ def stages(runs: list[Run]) -> None:
 
 def show_rounds(runs: list[Run], label: str, rounds) -> None:
     """Every span of ``rounds`` of the second update of point ``label``, ms from its start."""
-    from weightbridge.planning.calibrate import _numbered
+    from weightbridge.simulation.calibrate import spans_by_worker
 
     run = next((r for r in runs if r.label == label), None)
     if run is None:
         raise SystemExit(f"--rounds: no point {label!r} in {[r.label for r in runs]}")
-    by = _numbered(run.updates()[0], len(run.plan.trainers))
+    by = spans_by_worker(run.updates()[0], len(run.plan.trainers))
     t0 = min(s[2] for ss in by.values() for s in ss)
     rows = sorted((a - t0, b - t0, w, st, r) for w, ss in by.items() for st, r, a, b in ss
                   if r in rounds)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 from controller.security import Credentials, Security, add_flags, check_files, resolve
 from meshes.factories import resolve_workers
 from meshes.qwen3_moe import SIZES
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.driver import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig
 from weightbridge.driver import Mode
 

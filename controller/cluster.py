@@ -87,7 +87,9 @@ class ClusterError(RuntimeError):
     """The emulated cluster could not be brought up (the message says why)."""
 
 
-def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def netns_run(*args: str, ns: str | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (``ip ...``), inside network namespace ``ns`` if given."""
     cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if check and done.returncode != 0:
@@ -216,9 +218,9 @@ class EmulatedCluster:
         if existing():
             raise ClusterError(f"a cluster is already up ({', '.join(existing())}); tear it "
                                f"down with `python -m controller.cluster down`")
-        _ip("ip", "link", "add", BRIDGE, "type", "bridge")
-        _ip("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        _ip("ip", "link", "set", BRIDGE, "up")
+        netns_run("ip", "link", "add", BRIDGE, "type", "bridge")
+        netns_run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        netns_run("ip", "link", "set", BRIDGE, "up")
         for i in range(self.hosts):
             self._add_host(i)
         if self.start_workers:
@@ -228,15 +230,16 @@ class EmulatedCluster:
 
     def _add_host(self, i: int) -> None:
         ns, veth = f"{NS_PREFIX}{i}", f"{VETH_PREFIX}{i}"
-        _ip("ip", "netns", "add", ns)
-        _ip("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-        _ip("ip", "link", "set", veth, "master", BRIDGE)
-        _ip("ip", "link", "set", veth, "up")
-        _ip("ip", "link", "set", "lo", "up", ns=ns)
-        _ip("ip", "addr", "add", f"{host_address(i)}/24", "dev", "eth0", ns=ns)
-        _ip("ip", "link", "set", "eth0", "up", ns=ns)
+        netns_run("ip", "netns", "add", ns)
+        netns_run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        netns_run("ip", "link", "set", veth, "master", BRIDGE)
+        netns_run("ip", "link", "set", veth, "up")
+        netns_run("ip", "link", "set", "lo", "up", ns=ns)
+        netns_run("ip", "addr", "add", f"{host_address(i)}/24", "dev", "eth0", ns=ns)
+        netns_run("ip", "link", "set", "eth0", "up", ns=ns)
         for dev, where in ((veth, None), ("eth0", ns)):  # host ingress, host egress
-            _ip("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(), ns=where)
+            netns_run("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *self._tbf(),
+                      ns=where)
             if self.control_priority:
                 self._add_priority_bands(dev, where)
 
@@ -244,7 +247,7 @@ class EmulatedCluster:
         # htb here only orders (its classes' rates are far above the link's); tbf shapes. Band 1
         # (prio 0): IP packets shorter than a full segment (SMALL_PACKETS: matched on the 16-bit
         # total length at byte 2); band 2: everything else, in a byte FIFO as long as tbf's was.
-        tc = lambda *a: _ip("tc", *a, ns=ns)  # noqa: E731
+        tc = lambda *a: netns_run("tc", *a, ns=ns)  # noqa: E731
         tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "2")
         for band in (1, 2):
             tc("class", "add", "dev", dev, "parent", "10:", "classid", f"10:{band}", "htb",
@@ -318,9 +321,9 @@ def _kill_group(pid: int) -> None:
 def existing() -> list[str]:
     """Our namespaces and bridge that exist now (found by name)."""
     names = [line.split()[0] for line in
-             _ip("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
+             netns_run("ip", "netns", "list", check=False).stdout.splitlines() if line.strip()]
     found = [n for n in names if n.startswith(NS_PREFIX)]
-    if _ip("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+    if netns_run("ip", "link", "show", BRIDGE, check=False).returncode == 0:
         found.append(BRIDGE)
     return found
 
@@ -328,7 +331,7 @@ def existing() -> list[str]:
 def leftovers() -> list[str]:
     """Anything teardown should have removed: namespaces, links, processes in our namespaces."""
     out = existing()
-    links = _ip("ip", "-o", "link", "show", check=False).stdout
+    links = netns_run("ip", "-o", "link", "show", check=False).stdout
     out += [f"link {tok.split('@')[0]}" for tok in links.split()
             if tok.startswith(VETH_PREFIX) and tok.rstrip(":").split("@")[0][len(VETH_PREFIX):]
             .isdigit()]
@@ -339,7 +342,7 @@ def teardown() -> None:
     """Remove every namespace, veth and bridge of ours, killing the processes inside first."""
     for ns in [n for n in existing() if n.startswith(NS_PREFIX)]:
         for _ in range(3):  # a dying worker may spawn nothing new, but check again
-            pids = _ip("ip", "netns", "pids", ns, check=False).stdout.split()
+            pids = netns_run("ip", "netns", "pids", ns, check=False).stdout.split()
             if not pids:
                 break
             for pid in pids:
@@ -348,14 +351,14 @@ def teardown() -> None:
                 except (ProcessLookupError, ValueError):
                     pass
             time.sleep(0.1)
-        _ip("ip", "link", "del", f"{VETH_PREFIX}{ns[len(NS_PREFIX):]}", check=False)
-        _ip("ip", "netns", "del", ns, check=False)
-    links = _ip("ip", "-o", "link", "show", check=False).stdout.split()
+        netns_run("ip", "link", "del", f"{VETH_PREFIX}{ns[len(NS_PREFIX):]}", check=False)
+        netns_run("ip", "netns", "del", ns, check=False)
+    links = netns_run("ip", "-o", "link", "show", check=False).stdout.split()
     for tok in links:
         name = tok.rstrip(":").split("@")[0]
         if name.startswith(VETH_PREFIX) and name[len(VETH_PREFIX):].isdigit():
-            _ip("ip", "link", "del", name, check=False)
-    _ip("ip", "link", "del", BRIDGE, check=False)
+            netns_run("ip", "link", "del", name, check=False)
+    netns_run("ip", "link", "del", BRIDGE, check=False)
 
 
 def main(argv: list[str] | None = None) -> int:

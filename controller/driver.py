@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import threading
 import time
 from typing import Collection
@@ -507,9 +506,3 @@ class MeshTransfer(ClosingContext, Membership):
             raise TransferFailed(
                 f"update {version} failed: {what}\nevery worker still answers; the meshes are "
                 f"in an unknown state: close this MeshTransfer and start again") from e
-
-
-def __getattr__(name: str):
-    if name == "TransferError":  # (deprecated: `controller.report` warns and names the new one)
-        return importlib.import_module("controller.report").TransferError
-    raise AttributeError(f"module 'controller.driver' has no attribute {name!r}")

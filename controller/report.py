@@ -3,9 +3,8 @@
 `UpdateReport` is what `MeshTransfer.update` returns (times, bytes, the verification, the
 timing of every worker), `InstallReport` what `MeshTransfer.poll_requests` does (receiver
 staging), `JoinReport` what `MeshTransfer.add_engine` does. An update that fails raises
-`weightbridge.TransferFailed` (`TransferError` here is its deprecated alias, the same class),
-and `weightbridge.WorkersLost` when workers were lost and left out while the surviving engines
-hold the version (both defined in `weightbridge.errors`, importable here as before).
+`weightbridge.TransferFailed`, and `weightbridge.WorkersLost` when workers were lost and left
+out while the surviving engines hold the version (both defined in `weightbridge.errors`).
 """
 
 from __future__ import annotations
@@ -14,17 +13,6 @@ from dataclasses import dataclass
 
 from controller.timing import UpdateTiming
 from weightbridge import TransferFailed, WorkersLost  # noqa: F401 (importable here as before)
-
-
-def __getattr__(name: str):
-    if name == "TransferError":  # the same class as TransferFailed: catching either catches both
-        import warnings
-
-        warnings.warn("controller.report.TransferError is deprecated: catch "
-                      "weightbridge.TransferFailed (the same class)", DeprecationWarning,
-                      stacklevel=2)
-        return TransferFailed
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -13,7 +13,7 @@
 import atexit
 
 from controller.driver import MeshTransfer
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig
 
 trainer = TrainerSpec.parse("nodes=1,gpus=2,tp=2")  # a Megatron-like TP2 trainer

@@ -4,9 +4,8 @@
   layouts (Megatron-like TP/EP/PP, FSDP flat shards) and the rollout layout (fused qkv and
   gate_up, stacked experts, padded vocabulary), each with its own ``load_weights``;
   `meshes.fp8_rollout` a block-scaled FP8 rollout of it.
-- `meshes.spec`: `TrainerSpec` / `RolloutSpec` (from `weightbridge.specs`) and
-  `trainer_shard`; `meshes.workers`: the demo model as worker factories
-  (``meshes.workers:tiny``), resolved by `meshes.factories`.
+- `meshes.spec`: `trainer_shard` (mesh specs are `weightbridge.specs`); `meshes.workers`:
+  the demo model as worker factories (``meshes.workers:tiny``), resolved by `meshes.factories`.
 - `meshes.actors`: the controller's thin `TrainerActor` / `RolloutActor`;
   `meshes.adapter_actors`: a user's own sync actors with the adapters inside (`RLTrainer`,
   `RLRollout`, as in docs/integration.md); `meshes.forward`: a rollout rank's forward pass;

@@ -25,7 +25,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from meshes.device import bind_local_device
 from meshes.factories import load_factory
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import Placement, WorkerParts
 from weightbridge.driver import TransferWorker
 from weightbridge.mesh.transport import register_ranges, write

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 
 
 def load_factory(path: str):

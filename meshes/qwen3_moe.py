@@ -45,7 +45,7 @@ SIZES = {
 "small" (~200M, for benchmarks).
 
 Every shard takes ``device`` (default "cpu"): where its parameters live (a proc's bound GPU,
-`meshes.spec.local_device`); its ``load_weights`` reads checkpoint tensors on any device."""
+`meshes.device.bind_local_device`); its ``load_weights`` reads checkpoint tensors on any device."""
 
 
 def checkpoint_spec(c: MoEConfig, dtype: str = "bfloat16") -> CheckpointSpec:

@@ -1,5 +1,5 @@
-"""Mesh specs of the demo: `TrainerSpec` and `RolloutSpec` (defined in `weightbridge.specs`,
-re-exported here), and `trainer_shard`, which builds a trainer worker's shard of the demo model.
+"""`trainer_shard`: a trainer worker's shard of the demo model, from its side's mesh spec
+(`weightbridge.specs.TrainerSpec`).
 
     TrainerSpec.parse("nodes=2,gpus=2,tp=2,ep=2")         # 4 workers: TP2 x EP2 (x DP1)
     trainer_shard(TrainerSpec.parse("gpus=4,tp=2,ep=2"), SIZES["tiny"], worker=3)
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from meshes.qwen3_moe import FsdpTrainerShard, MoEConfig, TrainerShard
-from weightbridge.specs import RolloutSpec, TrainerSpec
+from weightbridge.specs import TrainerSpec
 
-__all__ = ["RolloutSpec", "TrainerSpec", "trainer_shard"]
+__all__ = ["trainer_shard"]
 
 
 def trainer_shard(spec: TrainerSpec, model: MoEConfig, worker: int, *,

@@ -22,7 +22,8 @@ import torch
 from meshes.device import bind_local_device
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, MoEConfig, RolloutShard, checkpoint_spec
-from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
+from meshes.spec import trainer_shard
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import WorkerParts
 
 

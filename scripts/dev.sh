@@ -3,6 +3,7 @@
 #   bash scripts/dev.sh setup        create or reuse .venv and install the pinned dependencies
 #   bash scripts/dev.sh run [ARGS]   set up, then run the main job
 #   bash scripts/dev.sh test [ARGS]  set up, then run the test suite (ARGS go to pytest)
+#   bash scripts/dev.sh test fast [ARGS]  the inner loop: no meshes, nothing marked slow
 #   bash scripts/dev.sh engines      set up, then add the real engines (vLLM CPU, torchtitan)
 #   bash scripts/dev.sh engines-test [ARGS]  set up with engines, run tests/engines
 #   bash scripts/dev.sh grpo [ARGS]  set up with engines, then the GRPO example (examples/grpo)
@@ -48,7 +49,12 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   run)   setup; exec "$PY" -m controller "$@" ;;
-  test)  setup; exec "$PY" -m pytest "$@" ;;
+  test)  setup
+          if [ "${1:-}" = fast ]; then
+            shift
+            exec "$PY" -m pytest -m "not mesh and not slow" "$@"
+          fi
+          exec "$PY" -m pytest "$@" ;;
   engines) engines ;;
   engines-test) engines; exec "$PY" -m pytest -m engines tests/engines "$@" ;;
   grpo) engines; exec "$PY" -m examples.grpo "$@" ;;

@@ -17,6 +17,18 @@ import monarch.actor  # noqa: E402  (after PYTHONPATH: children inherit the envi
 MESH_FAULTS: list[str] = []
 monarch.actor.unhandled_fault_hook = lambda failure: MESH_FAULTS.append(str(failure))
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _mesh_faults(request):
+    """The mesh faults a test caused, as a section of its report (shown when it fails): a
+    test that kills a proc expects some; one that fails for no reason of its own shows why."""
+    del MESH_FAULTS[:]
+    yield
+    if MESH_FAULTS:
+        request.node.add_report_section("call", "mesh faults", "\n".join(MESH_FAULTS))
+
 
 def pytest_ignore_collect(collection_path, config):
     """tests/engines needs the real engines (`bash scripts/dev.sh engines`) and runs only when

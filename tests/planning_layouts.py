@@ -2,16 +2,18 @@
 
 Each builder returns a `SourceMap` whose meaning (`SourceMap.load`) is what a real loader of that
 layout does. `CHECKPOINT` is a small mixed-dtype checkpoint with 2-d, 1-d and expert tensors.
+`check_invariants` checks a plan's guarantees; `one_tensor_plan` is the simulator tests' plan.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
-from weightbridge import SourceMap, replay
-from weightbridge.types import ParamSpec, Piece, Region
+from weightbridge import Placement, SourceMap, plan_transfer, replay
+from weightbridge.types import ParamSpec, Piece, Region, Stage
 
 SHAPES = {
     "attn.w": ((12, 8), "bfloat16"),
@@ -154,3 +156,81 @@ def _flat_boxes(shape, lo, hi):
     from weightbridge.planning.box_copies import flat_boxes as boxes
 
     return boxes(tuple(shape), lo, hi)
+
+
+def _tiles(intervals, numel) -> bool:
+    """Do (start, count) intervals cover [0, numel) exactly once?"""
+    pos = 0
+    for start, count in sorted(intervals):
+        if start != pos:
+            return False
+        pos += count
+    return pos == numel
+
+
+def check_invariants(plan, round_bytes):
+    """The plan's invariants: trainers send each needed element once, each needing node gets
+    it once over RDMA and each needer once, rounds fit ``round_bytes``, bytes add up."""
+    corr = plan.correspondence
+    overlaps = corr.overlaps
+    rounds = plan.rounds
+    node_of = [p.node for p in plan.rollouts]
+    sent_by_trainers = defaultdict(list)
+    into_node = defaultdict(list)           # (node, overlap) -> intervals over RDMA
+    into_worker = defaultdict(list)         # (rollout, overlap) -> intervals, all stages
+    for rnd in rounds:
+        recv = defaultdict(int)
+        send = defaultdict(int)
+        for t in rnd.transfers:
+            assert t.dst.side == "rollout"
+            recv[t.dst] += t.nbytes
+            if t.src.side == "trainer":
+                send[t.src] += t.nbytes
+                assert t.stage is Stage.RECEIVE
+            else:
+                assert t.stage is not Stage.RECEIVE
+                same_node = node_of[t.src.index] == node_of[t.dst.index]
+                assert same_node == (t.stage is Stage.INTERNAL)
+            for c in t.chunks:
+                assert t.dst.index in overlaps[c.overlap].needers
+                if t.stage is Stage.RECEIVE:
+                    assert t.src.index in overlaps[c.overlap].holders
+                    sent_by_trainers[c.overlap].append((c.start, c.count))
+                if t.stage is not Stage.INTERNAL:
+                    into_node[node_of[t.dst.index], c.overlap].append((c.start, c.count))
+                into_worker[t.dst.index, c.overlap].append((c.start, c.count))
+        # (3) every round fits round_bytes on both buffers
+        assert max(recv.values(), default=0) <= round_bytes
+        assert max(send.values(), default=0) <= round_bytes
+    for i, o in enumerate(overlaps):
+        # (1) trainers send every needed element exactly once
+        assert _tiles(sent_by_trainers[i], o.region.numel), o
+        # (2) each needing node gets it exactly once over RDMA; each needer exactly once
+        for node in {node_of[w] for w in o.needers}:
+            assert _tiles(into_node[node, i], o.region.numel), (node, o)
+        for w in o.needers:
+            assert _tiles(into_worker[w, i], o.region.numel), (w, o)
+    # (2) nothing a node does not need crosses into it
+    assert all(node in {node_of[w] for w in overlaps[i].needers} for node, i in into_node)
+    # byte accounting agrees with the node's unique need
+    sent, received = plan.stage_bytes()
+    T = len(plan.trainers)
+    assert sent[:T, 0].sum() == corr.nbytes
+    for node in set(node_of):
+        need = sum(o.nbytes for o in overlaps if any(node_of[w] == node for w in o.needers))
+        rdma = sum(received[T + w, :2].sum() for w in range(len(node_of)) if node_of[w] == node)
+        assert rdma == need
+    for w in plan.workers:
+        assert plan.for_worker(w).buffer_bytes <= round_bytes
+
+
+def one_tensor_plan(num_trainers, num_rollout_nodes, workers_per_node=1, round_bytes=4096,
+                    trainers_per_node=1):
+    """One 64 KiB float32 tensor, whole on every trainer and every rollout worker, planned over
+    ``num_trainers`` trainers and ``num_rollout_nodes`` nodes of ``workers_per_node`` engines."""
+    reg = Region("w", (0, 0), (256, 64), (1, 1))  # 64 KiB of float32
+    smap = SourceMap((ParamSpec("w", (256, 64), "float32"),), (Piece(reg, "w", 0, (64, 1)),))
+    trainers = [(smap, Placement(f"t{i // trainers_per_node}")) for i in range(num_trainers)]
+    rollouts = [(smap, Placement(f"r{n}", engine=n * workers_per_node + k))
+                for n in range(num_rollout_nodes) for k in range(workers_per_node)]
+    return plan_transfer(trainers, rollouts, round_bytes=round_bytes)

@@ -1,6 +1,6 @@
 """Delta updates through the adapters (``send_weights(v, changed=...)``), in one process.
 
-Two groups of the tiny MoE model (trainer TP2 -> two TP2 engines, `test_adapters._group`) get
+Two groups of the tiny MoE model (trainer TP2 -> two TP2 engines, `moegroup.group`) get
 the same trainer weights every version: group "delta" sends only what changed, group "full"
 sends everything. After every version each delta rollout must hold exactly the bytes of its
 full twin (``torch.equal`` on uint8 views), and the delta group must move fewer bytes.
@@ -17,9 +17,9 @@ import time
 import pytest
 import tinygroup
 import torch
-from test_adapters import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, SPEC, _group
+from moegroup import CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, SPEC, group
 
-from test_trainer_lost import DiesSendingVersion2
+from faults import DiesSendingVersion2
 
 from meshes.qwen3_moe import RolloutShard
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
@@ -91,8 +91,8 @@ class Twins:
 
     def __init__(self, mode: str):
         self.rs = MODES[mode][1]
-        self.delta = _group(_config(mode))
-        self.full = _group(_config(mode))
+        self.delta = group(_config(mode))
+        self.full = group(_config(mode))
         for _, trainers, _ in (self.delta, self.full):
             _connect(trainers)
         self.held = dict.fromkeys(NAMES, 0)
@@ -143,6 +143,7 @@ class Twins:
 
 
 @pytest.mark.parametrize("mode", ["sync", "rs"])
+@pytest.mark.slow
 def test_delta_updates_move_only_what_changed_bit_identical_to_full_updates(mode):
     twins = Twins(mode)
     moved, full = twins.update(1, None)
@@ -186,7 +187,7 @@ def test_an_engine_that_skips_a_delta_version_gets_its_changes_with_the_next_rs(
 
 @pytest.mark.parametrize("mode", ["ss", "async"])
 def test_sender_staging_refuses_changed_before_anything_moves(mode):
-    control, trainers, _ = _group(_config(mode))
+    control, trainers, _ = group(_config(mode))
     _connect(trainers)
     out = _calls(*[lambda a=a: a.send_weights(1, changed=SHARE) for _, a in trainers])
     assert all(isinstance(e, ValueError) and "not supported with sender_staging" in str(e)
@@ -201,7 +202,7 @@ def test_sender_staging_refuses_changed_before_anything_moves(mode):
     (7, "must be None, \"auto\" or a collection"),
 ])
 def test_a_bad_changed_is_refused_on_every_trainer_before_anything_moves(changed, match):
-    control, trainers, _ = _group(_config("sync"))
+    control, trainers, _ = group(_config("sync"))
     _connect(trainers)
     out = _calls(*[lambda a=a: a.send_weights(1, changed=changed) for _, a in trainers])
     assert all(isinstance(e, ValueError) and re.search(match, str(e))
@@ -257,7 +258,7 @@ class DiesLandingADelta(ReceiverAdapter):
 
 @pytest.mark.parametrize("mode", ["sync", "rs"])
 def test_a_rollout_lost_in_a_delta_leaves_the_survivors_bit_exact(mode):
-    control, trainers, rollouts = _group(_config(mode), receiver_cls=lambda rank: (
+    control, trainers, rollouts = group(_config(mode), receiver_cls=lambda rank: (
         DiesLandingADelta if rank == 1 else ReceiverAdapter))
     _connect(trainers)
     held = dict.fromkeys(NAMES, 0)
@@ -291,6 +292,7 @@ def test_a_rollout_lost_in_a_delta_leaves_the_survivors_bit_exact(mode):
                                       for n, p in ref.params.items())
 
 
+@pytest.mark.slow
 def test_a_trainer_lost_in_a_delta_is_planned_out_and_its_replica_sends_the_delta():
     # Data-parallel replicas (`tinygroup`): trainer 1 dies sending a round of version 2 (sync
     # mode: finding the lost trainer takes timeout_s; RS re-plans the same way).

@@ -21,6 +21,18 @@ def _free_port() -> int:
 
 
 @pytest.mark.mesh
+def _wait_listening(port: int, procs, timeout_s: float = 60.0) -> None:
+    """Until a socket listens on ``port`` (read from /proc/net/tcp: no connection is made)."""
+    deadline = time.monotonic() + timeout_s
+    local = f":{port:04X}"
+    while not any(f[1].endswith(local) and f[3] == "0A"  # TCP_LISTEN
+                  for f in (line.split() for line in
+                            Path("/proc/net/tcp").read_text().splitlines()[1:])):
+        assert all(p.poll() is None for p in procs), "a worker exited before it listened"
+        assert time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.05)
+
+
 def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
     # Mutual TLS, as by default: one CA, the loopback "host" and the controller keys.
     make = subprocess.run([sys.executable, "-m", "controller.certs", "make", str(tmp_path),
@@ -34,7 +46,8 @@ def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for a in addrs]
     try:
-        time.sleep(2)  # let the workers bind their ports
+        for a in addrs:  # each worker has bound its port
+            _wait_listening(int(a.rsplit(":", 1)[1]), workers)
         done = subprocess.run(
             [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
              "--rollout", "engines=2,nodes=1,gpus=1", "--updates", "2",
@@ -52,6 +65,7 @@ def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
             w.wait(timeout=30)
 
 
+@pytest.mark.slow
 def test_attach_needs_both_sides_and_one_address_per_node_and_depth_two_arenas():
     base = [sys.executable, "-m", "controller", "--trainer", "nodes=1,gpus=2,tp=2",
             "--rollout", "engines=2,nodes=1,gpus=1"]

@@ -67,7 +67,7 @@ def test_a_trainer_packs_each_box_of_a_round_once():
 def test_p2p_and_broadcast_update_every_rollout_bit_exactly_on_meshes():
     from controller.baselines import Broadcast
     from controller.driver import MeshTransfer
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from meshprocs import bootstrap_children, proc_pair
 
     tspec = TrainerSpec.parse("nodes=1,gpus=2,tp=2")
@@ -96,7 +96,7 @@ def test_p2p_and_broadcast_update_every_rollout_bit_exactly_on_meshes():
 
 
 def _dist_maps(tspec_text: str, rspec_text: str):
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from meshes.workers import tiny
 
     ts, rs = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
@@ -149,7 +149,7 @@ def test_dist_plan_refuses_bad_input_before_any_byte():
 @pytest.mark.mesh
 def test_gloo_baselines_update_every_rollout_bit_exactly_on_meshes():
     from controller.baselines import BucketedP2P, GlooBroadcast, RingBroadcast
-    from meshes.spec import RolloutSpec, TrainerSpec
+    from weightbridge.specs import RolloutSpec, TrainerSpec
     from meshprocs import bootstrap_children, proc_pair
 
     tspec = TrainerSpec.parse("nodes=1,gpus=2,tp=2")

@@ -98,7 +98,7 @@ def test_wait_s_is_three_timeouts():
 def test_every_depth_default_is_the_configs():
     from weightbridge.coordination.local import run_plan_locally
     from weightbridge.execution.executor import WorkerExecutor, incoming_ranges, outgoing_ranges
-    from weightbridge.planning.simulate import simulate
+    from weightbridge.simulation.simulate import simulate
 
     assert TransferConfig().depth == DEFAULT_DEPTH
     for fn in (run_plan_locally, incoming_ranges, outgoing_ranges, WorkerExecutor, simulate):

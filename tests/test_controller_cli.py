@@ -102,6 +102,7 @@ BAD_INPUT = {
 
 
 @pytest.mark.parametrize("args,message", list(BAD_INPUT.values()), ids=list(BAD_INPUT))
+@pytest.mark.slow
 def test_bad_input_exits_2_with_one_line_before_anything_spawns(args, message):
     before = bootstrap_children()
     run = _controller(*args, timeout=60)

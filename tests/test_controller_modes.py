@@ -17,9 +17,9 @@ import torch
 
 from controller.driver import MeshTransfer, WorkersLost
 from meshprocs import proc_pair
-from test_mesh_transfer import DiesInRound1Rollout
+from faults import DiesInRound1Rollout
 from meshes.actors import RolloutActor, TrainerActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import GroupClosed, ParameterRebound, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
 from weightbridge.config import Mode

@@ -17,7 +17,7 @@ from monarch.actor import endpoint
 from controller.driver import MeshTransfer
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.adapter_actors import RLRollout, RLTrainer
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from meshprocs import close_group, proc_pair
 from weightbridge import TransferConfig, TransferGroup
 from weightbridge.testing import emulated_cuda

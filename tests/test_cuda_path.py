@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-import test_adapters
+import moegroup
 import tinygroup
 import torch
 
@@ -54,6 +54,7 @@ PROBED = {
 
 
 @pytest.mark.parametrize("case", list(PROBED))
+@pytest.mark.slow
 def test_the_probe_maps_cuda_parameters_as_host_ones(case):
     make, spec = PROBED[case]
     host = make("cpu")
@@ -130,24 +131,25 @@ class CudaModel(tinygroup.Model):
 @pytest.fixture
 def on_device(monkeypatch):
     """The adapter tests' groups, built on the device (compared on the host)."""
-    same = test_adapters._same
-    monkeypatch.setattr(test_adapters, "TrainerShard",
+    same = moegroup.same_bits
+    monkeypatch.setattr(moegroup, "TrainerShard",
                         functools.partial(TrainerShard, device="cuda"))
-    monkeypatch.setattr(test_adapters, "RolloutShard",
+    monkeypatch.setattr(moegroup, "RolloutShard",
                         functools.partial(RolloutShard, device="cuda"))
-    monkeypatch.setattr(test_adapters, "_same", lambda params, want: same(_host(params), want))
+    monkeypatch.setattr(moegroup, "same_bits", lambda params, want: same(_host(params), want))
     monkeypatch.setattr(tinygroup, "Model", CudaModel)
 
 
 @pytest.mark.parametrize("arenas", ["device", "host"])
-@pytest.mark.parametrize("mode", list(test_adapters.MODES))
+@pytest.mark.parametrize("mode", list(moegroup.MODES))
+@pytest.mark.slow
 def test_every_mode_installs_bit_exact_versions_on_cuda_parameters(on_device, mode, arenas):
-    ss, rs = test_adapters.MODES[mode]
+    ss, rs = moegroup.MODES[mode]
     config = TransferConfig(timeout_s=30, sender_staging=ss, receiver_staging=rs,
                             checksums=True, arenas=arenas)
-    control, trainers, rollouts, _ = test_adapters._run(config)
+    control, trainers, rollouts, _ = moegroup.run_versions(config)
     assert all(p.is_cuda for shard, _ in trainers + rollouts for p in shard.params.values())
-    assert all(a.version == test_adapters.NUM_VERSIONS for _, a in rollouts)
+    assert all(a.version == moegroup.NUM_VERSIONS for _, a in rollouts)
     for _, a in trainers + rollouts:  # round buffers where the config puts them
         assert all(arena.is_cuda == (arenas == "device") for arena in a.executor.arenas)
 
@@ -223,6 +225,7 @@ def test_replay_fills_cuda_parameters_as_their_loader_does():
 
 
 @pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["torch", "cpu-path"])
+@pytest.mark.slow
 def test_run_plan_locally_moves_cuda_parameters_bit_exact(kernels):
     spec = checkpoint_spec(CONFIG)
     trainers, rollouts = _maps(TRAINER, ROLLOUT, spec)
@@ -332,7 +335,8 @@ def test_host_arenas_assemble_one_round_at_a_time_through_the_scratch():
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "an assemble hung"
     assert torn == [False, False]
 
 

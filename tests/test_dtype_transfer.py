@@ -17,30 +17,11 @@ import torch
 
 from meshes.fp8_rollout import Fp8RolloutShard
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, Placement, extract_source_map, plan_transfer,
-                          run_plan_locally)
-from weightbridge.planning.simulate import eq1
+from moegroup import dtype_name, probed_workers
+from weightbridge import (CpuCopyKernels, run_plan_locally)
+from weightbridge.planning.ideal import eq1
 
 CONFIG = SIZES["tiny"]
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _workers(trainer_dtype, rollout_dtype, ckpt_dtype=None):
-    """TP2 x EP2 trainers, two TP2 engines, probed against the checkpoint of ``ckpt_dtype``
-    (the trainers' dtype unless given)."""
-    spec = checkpoint_spec(CONFIG, _name(ckpt_dtype or trainer_dtype))
-    trainers = [TrainerShard(CONFIG, 2, r % 2, 2, r // 2, dtype=trainer_dtype) for r in range(4)]
-    rollouts = [RolloutShard(CONFIG, 2, r, 1, 0, dtype=rollout_dtype)
-                for _ in range(2) for r in range(2)]
-    tmaps = [extract_source_map(w.params, w.load_weights, spec) for w in trainers]
-    rmaps = [extract_source_map(w.params, w.load_weights, spec) for w in rollouts]
-    plan = plan_transfer([(m, Placement("t0")) for m in tmaps],
-                         [(m, Placement(f"r{i // 2}", engine=i // 2)) for i, m in enumerate(rmaps)],
-                         round_bytes=64 << 10)
-    return spec, trainers, rollouts, rmaps, plan
 
 
 def _checkpoint(spec, seed: int) -> dict[str, torch.Tensor]:
@@ -68,20 +49,22 @@ def _update_and_check(spec, trainers, rollouts, plan, kernels, seeds) -> None:
 @pytest.mark.parametrize("rollout_dtype, kernels", [
     (torch.bfloat16, None), (torch.bfloat16, CpuCopyKernels()), (torch.float16, CpuCopyKernels()),
 ], ids=["bf16-reference", "bf16-cpu", "fp16-cpu"])
+@pytest.mark.slow
 def test_fp32_trainers_update_narrower_rollouts_bit_exactly(rollout_dtype, kernels):
-    spec, trainers, rollouts, rmaps, plan = _workers(torch.float32, rollout_dtype)
+    spec, trainers, rollouts, rmaps, plan = probed_workers(torch.float32, rollout_dtype)
     assert {p.cast_from for m in rmaps for p in m.pieces} == {"float32"}
     overlaps = plan.correspondence.overlaps
     assert {(o.dtype, o.source_dtype, o.target_dtype) for o in overlaps} == {
-        (_name(rollout_dtype), "float32", None)}
+        (dtype_name(rollout_dtype), "float32", None)}
     _update_and_check(spec, trainers, rollouts, plan, kernels, seeds=(3, 4, 5))
 
 
+@pytest.mark.slow
 def test_plan_bytes_and_eq1_are_in_the_wire_dtype():
     """The converted plan moves half the bytes of the same layout sent as fp32 (fp32 rollouts,
     planned in the same test), in fewer rounds, and its Eq. (1) ideal halves with them."""
-    *_, rmaps, converted = _workers(torch.float32, torch.bfloat16)
-    *_, fp32 = _workers(torch.float32, torch.float32)
+    *_, rmaps, converted = probed_workers(torch.float32, torch.bfloat16)
+    *_, fp32 = probed_workers(torch.float32, torch.float32)
     needed = sum(o.region.numel for o in converted.correspondence.overlaps)
     assert needed == sum(o.region.numel for o in fp32.correspondence.overlaps)
     assert converted.correspondence.nbytes == 2 * needed
@@ -96,18 +79,20 @@ def test_plan_bytes_and_eq1_are_in_the_wire_dtype():
 
 
 @pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["reference", "cpu"])
+@pytest.mark.slow
 def test_widening_rollouts_receive_the_narrow_dtype_and_convert_on_assemble(kernels):
     """bf16 trainers and checkpoint, fp32 rollouts (their loaders widen): bf16 on the wire."""
-    spec, trainers, rollouts, rmaps, plan = _workers(torch.bfloat16, torch.float32)
+    spec, trainers, rollouts, rmaps, plan = probed_workers(torch.bfloat16, torch.float32)
     assert {(o.dtype, o.source_dtype, o.target_dtype)
             for o in plan.correspondence.overlaps} == {("bfloat16", None, "float32")}
     _update_and_check(spec, trainers, rollouts, plan, kernels, seeds=(6, 7))
 
 
+@pytest.mark.slow
 def test_fp32_master_trainers_of_a_bf16_checkpoint_send_bf16():
     """Trainers widen a bf16 checkpoint into fp32 parameters (exact), rollouts load it as is:
     the trainers' pack narrows back, exactly."""
-    spec, trainers, rollouts, _, plan = _workers(torch.float32, torch.bfloat16,
+    spec, trainers, rollouts, _, plan = probed_workers(torch.float32, torch.bfloat16,
                                                  ckpt_dtype=torch.bfloat16)
     assert {(o.dtype, o.source_dtype) for o in plan.correspondence.overlaps} == {
         ("bfloat16", "float32")}
@@ -125,6 +110,7 @@ _ADAPTER_CASES = {
 
 @pytest.mark.parametrize("case", sorted(_ADAPTER_CASES))
 @pytest.mark.parametrize("staging", [(False, False), (True, True)], ids=["sync", "async"])
+@pytest.mark.slow
 def test_adapters_install_bit_exact_converted_versions(staging, case):
     """The user-actor path (SenderAdapter / ReceiverAdapter, in one process): fp32 trainers
     send, bf16 rollouts install (or bf16 trainers, block-scaled FP8 rollouts: their pack
@@ -134,7 +120,7 @@ def test_adapters_install_bit_exact_converted_versions(staging, case):
     from weightbridge.coordination.local_control import LocalControl
 
     trainer_dtype, rollout_shard, wire = _ADAPTER_CASES[case]
-    spec = checkpoint_spec(CONFIG, _name(trainer_dtype))
+    spec = checkpoint_spec(CONFIG, dtype_name(trainer_dtype))
     versions = {v: _checkpoint(spec, 50 + v) for v in range(3)}
     config = TransferConfig(sender_staging=staging[0], receiver_staging=staging[1],
                             round_bytes=96 << 10, timeout_s=30)

@@ -19,7 +19,7 @@ from controller.driver import MeshTransfer, WorkersLost
 from controller.ranks import by_rank
 from controller.report import mismatches
 from meshes.actors import RolloutActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import CatchUpRefused, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
 

@@ -98,8 +98,8 @@ def test_activation_reaches_every_thread():
     seen = []
     t = threading.Thread(target=lambda: seen.append(torch.zeros(2, device="cuda").is_cuda))
     t.start()
-    t.join()
-    assert seen == [True]
+    t.join(timeout=30)
+    assert not t.is_alive() and seen == [True]
 
 
 def test_kernels_stay_the_torch_path_on_the_emulated_device():

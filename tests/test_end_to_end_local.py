@@ -26,6 +26,7 @@ def _checkpoint(seed: int) -> dict[str, torch.Tensor]:
     ((4, 1), (2, 1, 1)),  # trainer TP4 -> two TP1 engines, whole model each
 ], ids=["tp2ep2-to-2xtp2", "ep4-to-ep2", "tp4-to-2xtp1"])
 @pytest.mark.parametrize("kernels", [None, CpuCopyKernels()], ids=["reference", "cpu"])
+@pytest.mark.slow
 def test_rollouts_match_their_own_loader_after_a_local_transfer(trainer_layout, rollout_layout,
                                                                 kernels):
     spec = checkpoint_spec(CONFIG)

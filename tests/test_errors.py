@@ -59,16 +59,9 @@ def test_old_import_paths_give_the_one_class(module, name, cls):
         assert getattr(importlib.import_module(module), name) is cls
 
 
-def test_transfer_error_is_a_deprecated_alias_of_transfer_failed():
-    import controller.report
-
-    with pytest.warns(DeprecationWarning, match="weightbridge.TransferFailed"):
-        from controller.report import TransferError
-    assert TransferError is TransferFailed is errors.TransferError
-    with pytest.warns(DeprecationWarning):
-        assert controller.report.TransferError is TransferFailed
-    # One event, one class: catching either name catches what both paths raise.
-    with pytest.raises(TransferError):
+def test_workers_lost_is_a_transfer_failed():
+    # One event, one class: catching TransferFailed catches what both paths raise.
+    with pytest.raises(TransferFailed):
         raise WorkersLost("engine 1 lost", frozenset({1}), frozenset(), None)
 
 
@@ -116,21 +109,11 @@ def test_the_driver_face_names_resolve():
             "library_error", "TrainerSpec", "RolloutSpec"} <= set(driver.__all__)
 
 
-def test_mesh_specs_are_public_in_the_library_and_the_demo_path_still_works():
-    from meshes.spec import RolloutSpec as DemoRollout
-    from meshes.spec import TrainerSpec as DemoTrainer
-    from weightbridge.driver import TrainerSpec
-    from weightbridge.specs import RolloutSpec
+def test_mesh_specs_are_public_in_the_library():
+    from weightbridge import driver, specs
 
-    assert DemoTrainer is TrainerSpec and DemoRollout is RolloutSpec
-    with pytest.warns(DeprecationWarning, match="trainer_shard"):
-        TrainerSpec.parse("gpus=2,tp=2").shard(_tiny(), 1)
+    assert driver.TrainerSpec is specs.TrainerSpec and driver.RolloutSpec is specs.RolloutSpec
 
-
-def _tiny():
-    from meshes.qwen3_moe import SIZES
-
-    return SIZES["tiny"]
 
 
 def test_controller_and_baselines_import_only_the_two_faces():

@@ -18,6 +18,7 @@ from weightbridge.execution.executor import WorkerExecutor, incoming_ranges
 CONFIG = SIZES["tiny"]
 
 
+@pytest.mark.slow
 def test_executors_with_copy_writes_match_the_rollouts_own_loader():
     spec = checkpoint_spec(CONFIG)
     trainers = [TrainerShard(CONFIG, 2, r % 2, 2, r // 2) for r in range(4)]
@@ -60,6 +61,7 @@ def _plan_for_one_rollout():
 
 
 @pytest.mark.parametrize("depth", [2, 3, 5])
+@pytest.mark.slow
 def test_the_executor_keeps_depth_arenas_and_writes_round_r_into_arena_r_mod_depth(depth):
     plan, trainer, _ = _plan_for_one_rollout()
     ex = WorkerExecutor(plan.for_worker(plan.workers[0]), trainer.params, depth=depth)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_plan import check_invariants
+from planning_layouts import check_invariants
 
 from planning_layouts import checkpoint, fused_rollout, loaded, params_of, same_bytes, tp_trainer
 from weightbridge import LayoutError, Placement, plan_transfer, run_plan_locally

@@ -1,5 +1,5 @@
 """Fail closed, in one process: a rollout worker lost in the middle of a transfer, and probing
-workers whose loaders are collective. Trainers TP2 -> two TP2 engines (`tests/test_adapters.py`
+workers whose loaders are collective. Trainers TP2 -> two TP2 engines (`tests/moegroup.py`
 helpers); `LocalControl.kill` stands in for a dead process (its calls and writes fail).
 
 Checked per mode: the trainers get a `TransferFailed` that names the worker, its engine and the
@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
-from test_adapters import (CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERENCE, SPEC,
-                           TRAINER_TP)
-from test_adapters import _group as adapters_group
-from test_adapters import _same
+from moegroup import (CHECKPOINTS, CONFIG, ENGINE_TP, ENGINES, MODES, REFERENCE, SPEC,
+                      TRAINER_TP)
+from moegroup import group as adapters_group
+from moegroup import same_bits
 
 from meshes.qwen3_moe import RolloutShard, TrainerShard
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
@@ -66,6 +66,7 @@ def _catch(errors, fn, *args):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode):
     ss, rs = MODES[mode]
     options = TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=96 << 10,
@@ -103,7 +104,7 @@ def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode
             while not done.is_set():
                 v = adapter.poll_requests()
                 if v is not None:
-                    assert _same(shard.params, REFERENCE[adapter.engine_rank][v]), \
+                    assert same_bits(shard.params, REFERENCE[adapter.engine_rank][v]), \
                         f"{adapter.worker} not bit-exact at version {v}"
                     installs.setdefault(adapter.worker.index, []).append(v)
                 with lock:
@@ -158,7 +159,7 @@ def test_a_rollout_killed_mid_transfer_fails_closed_and_the_survivors_go_on(mode
         assert got == sorted(set(got)) and got[-1] == LAST, got
         assert (2 in got) is (not ss), f"version 2 reaches the survivors iff re-sent: {got}"
         shard, a = rollouts[j]
-        assert a.version == LAST and _same(shard.params, REFERENCE[a.engine_rank][LAST])
+        assert a.version == LAST and same_bits(shard.params, REFERENCE[a.engine_rank][LAST])
     assert trainers[0][1].failed_engines == {0}
 
 

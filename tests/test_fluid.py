@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from weightbridge import Cluster, Placement, SourceMap, plan_transfer, simulate
-from weightbridge.planning.fluid import FluidNetwork
-from weightbridge.planning.timeline import Overheads
+from weightbridge.simulation.fluid import FluidNetwork
+from weightbridge.simulation.timeline import Overheads
 from weightbridge.types import ParamSpec, Piece, Region
 
 

@@ -21,7 +21,7 @@ from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (CpuCopyKernels, LayoutError, Placement, extract_source_map,
                           plan_transfer, run_plan_locally)
 from weightbridge.discovery.replay import replay
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.quant import block_grid, block_quantize
 from weightbridge.types import BoxCopy, scaled_tensor
@@ -85,6 +85,7 @@ def test_pack_quantizes_whole_blocks_of_a_strided_box(kernels):
     assert s.shape == grid
 
 
+@pytest.mark.slow
 def test_probe_maps_block_quantized_weights_and_their_scales():
     shard = Fp8RolloutShard(CONFIG, 2, 1, 1, 0, block=(32, 32))
     smap = extract_source_map(shard.params, shard.load_weights, SPEC)
@@ -105,12 +106,14 @@ def test_probe_maps_block_quantized_weights_and_their_scales():
         assert torch.equal(_bits(replayed[name]), _bits(want)), name
 
 
+@pytest.mark.slow
 def test_probe_finds_the_block_shape():
     shard = Fp8RolloutShard(WIDE_KV, 1, 0, 1, 0, block=(128, 128))
     smap = extract_source_map(shard.params, shard.load_weights, checkpoint_spec(WIDE_KV))
     assert {p.block for p in smap.pieces if p.block} == {(128, 128)}
 
 
+@pytest.mark.slow
 def test_probe_refuses_a_quantizer_that_is_not_per_block():
     shard = Fp8RolloutShard(CONFIG, 1, 0, 1, 0, block=(32, 32), quantize=per_tensor_quantize)
     with pytest.raises(LayoutError, match="block scales, but not bit for bit"):
@@ -136,6 +139,7 @@ def _floored(x, block):
 
 
 @pytest.mark.parametrize("quantize", [_dividing, _floored], ids=["divides", "floor-1e-12"])
+@pytest.mark.slow
 def test_probe_refuses_near_misses_of_the_formula(quantize):
     """Formulas that random values almost never tell apart from vLLM's: the verification values
     (telling values, a block under the amax floor) do."""
@@ -154,6 +158,7 @@ def test_probe_refuses_float8_weights_without_their_scales():
 @pytest.mark.parametrize("kernels, round_bytes", [
     (None, 64 << 10), (CpuCopyKernels(), 64 << 10), (CpuCopyKernels(), 8 << 10),
 ], ids=["reference", "cpu", "cpu-small-rounds"])
+@pytest.mark.slow
 def test_bf16_trainers_update_fp8_rollouts_bit_exactly(kernels, round_bytes):
     """TP2 x EP2 trainers, two TP2 engines quantizing in 32 x 32 blocks; small rounds cut the
     value overlaps often (always between whole block rows)."""
@@ -193,6 +198,7 @@ def test_edge_blocks_cut_by_the_tensor_end():
     _update_and_check(plan, trainers, rollouts, CpuCopyKernels(), seeds=(11, 12), spec=spec)
 
 
+@pytest.mark.slow
 def test_fp8_plan_moves_fewer_bytes_than_sending_bf16():
     """The same layout with bf16 rollouts needs 2 bytes per element; the fp8 plan 1 byte per
     quantized element plus 4 per block, so fewer bytes and no more rounds."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -16,3 +17,26 @@ def test_ruff_finds_nothing():
         "ruff is not installed: it is in the test extras (pip install -e '.[test]', or "
         "bash scripts/dev.sh setup)")
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+FIRST_PARTY = ("weightbridge", "controller", "meshes", "kernels", "examples", "benchmarks")
+
+
+def test_no_private_name_is_imported_from_another_package():
+    """``from pkg.mod import _name`` only within one folder: a name another folder needs is
+    made public (tests may reach in; they are not part of the layout)."""
+    found = []
+    for top in FIRST_PARTY:
+        for path in (ROOT / top).rglob("*.py"):
+            here = path.parent.relative_to(ROOT).as_posix()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                        and node.module.split(".")[0] in FIRST_PARTY):
+                    continue
+                there = "/".join(node.module.split(".")[:-1])
+                private = [a.name for a in node.names
+                           if a.name.startswith("_") and not a.name.startswith("__")]
+                if private and there != here:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} "
+                                 f"{private}")
+    assert not found, found

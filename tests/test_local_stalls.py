@@ -10,41 +10,20 @@ replica sends what it held); nothing waits forever.
 
 import pytest
 import tinygroup
+from faults import STALLED, stalling_group
 from tinygroup import MODES, build, checkpoint, connect, in_threads
 
-from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
+from weightbridge import SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.control import PeerCall
 from weightbridge.types import WorkerId
 
-STALLED = WorkerId("rollout", 1)  # engine 1 of two one-rank engines
-
-
-class StopsAtItsFirstLanding(ReceiverAdapter):
-    """Its process stops as the first round lands in it (and is never continued)."""
-
-    def on_land(self, r, slots=None, expected=None):
-        if self.worker == STALLED:
-            self.control.stall(self.worker)
-            self.control._gate(self.worker)  # this very call waits too, as a stopped process
-        return super().on_land(r, slots, expected)
-
-
-def _group(config):
-    control, trainers, rollouts = build(config)
-    m, _ = rollouts[1]
-    del control._workers[STALLED]
-    rollouts[1] = (m, control.add(StopsAtItsFirstLanding(
-        m.params, m.load_weights, tinygroup.SPEC, rank=1, engine=1, engine_rank=0,
-        engine_size=1, control=control, transport=control.transport, config=config)))
-    return control, trainers, rollouts
-
-
 @pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.slow
 def test_a_rollout_that_stops_mid_transfer_is_found_and_the_other_engine_holds_the_version(
         mode):
     ss, rs = MODES[mode]
     config = TransferConfig(timeout_s=1, sender_staging=ss, receiver_staging=rs)
-    control, trainers, rollouts = _group(config)
+    control, trainers, rollouts = stalling_group(config)
     try:
         connect(trainers)
         (m0, r0), (_, r1) = rollouts

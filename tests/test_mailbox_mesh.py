@@ -8,12 +8,15 @@ import asyncio
 import pytest
 from monarch.actor import Actor, current_rank, endpoint
 
-from tests.meshprocs import proc_pair
+from meshprocs import proc_pair
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import PeerCall
 from weightbridge.mesh import registry
-from weightbridge.mesh.control import MeshControl, TransferGroup
+from weightbridge.mesh.control import MeshControl
+from weightbridge.mesh.group import TransferGroup
 from weightbridge.types import WorkerId
+
+pytestmark = pytest.mark.mesh
 
 TIMEOUT_S = 4.0
 PEER = WorkerId("rollout", 0)

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from meshes.qwen3_moe import SIZES
-from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
+from meshes.spec import trainer_shard
+from weightbridge.specs import RolloutSpec, TrainerSpec
 
 MODEL = SIZES["tiny"]
 

@@ -16,12 +16,13 @@ import re
 import pytest
 from monarch.actor import ActorError
 
-from controller.driver import WorkersLost, MeshTransfer, TransferError
+from controller.driver import WorkersLost, MeshTransfer
+from faults import DiesInRound1Rollout
 from meshprocs import bootstrap_children, proc_pair
 from meshes.actors import RolloutActor, TrainerActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from meshes.workers import qwen3_moe
-from weightbridge import LayoutError, TransferConfig
+from weightbridge import LayoutError, TransferConfig, TransferFailed
 from weightbridge.driver import TransferWorker
 
 pytestmark = pytest.mark.mesh
@@ -289,24 +290,11 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
                       config=TransferConfig(round_bytes=64 << 10, timeout_s=60)) as mt:
         mt.connect()
         t0 = time.monotonic()
-        with pytest.raises(TransferError, match=r"update 1 failed: round 1, rollouts' land: "
+        with pytest.raises(TransferFailed, match=r"update 1 failed: round 1, rollouts' land: "
                                                 r".*OSError: rollout 1: assemble kernel failed"):
             mt.update(1)
         # Nobody waited out the 60 s timeout.
         assert time.monotonic() - t0 < 30
-
-
-class DiesInRound1(TransferWorker):
-    """Rollout 1's process exits in round 1 (an OOM kill, say)."""
-
-    def on_land(self, r, slots=None, expected=None):
-        if self.worker.index == 1 and r == 1:
-            os._exit(3)
-        super().on_land(r, slots, expected)
-
-
-class DiesInRound1Rollout(RolloutActor):
-    worker_class = DiesInRound1
 
 
 def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on():
@@ -377,7 +365,7 @@ def test_a_lost_trainer_is_rerouted_from_its_replica_or_fails_closed(trainer, lo
             assert not second.mismatched and second.num_params == lost.report.num_params
             assert all(k[:2] != ("trainer", 1) for k in mt._dests)
         else:
-            with pytest.raises(TransferError) as failure:
+            with pytest.raises(TransferFailed) as failure:
                 mt.update(1)
             message = str(failure.value)
             assert not isinstance(failure.value, WorkersLost), message

@@ -1,81 +1,16 @@
 """plan_transfer: exactly-once trainer egress, one copy per node, bounded rounds, determinism."""
 
-from collections import defaultdict
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planning_layouts import Builder, checkpoint, fsdp_trainer, fused_rollout, loaded, params_of
-from planning_layouts import same_bytes, tp_trainer
+from planning_layouts import Builder, check_invariants, checkpoint, fsdp_trainer, fused_rollout
+from planning_layouts import loaded, params_of, same_bytes, tp_trainer
 from weightbridge import LayoutError, Placement, SourceMap, plan_transfer, run_plan_locally
 from weightbridge.types import ParamSpec, Piece, Region, Stage, WorkerId
 from weightbridge.planning.route import STAGES
-
-
-def _tiles(intervals, numel) -> bool:
-    """Do (start, count) intervals cover [0, numel) exactly once?"""
-    pos = 0
-    for start, count in sorted(intervals):
-        if start != pos:
-            return False
-        pos += count
-    return pos == numel
-
-
-def check_invariants(plan, round_bytes):
-    corr = plan.correspondence
-    overlaps = corr.overlaps
-    rounds = plan.rounds
-    node_of = [p.node for p in plan.rollouts]
-    sent_by_trainers = defaultdict(list)
-    into_node = defaultdict(list)           # (node, overlap) -> intervals over RDMA
-    into_worker = defaultdict(list)         # (rollout, overlap) -> intervals, all stages
-    for rnd in rounds:
-        recv = defaultdict(int)
-        send = defaultdict(int)
-        for t in rnd.transfers:
-            assert t.dst.side == "rollout"
-            recv[t.dst] += t.nbytes
-            if t.src.side == "trainer":
-                send[t.src] += t.nbytes
-                assert t.stage is Stage.RECEIVE
-            else:
-                assert t.stage is not Stage.RECEIVE
-                same_node = node_of[t.src.index] == node_of[t.dst.index]
-                assert same_node == (t.stage is Stage.INTERNAL)
-            for c in t.chunks:
-                assert t.dst.index in overlaps[c.overlap].needers
-                if t.stage is Stage.RECEIVE:
-                    assert t.src.index in overlaps[c.overlap].holders
-                    sent_by_trainers[c.overlap].append((c.start, c.count))
-                if t.stage is not Stage.INTERNAL:
-                    into_node[node_of[t.dst.index], c.overlap].append((c.start, c.count))
-                into_worker[t.dst.index, c.overlap].append((c.start, c.count))
-        # (3) every round fits round_bytes on both buffers
-        assert max(recv.values(), default=0) <= round_bytes
-        assert max(send.values(), default=0) <= round_bytes
-    for i, o in enumerate(overlaps):
-        # (1) trainers send every needed element exactly once
-        assert _tiles(sent_by_trainers[i], o.region.numel), o
-        # (2) each needing node gets it exactly once over RDMA; each needer exactly once
-        for node in {node_of[w] for w in o.needers}:
-            assert _tiles(into_node[node, i], o.region.numel), (node, o)
-        for w in o.needers:
-            assert _tiles(into_worker[w, i], o.region.numel), (w, o)
-    # (2) nothing a node does not need crosses into it
-    assert all(node in {node_of[w] for w in overlaps[i].needers} for node, i in into_node)
-    # byte accounting agrees with the node's unique need
-    sent, received = plan.stage_bytes()
-    T = len(plan.trainers)
-    assert sent[:T, 0].sum() == corr.nbytes
-    for node in set(node_of):
-        need = sum(o.nbytes for o in overlaps if any(node_of[w] == node for w in o.needers))
-        rdma = sum(received[T + w, :2].sum() for w in range(len(node_of)) if node_of[w] == node)
-        assert rdma == need
-    for w in plan.workers:
-        assert plan.for_worker(w).buffer_bytes <= round_bytes
 
 
 def _rollouts(num_engines, tp, ep=1, gpus_per_node=2):

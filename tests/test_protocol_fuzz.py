@@ -12,8 +12,7 @@ import time
 import pytest
 import tinygroup
 import torch
-from test_local_stalls import STALLED
-from test_local_stalls import _group as stalling_group
+from faults import STALLED, stalling_group
 from tinygroup import build, checkpoint, connect, in_threads
 
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
@@ -354,7 +353,7 @@ def test_a_relay_that_misses_a_stalled_rank_takes_the_engine_out_in_step():
             r0.poll_requests()
     finally:
         control.resume(r1.worker)
-    time.sleep(0.1)  # (R1 is served the relay and the notice)
+    control.settle(r1.worker)  # (R1 is served what waited for it)
     with pytest.raises(TransferFailed):
         r1.poll_requests()
     assert r1.version == 1 and r0.version == 1
@@ -381,7 +380,7 @@ def test_a_rank_stalled_when_its_engine_was_excluded_is_told_through_its_rank_0(
         control.resume(r1.worker)
     with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
         r0.poll_requests()
-    time.sleep(0.1)  # (R1 is served the notice)
+    control.settle(r1.worker)  # (R1 is served what waited for it)
     with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
         r1.poll_requests()
     assert r1.version == 1
@@ -442,6 +441,6 @@ def test_a_rank_stalled_when_the_group_ended_is_told_once_it_goes_on():
         assert isinstance(out[0], TransferFailed) and "No engine is left" in str(out[0]), out
     finally:
         control.resume(r1.worker)
-    time.sleep(0.2)  # (R1 is served the notice)
+    control.settle(r1.worker)  # (R1 is served what waited for it)
     with pytest.raises(TransferFailed, match="Engine .0. is excluded"):
         r1.poll_requests()

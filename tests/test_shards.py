@@ -15,7 +15,8 @@ import torch
 from meshes.actors import checksums
 from meshes.workers import checkpoint
 from meshes.qwen3_moe import SIZES, FsdpTrainerShard, RolloutShard, checkpoint_spec
-from meshes.spec import RolloutSpec, TrainerSpec, trainer_shard
+from meshes.spec import trainer_shard
+from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import (CheckpointSpec, Placement, extract_source_map, plan_transfer,
                           run_plan_locally)
 from zoo.oracle import piece_sources

@@ -2,43 +2,32 @@
 
 import pytest
 
-from weightbridge import Cluster, Placement, SourceMap, plan_transfer
-from weightbridge.types import ParamSpec, Piece, Region
-from weightbridge import simulate
+from planning_layouts import one_tensor_plan
+from weightbridge import Cluster, simulate
 
 CLUSTER = Cluster(gpus_per_node=1, inter_node_bandwidth=100.0, intra_node_bandwidth=1000.0)
 
 
-def _plan(num_trainers, num_rollout_nodes, workers_per_node=1, round_bytes=4096,
-          trainers_per_node=1):
-    reg = Region("w", (0, 0), (256, 64), (1, 1))  # 64 KiB of float32
-    smap = SourceMap((ParamSpec("w", (256, 64), "float32"),), (Piece(reg, "w", 0, (64, 1)),))
-    trainers = [(smap, Placement(f"t{i // trainers_per_node}")) for i in range(num_trainers)]
-    rollouts = [(smap, Placement(f"r{n}", engine=n * workers_per_node + k))
-                for n in range(num_rollout_nodes) for k in range(workers_per_node)]
-    return plan_transfer(trainers, rollouts, round_bytes=round_bytes)
-
-
 def test_ideal_is_eq_1():
-    est = simulate(_plan(2, 3), CLUSTER)
+    est = simulate(one_tensor_plan(2, 3), CLUSTER)
     model = 256 * 64 * 4
     assert est.ideal == pytest.approx(max(model / 200.0, model / 100.0))
 
 
 @pytest.mark.parametrize("num_trainers,num_nodes", [(1, 1), (2, 4), (4, 2), (1, 8)])
 def test_plan_is_within_5_percent_of_ideal(num_trainers, num_nodes):
-    est = simulate(_plan(num_trainers, num_nodes, round_bytes=2048), CLUSTER)
+    est = simulate(one_tensor_plan(num_trainers, num_nodes, round_bytes=2048), CLUSTER)
     assert est.ideal <= est.ewtt <= 1.05 * est.ideal, est
 
 
 def test_p2p_pays_the_single_source_bottleneck():
-    est = simulate(_plan(1, 8), CLUSTER)
+    est = simulate(one_tensor_plan(1, 8), CLUSTER)
     assert est.p2p == pytest.approx(8 * est.ideal)
     assert est.ewtt < est.p2p / 4
 
 
 def test_broadcast_moves_the_whole_model_through_the_head():
-    est = simulate(_plan(2, 2), CLUSTER)
+    est = simulate(one_tensor_plan(2, 2), CLUSTER)
     model = 256 * 64 * 4
     assert est.broadcast >= model / 100.0
     assert est.ratio == est.ewtt / est.ideal
@@ -46,8 +35,8 @@ def test_broadcast_moves_the_whole_model_through_the_head():
 
 def test_replicas_inside_a_node_share_its_nic_and_rounds_hide_nvlink():
     cluster = Cluster(gpus_per_node=4, inter_node_bandwidth=100.0, intra_node_bandwidth=100.0)
-    one = simulate(_plan(4, 2, 4, round_bytes=64 << 10, trainers_per_node=4), cluster)
-    many = simulate(_plan(4, 2, 4, round_bytes=2048, trainers_per_node=4), cluster)
+    one = simulate(one_tensor_plan(4, 2, 4, round_bytes=64 << 10, trainers_per_node=4), cluster)
+    many = simulate(one_tensor_plan(4, 2, 4, round_bytes=2048, trainers_per_node=4), cluster)
     assert one.num_rounds <= 2 and many.num_rounds > 8
     assert many.ewtt < one.ewtt
     assert many.ewtt <= 1.1 * many.ideal, many

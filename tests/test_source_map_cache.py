@@ -147,6 +147,7 @@ def test_an_unwritable_directory_warns_and_connect_goes_on(tmp_path):
     # block-quantizing to FP8, with scales
     lambda: (Fp8RolloutShard(CONFIG, 1, 0, 1, 0, block=(32, 32)), checkpoint_spec(CONFIG)),
 ])
+@pytest.mark.slow
 def test_entries_round_trip_and_reverify_on_a_fresh_build(make):
     shard, spec = make()
     probed = probe(shard.params, shard.load_weights, spec)
@@ -240,6 +241,7 @@ def _group(config, ranks=(0, 1)):
 
 
 @pytest.mark.parametrize("kept", ["every", "one", "one-stale"])
+@pytest.mark.slow
 def test_every_worker_of_a_group_takes_the_same_way(tmp_path, kept):
     """Kept maps are verified only when every worker holds one and all hold; else every
     worker probes: a collective loader sees the same loads on every rank."""

@@ -9,9 +9,9 @@ import pytest
 from weightbridge import Cluster, Placement, SourceMap, plan_transfer
 from weightbridge.types import ParamSpec, Piece, Region
 from weightbridge import simulate
-from weightbridge.planning.calibrate import (Run, _line, fit_overheads, load_runs,
+from weightbridge.simulation.calibrate import (Run, _line, fit_overheads, load_runs,
                                               point_cluster)
-from weightbridge.planning.timeline import Overheads
+from weightbridge.simulation.timeline import Overheads
 
 LINK = Cluster(gpus_per_node=1, inter_node_bandwidth=1e6, intra_node_bandwidth=1e9)
 MODEL = 256 * 64 * 4  # bytes

@@ -3,11 +3,11 @@
 import json
 
 import pytest
-from test_simulate import _plan
+from planning_layouts import one_tensor_plan
 
 from controller.timing import chrome_trace, update_timing
 from weightbridge import Cluster, Placement, simulate
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 
 MS = 1_000_000  # ns
 
@@ -70,7 +70,7 @@ def test_chrome_trace_has_one_complete_event_per_rank_stage_round():
 
 
 def test_eq1_with_one_rate_is_the_simulators_ideal():
-    plan = _plan(2, 3)
+    plan = one_tensor_plan(2, 3)
     cluster = Cluster(gpus_per_node=1, inter_node_bandwidth=100.0, intra_node_bandwidth=1e3)
     assert eq1(plan, trainer_node_bandwidth=100.0, rollout_node_bandwidth=100.0) == \
         simulate(plan, cluster).ideal
@@ -78,7 +78,7 @@ def test_eq1_with_one_rate_is_the_simulators_ideal():
 
 def test_eq1_takes_the_slower_of_trainer_egress_and_rollout_ingress():
     model = 256 * 64 * 4
-    plan = _plan(2, 3)  # 2 trainer nodes; every rollout node needs the whole model
+    plan = one_tensor_plan(2, 3)  # 2 trainer nodes; every rollout node needs the whole model
     assert eq1(plan, trainer_node_bandwidth=10.0, rollout_node_bandwidth=100.0) == \
         pytest.approx(model / 20.0)
     assert eq1(plan, trainer_node_bandwidth=100.0, rollout_node_bandwidth=10.0) == \

@@ -12,26 +12,14 @@ import threading
 
 import pytest
 import tinygroup
+from faults import DiesSendingVersion2
 from tinygroup import MODES, build, connect, in_threads
 
 from weightbridge import SenderAdapter, TransferConfig, TransferFailed
-from weightbridge.coordination.local_control import WorkerGone
-
-
-class DiesSendingVersion2(SenderAdapter):
-    """Trainer 1: its process dies at its first send of a round of the second transfer."""
-
-    sends = 0
-
-    def on_send_round(self, r):
-        self.sends += 1
-        if self.sends > self.executor.num_rounds:
-            self.control.kill(self.worker)
-            raise WorkerGone(f"{self.worker} died")
-        return super().on_send_round(r)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.slow
 def test_a_lost_trainer_replica_is_left_out_and_its_replica_sends_for_it(mode):
     ss, rs = MODES[mode]
     config = TransferConfig(timeout_s=5, sender_staging=ss, receiver_staging=rs)

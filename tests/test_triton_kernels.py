@@ -274,6 +274,7 @@ for module, name in (("kernels.pack", "_pack_kernel"), ("kernels.assemble", "_as
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper_without_spills():
     """Compile both kernels for sm_90 with Triton's bundled ptxas (no GPU needed): catches
     compile errors the interpreter cannot, and register spills."""

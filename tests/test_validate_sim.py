@@ -38,7 +38,7 @@ def test_the_calibration_and_repeated_points_are_points():
 
 def test_a_calibration_label_the_fit_run_lacks_is_refused(monkeypatch, tmp_path):
     # a misspelt label used to be dropped silently: the fit then ran on fewer points
-    from weightbridge.planning.calibrate import Run
+    from weightbridge.simulation.calibrate import Run
 
     run = tmp_path / "run.pkl"
     run.write_bytes(pickle.dumps([Run(label="200M tiny r1", plan=None, link_rate=1.0, depth=2,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_dtype_transfer import _workers
+from moegroup import probed_workers
 
 from planning_layouts import fsdp_trainer, fused_rollout, tp_trainer
 from reference_worker_plan import reference_worker_plan
@@ -24,7 +24,7 @@ def _small_layouts():
     yield "tp1 -> 1 engine tp2, one round", plan_transfer(
         [(tp_trainer(0, 1), Placement("t0"))], engines(1, 2), round_bytes=1 << 20)
     # Converting boxes: float32 trainers, bfloat16 rollouts (the wire is bfloat16).
-    yield "fp32 tp2 x ep2 -> 2 bf16 engines", _workers(torch.float32, torch.bfloat16)[-1]
+    yield "fp32 tp2 x ep2 -> 2 bf16 engines", probed_workers(torch.float32, torch.bfloat16)[-1]
 
 
 def _assert_same(plan):
@@ -53,6 +53,7 @@ def test_p2p_plans_pack_each_box_once_as_the_reference_does():
     _assert_same(p2p_plan(plan))
 
 
+@pytest.mark.slow
 def test_block_fp8_plans_equal_the_reference():
     """A sender's quantizing boxes (whole blocks, `block` set) in the reference's order, small
     rounds cutting the value overlaps often; in a P2P plan too, where one segment is packed at
@@ -118,6 +119,7 @@ def test_write_dests_from_the_tables_are_the_peers_of_the_workers_writes():
         assert write_dests(plan) == {k: frozenset(v) for k, v in want.items()}
 
 
+@pytest.mark.slow
 def test_segment_chunks_are_every_segments_placed_chunks():
     from weightbridge.planning.box_copies import segment_chunks
 

@@ -81,6 +81,7 @@ def test_map_size_is_within_the_loaders_copy_count(case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if CASES[c]().expect.scale_invariant])
+@pytest.mark.slow
 def test_map_size_does_not_grow_with_tensor_sizes(case):
     """Same layout, every hidden / intermediate / head size doubled: the same number of pieces.
 

@@ -37,7 +37,7 @@ from weightbridge.errors import (CatchUpRefused, ChecksumMismatch, ConfigMismatc
 from weightbridge.execution.boxcopy import TorchCopyKernels
 from weightbridge.execution.cpu_kernels import CpuCopyKernels
 from weightbridge.planning.plan import TransferPlan, plan_transfer
-from weightbridge.planning.simulate import Cluster, Estimate, simulate
+from weightbridge.simulation.simulate import Cluster, Estimate, simulate
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, TensorSpec
 
 _MOVED = {
@@ -57,7 +57,7 @@ def __getattr__(name: str):
     import importlib
 
     if name == "TransferGroup":  # imported on first use: it needs Monarch
-        return importlib.import_module("weightbridge.mesh.control").TransferGroup
+        return importlib.import_module("weightbridge.mesh.group").TransferGroup
     if name in _MOVED:
         import warnings
 

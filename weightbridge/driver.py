@@ -48,7 +48,7 @@ from weightbridge.errors import (StepFailed, describe, failure_kind, from_kind, 
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.executor import default_kernels
 from weightbridge.planning.route import RECEIVE, STAGES
-from weightbridge.planning.simulate import eq1
+from weightbridge.planning.ideal import eq1
 from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge.types import (BoxCopy, BufferWrite, CheckpointSpec, Chunk, Correspondence,
                                 Overlap, ParamSpec, Piece, Region, Round, SourceMap, Stage,
@@ -56,7 +56,7 @@ from weightbridge.types import (BoxCopy, BufferWrite, CheckpointSpec, Chunk, Cor
                                 scaled_tensor)
 from weightbridge.views import as_bits, memory_order
 
-_MESH = {"MeshControl": "control", "TransferGroup": "control", "TransferAgent": "control",
+_MESH = {"MeshControl": "control", "TransferGroup": "group", "TransferAgent": "agent",
          "configure_transport": "transport", "backend": "transport", "drop_all": "transport",
          "register_ranges": "transport", "wait_all": "transport", "write": "transport"}
 """Imported on first use from ``weightbridge.mesh.<module>``: they need Monarch."""

@@ -13,8 +13,7 @@
         ParameterRebound (a RuntimeError)    a trainer's parameter no longer uses its storage
 
 Bad input is also refused with a plain ``ValueError`` and a slow peer with ``TimeoutError``,
-each before any byte moves where it can be. `TransferError` (the controller's old name for
-`TransferFailed`) is the same class, kept as a deprecated alias.
+each before any byte moves where it can be.
 
 Errors cross processes as exceptions: on a mesh an endpoint's exception reaches the caller
 wrapped in Monarch's ``ActorError`` (whose ``exception`` attribute holds the original);
@@ -61,13 +60,8 @@ class TransferFailed(WeightBridgeError, RuntimeError):
     The message names the worker, its engine and the version, says which engines were excluded
     and what the surviving engines hold, and how to go on (with the adapters: restart a lost
     engine and add it as a new engine, `SenderAdapter.add_engines`). The controller
-    (`controller.MeshTransfer`) raises it too; `TransferError` is a deprecated alias of it.
+    (`controller.MeshTransfer`) raises it too.
     """
-
-
-TransferError = TransferFailed
-"""Deprecated alias of `TransferFailed` (the controller's name for the same event): the same
-class, so ``except TransferError`` and ``except TransferFailed`` catch the same errors."""
 
 
 class WorkersLost(TransferFailed):

@@ -10,7 +10,7 @@ trainer keep FSDP flat shards instead (its workers are the FSDP ranks); fsdp is 
 against a model config with ``heads``, ``kv_heads``, ``moe_intermediate``, ``experts``,
 ``vocab`` and ``layers`` (the demo's `meshes.qwen3_moe.MoEConfig`). A controller
 (`controller.MeshTransfer`) spawns meshes of these layouts and hands each worker factory its
-side's spec. ``meshes.spec`` re-exports both (and builds the demo model's shards).
+side's spec.
 """
 
 from __future__ import annotations
@@ -80,17 +80,6 @@ class TrainerSpec:
         ep, rest = rest % self.ep, rest // self.ep
         pp, dp = rest % self.pp, rest // self.pp
         return {"dp": dp, "pp": pp, "ep": ep, "tp": tp}
-
-    def shard(self, model, worker: int, *, dtype=None, device="cpu"):
-        """Deprecated: the demo model's shard of ``worker``; use
-        ``meshes.spec.trainer_shard(spec, model, worker)`` (the demo package builds shards)."""
-        import warnings
-
-        from meshes.spec import trainer_shard
-
-        warnings.warn("TrainerSpec.shard is deprecated: use meshes.spec.trainer_shard(spec, "
-                      "model, worker)", DeprecationWarning, stacklevel=2)
-        return trainer_shard(self, model, worker, dtype=dtype, device=device)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

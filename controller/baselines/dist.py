@@ -41,7 +41,7 @@ from controller.baselines.plans import DistPlan, plan_dist
 from controller.driver import ClosingContext, UpdateReport, mismatches, resolve_workers
 from controller.ranks import actor_at, by_rank
 from controller.timing import update_timing
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.driver import RolloutSpec, TrainerSpec
 
 TRANSPORT_ENV = "HYPERACTOR_MESH_DEFAULT_TRANSPORT"
 DEFAULT_BUCKET_BYTES = 512 << 10

@@ -44,7 +44,7 @@ from controller.driver import (ClosingContext, MeshTransfer, UpdateReport, misma
 from controller.ranks import by_rank
 from controller.timing import update_timing
 from meshes.actors import RolloutActor
-from meshes.spec import RolloutSpec, TrainerSpec
+from weightbridge.driver import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig, TransferPlan, WorkerParts
 from weightbridge.driver import RECEIVE, configure_transport, register_ranges, wait_all, write
 

@@ -75,7 +75,7 @@ def run(procs, *, model: str, trainer: dict[str, int], engines: int, engine_tp: 
     """Spawn the actors on (trainer procs, rollout procs), connect, run ``updates`` updates,
     and stop the actors (the procs stay the caller's)."""
     from examples.engines.actors import EngineRollout, EngineTrainer, close_all
-    from weightbridge.mesh.control import TransferGroup
+    from weightbridge.mesh.group import TransferGroup
 
     if model not in models.MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {models.MODELS}")

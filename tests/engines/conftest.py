@@ -31,6 +31,14 @@ if str(REPO) not in sys.path:  # `examples.engines` is imported from the reposit
 ENGINE_MODULES = ("vllm", "torchtitan", "transformers")
 
 
+def pytest_collection_modifyitems(items):
+    """Real engines build models and spawn ranks: each test may take up to 20 minutes on two
+    cores before it counts as hung (the default suite's bound is 300 s, pyproject.toml)."""
+    for item in items:
+        if "engines" in item.path.parts and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(1200))
+
+
 @pytest.fixture(autouse=True)
 def _engines_installed() -> None:
     missing = [m for m in ENGINE_MODULES if importlib.util.find_spec(m) is None]

@@ -43,7 +43,7 @@ from weightbridge.coordination.control import (ControlPlane, PeerCall, WorkerId,
                                                rollouts, trainers)
 from weightbridge.coordination.delta import DeltaLog
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
-from weightbridge.coordination.protocol import StagingSlots
+from weightbridge.coordination.slots import StagingSlots
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, connect_group,
                                                plan_group)
 from weightbridge.errors import LayoutError

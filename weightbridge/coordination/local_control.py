@@ -44,6 +44,9 @@ class LocalControl:
         self.dead: set[WorkerId] = set()
         """Workers `kill` stopped: their calls and the writes into them raise `WorkerGone`."""
         self._stalled: dict[WorkerId, threading.Event] = {}
+        self._serving = threading.Condition()
+        self._calls_in: dict[WorkerId, int] = {}
+        """Worker -> calls to it not yet answered (waiting on its stall, or being served)."""
 
     def kill(self, worker: WorkerId) -> None:
         """Stand-in for a process that died: every later call or write to it fails."""
@@ -64,6 +67,13 @@ class LocalControl:
 
     def stalled(self, worker: WorkerId) -> bool:
         return worker in self._stalled
+
+    def settle(self, worker: WorkerId, timeout: float = 30.0) -> None:
+        """Wait until every call made to ``worker`` so far was answered, e.g. the ones a
+        stalled worker serves once resumed (tests: what it was told has reached it)."""
+        with self._serving:
+            if not self._serving.wait_for(lambda: not self._calls_in.get(worker), timeout):
+                raise TimeoutError(f"calls to {worker} still unanswered after {timeout:g}s")
 
     def _gate(self, worker: WorkerId, timeout: float | None = None) -> bool:
         """Wait while ``worker`` is stalled (at most ``timeout``); False if it still is."""
@@ -132,7 +142,13 @@ class LocalControl:
                 served[i] = PeerFailed(e)
             finally:
                 ended[i].set()
+                with self._serving:
+                    self._calls_in[peer] -= 1
+                    self._serving.notify_all()
 
+        with self._serving:
+            for peer in peers:
+                self._calls_in[peer] = self._calls_in.get(peer, 0) + 1
         for i, (peer, a) in enumerate(zip(peers, args)):
             threading.Thread(target=one, args=(i, peer, a), daemon=True,
                              name=f"local-{call.value}-{peer}").start()

@@ -94,7 +94,7 @@ class WorkerParts:
 
     A controller-driven run (`python -m controller --workers module:factory`) calls
     ``factory(side, spec, rank)`` in each actor, ``side`` "trainer" or "rollout", ``spec`` that
-    side's mesh spec (`meshes.spec.TrainerSpec` / `RolloutSpec`), ``rank`` the worker's flat
+    side's mesh spec (`weightbridge.specs.TrainerSpec` / `RolloutSpec`), ``rank`` the worker's flat
     rank. The controller probes ``load_weights``, has trainers run ``train_step(v)`` before
     update v, and checks each rollout against a second build of its rank loading
     ``checkpoint(v)``.

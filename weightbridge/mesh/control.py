@@ -17,9 +17,6 @@ The Monarch integration's modules, by job:
     group       `TransferGroup`, the handle: spawn, add_engines, close, build a rank's worker
     transport   Monarch RDMA (`MeshTransport`)
     monarch_api the private Monarch calls, checked against the installed version
-
-``from weightbridge.mesh.control import MeshControl, TransferGroup, TransferAgent`` keeps
-working (re-exported).
 """
 
 from __future__ import annotations
@@ -27,44 +24,31 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from monarch.actor import ActorError
 
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
 from weightbridge.errors import surfaced
 from weightbridge.mesh import registry
-from weightbridge.mesh.agent import TransferAgent
 from weightbridge.mesh.mailbox import Mailbox, Pending
-from weightbridge.mesh.registry import REGISTER_WAIT_S, calls
-from weightbridge.mesh.transport import MeshTransport
+from weightbridge.mesh.registry import calls
 from weightbridge.types import WorkerId
 
-if TYPE_CHECKING:
-    from weightbridge.mesh.group import TransferGroup
-
-__all__ = ["AXIS", "MeshControl", "MeshTransport", "REGISTER_WAIT_S", "TransferAgent",
-           "TransferGroup"]
+__all__ = ["AXIS", "MeshControl", "mesh_size"]
 
 AXIS = "weightbridge_rank"
 """The one axis of the flattened agent meshes."""
 
 
-def __getattr__(name: str):
-    if name == "TransferGroup":  # (group imports this module: resolved on first use)
-        from weightbridge.mesh.group import TransferGroup
-
-        return TransferGroup
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class MeshControl:
-    """A `weightbridge.coordination.control.ControlPlane` over the agents of one group."""
+    """A `weightbridge.coordination.control.ControlPlane` over the agents of one group (a
+    `weightbridge.mesh.group.TransferGroup`, which builds it: this module does not import it)."""
 
     poll_interval_s = 0.01
     """Waits on remote state poll it over endpoint calls: at most 100 calls a second."""
 
-    def __init__(self, group: "TransferGroup"):
+    def __init__(self, group):
         self.engine_size = group.engine_size
         self._agents: dict = {}
         """Each peer's agent, sliced once: Monarch 0.7 keeps native state for every slice it
@@ -79,7 +63,7 @@ class MeshControl:
         """Each peer's mailbox inbox port, asked for once (`_inbox`)."""
         self.use(group)
 
-    def use(self, group: "TransferGroup") -> None:
+    def use(self, group) -> None:
         """Address ``group`` from now on: the same group grown by `TransferGroup.add_engines`
         (the agents sliced so far stay valid: old segments never change)."""
         self.group = group
@@ -110,13 +94,13 @@ class MeshControl:
         if any(p.side != side or p.index != first + i for i, p in enumerate(peers)):
             return None
         base, whole = self._segment(peers[0])
-        if peers[-1].index >= base + _size(whole):
+        if peers[-1].index >= base + mesh_size(whole):
             return None
         key = (side, first, len(peers))
         mesh = self._agents.get(key)
         if mesh is None:
             lo = first - base
-            mesh = self._agents[key] = (whole if lo == 0 and len(peers) == _size(whole) else
+            mesh = self._agents[key] = (whole if lo == 0 and len(peers) == mesh_size(whole) else
                                         whole.slice(**{AXIS: slice(lo, lo + len(peers))}))
         return mesh
 
@@ -342,5 +326,6 @@ async def _values(future) -> list:
     return list((await future).values())
 
 
-def _size(mesh) -> int:
+def mesh_size(mesh) -> int:
+    """How many procs (or actors) ``mesh`` holds."""
     return int(mesh.size())

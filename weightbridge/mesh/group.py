@@ -35,7 +35,7 @@ from weightbridge.config import TransferConfig
 from weightbridge.errors import GroupClosed
 from weightbridge.mesh import monarch_api
 from weightbridge.mesh.agent import TransferAgent
-from weightbridge.mesh.control import AXIS, MeshControl, _size
+from weightbridge.mesh.control import AXIS, MeshControl, mesh_size
 from weightbridge.mesh.registry import register
 from weightbridge.mesh.transport import MeshTransport
 from weightbridge.types import Placement
@@ -109,7 +109,7 @@ class TransferGroup:
         if not isinstance(config, TransferConfig):
             raise ValueError(f"config must be a weightbridge.TransferConfig, got "
                              f"{type(config).__name__}")
-        num_rollouts = _size(rollout_procs)
+        num_rollouts = mesh_size(rollout_procs)
         if engine_size < 1 or num_rollouts % engine_size:
             raise ValueError(f"engine_size={engine_size} must divide the {num_rollouts} rollout "
                              f"procs (engines are consecutive runs of ranks)")
@@ -117,7 +117,7 @@ class TransferGroup:
         spawned = tuple(procs.spawn(f"{name}-{side}", TransferAgent) for side, procs in
                         (("trainer", trainer_procs), ("rollout", rollout_procs)))
         return cls(name=name, trainer_agents=spawned[0].flatten(AXIS),
-                   rollout_agents=spawned[1].flatten(AXIS), num_trainers=_size(trainer_procs),
+                   rollout_agents=spawned[1].flatten(AXIS), num_trainers=mesh_size(trainer_procs),
                    num_engines=num_rollouts // engine_size, engine_size=engine_size,
                    config=config, spawned=spawned)
 
@@ -134,7 +134,7 @@ class TransferGroup:
             GroupClosed: the group was closed.
         """
         self._check_open("add engines to")
-        count = _size(rollout_procs)
+        count = mesh_size(rollout_procs)
         if count < 1 or count % self.engine_size:
             raise ValueError(f"add_engines got {count} rollout procs; give whole engines: a "
                              f"multiple of engine_size={self.engine_size}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from weightbridge.planning.simulate import Cluster
+from weightbridge.simulation.simulate import Cluster
 from weightbridge.shapes.layouts import megatron_maps, sglang_maps
 from weightbridge.shapes.models import (KIMI_K2, MOONLIGHT_16B_A3B, QWEN3_30B_A3B, QWEN3_235B_A22B,
                                         ModelConfig)

@@ -46,8 +46,8 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
-from weightbridge.planning.simulate import Cluster
-from weightbridge.planning.timeline import Overheads, _steps, timeline_ewtt
+from weightbridge.simulation.simulate import Cluster
+from weightbridge.simulation.timeline import Overheads, plan_steps, timeline_ewtt
 
 WRITE_STAGES = {"receive": RECEIVE, "external": EXTERNAL, "internal": INTERNAL}
 """Span stage name (`controller.timing`) -> route stage of the writes it times."""
@@ -161,9 +161,9 @@ def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0,
         raise ValueError("fit_overheads needs at least one measured Run")
     copy_x, copy_y, sum_x, sum_y, efficiency = [], [], [], [], []
     for run in runs:
-        steps, T = _steps(run.plan), len(run.plan.trainers)
+        steps, T = plan_steps(run.plan), len(run.plan.trainers)
         for spans in run.updates():
-            for w, ss in _numbered(spans, T).items():
+            for w, ss in spans_by_worker(spans, T).items():
                 for stage, r, start, end in ss:
                     if stage == "pack":
                         copy_x.append(steps[(w, r, RECEIVE)][0])
@@ -182,14 +182,14 @@ def fit_overheads(runs: Sequence[Run], *, fanout_s: float = 0.0,
                      checksum_bandwidth=_rate(sum_per_byte),
                      link_efficiency=min(1.0, max(efficiency)) or 1.0, fanout_s=fanout_s,
                      stagger_s=_stagger(runs) if stagger else 0.0)
-    two_hops = statistics.median(g for run in runs for g in _hop_gaps(run, base))
+    two_hops = statistics.median(g for run in runs for g in hop_gaps(run, base))
     step = statistics.median(_queued_gaps(runs, two_hops) or [0.0])
     base = replace(base, step_s=step, control_s=max(0.0, (two_hops - step) / 2))
     base = replace(base, flow_penalty=_fit_by_ewtt(runs, base, "flow_penalty", MAX_PENALTY))
     return replace(base, write_s=_fit_by_ewtt(runs, base, "write_s", MAX_WRITE_S))
 
 
-def _numbered(spans: Mapping, num_trainers: int) -> dict[int, list]:
+def spans_by_worker(spans: Mapping, num_trainers: int) -> dict[int, list]:
     """Worker number (trainers first) -> its spans in seconds, by start."""
     return {(rank if side == "trainer" else num_trainers + rank):
             sorted(((st, r, a / 1e9, b / 1e9) for st, r, a, b in ss), key=lambda x: x[2])
@@ -222,7 +222,7 @@ def _best_link_rate(run: Run, steps: dict, spans: Mapping) -> float:
     node = [p.node for p in list(plan.trainers) + list(plan.rollouts)]
     busy: dict[tuple[str, str], list] = {}
     moved: dict[tuple[str, str], int] = {}
-    for w, ss in _numbered(spans, T).items():
+    for w, ss in spans_by_worker(spans, T).items():
         for stage, r, start, end in ss:
             if stage not in WRITE_STAGES or WRITE_STAGES[stage] == INTERNAL:
                 continue
@@ -263,7 +263,7 @@ def step_starts(spans: Mapping, num_trainers: int) -> dict[tuple[str, int], list
     """(stage, round) -> sorted [(start, worker)] of the rollouts' forward ("external") and
     assemble spans of one update: when each worker of a step began it."""
     out: dict[tuple[str, int], list] = {}
-    for w, ss in _numbered(spans, num_trainers).items():
+    for w, ss in spans_by_worker(spans, num_trainers).items():
         if w >= num_trainers:
             for stage, r, start, _ in ss:
                 if stage in ("external", "assemble"):
@@ -278,16 +278,16 @@ def _stagger(runs: Sequence[Run]) -> float:
     return statistics.median(per) if per else 0.0
 
 
-def _hop_gaps(run: Run, oh: Overheads) -> list[float]:
+def hop_gaps(run: Run, oh: Overheads) -> list[float]:
     """Reply-to-next-step gaps seen on rollouts, less their checksum time, their stagger (the
     k-th of a step to start: k stagger) and the fanout of the step before (its workers: the
     trainers before a forward, the rollouts before a land after a forward): two messages and
     a step each."""
-    steps, T = _steps(run.plan), len(run.plan.trainers)
+    steps, T = plan_steps(run.plan), len(run.plan.trainers)
     R = len(run.plan.rollouts)
     out = []
     for spans in run.updates():
-        by = _numbered(spans, T)
+        by = spans_by_worker(spans, T)
         nth = {(key, w): k for key, v in step_starts(spans, T).items()
                for k, (_, w) in enumerate(v)}
         ends: dict[tuple[int, str], float] = {}
@@ -323,7 +323,7 @@ def _queued_gaps(runs: Sequence[Run], two_hops: float) -> list[float]:
     for run in runs:
         T = len(run.plan.trainers)
         for spans in run.updates():
-            by = _numbered(spans, T)
+            by = spans_by_worker(spans, T)
             assembled: dict[int, float] = {}
             for w, ss in by.items():
                 for stage, r, _, end in ss:

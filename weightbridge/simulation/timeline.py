@@ -3,7 +3,7 @@
 The no-overhead model of `simulate` charges each round only its busiest link. This one replays
 what an update does (`weightbridge.coordination.sequencer`, `session.ControlSteps`,
 `worker.TransferWorker`), with measured costs (`Overheads`, fitted by
-`weightbridge.planning.calibrate`):
+`weightbridge.simulation.calibrate`):
 
     send(r)    issued once round r - depth landed and send(r - 1) was issued; on every trainer,
                in order (one thread serves a trainer's sends): control message, step cost,
@@ -30,7 +30,7 @@ Links are shared max-min fairly (TCP-like) by the writes in flight: each worker'
 scaled by `Overheads.link_efficiency`, one direction each; INTERNAL writes use NVLink
 (`Cluster.intra_node_bandwidth` per worker, each direction). A shaped link with a token
 bucket (`Cluster.link_burst_bytes`, the emulated cluster's `tc tbf`) sends that many bytes
-unshaped after idling (`weightbridge.planning.fluid`). EWTT runs from the first pack to
+unshaped after idling (`weightbridge.simulation.fluid`). EWTT runs from the first pack to
 the last assemble (or write), as `controller.timing` measures it.
 
 Typical usage::
@@ -49,7 +49,7 @@ from functools import partial
 
 import numpy as np
 
-from weightbridge.planning.fluid import FluidNetwork
+from weightbridge.simulation.fluid import FluidNetwork
 from weightbridge.planning.route import EXTERNAL, INTERNAL, RECEIVE
 from weightbridge.types import QUANT_DTYPE, dtype_itemsize
 
@@ -162,7 +162,7 @@ class _Update:
             self.cpus = FluidNetwork(np.concatenate([np.ones(self.W + 1),
                                                      [cluster.shared_cpus]]),
                                      np.zeros(self.W + 2, dtype=bool), 0.0)
-        self.steps = _steps(plan)
+        self.steps = plan_steps(plan)
         self.active = {(r, stage) for (_, r, stage) in self.steps if stage != "land"}
         self.heap: list = []
         self.seq = 0
@@ -353,7 +353,7 @@ class _Join:
             self.then()
 
 
-def _steps(plan) -> dict:
+def plan_steps(plan) -> dict:
     """(worker, round, stage) -> (bytes packed, [(stage, dst, bytes)] one write per peer);
     (rollout, round, "land") -> bytes received. From the plan's tables, no worker plans."""
     t = plan.tables

@@ -34,7 +34,8 @@ import numpy as np
 from weightbridge.config import DEFAULT_DEPTH
 from weightbridge.planning.plan import TransferPlan
 from weightbridge.planning.route import INTERNAL
-from weightbridge.planning.timeline import Overheads, timeline_ewtt
+from weightbridge.planning.ideal import eq1
+from weightbridge.simulation.timeline import Overheads, timeline_ewtt
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,7 +63,7 @@ class Cluster:
     shared_cpus: float = 0.0
     """CPU cores that every worker's steps and the controller's sends share: the emulated
     cluster runs all its hosts' procs on one machine (`os.cpu_count()` there); 0: every proc
-    its own CPU (a real cluster). The calibrated model only (`weightbridge.planning.timeline`)."""
+    its own CPU (a real cluster). The calibrated model only (`weightbridge.simulation.timeline`)."""
 
     def __post_init__(self) -> None:
         if (self.gpus_per_node < 1 or self.inter_node_bandwidth <= 0
@@ -109,9 +110,9 @@ def simulate(plan: TransferPlan, cluster: Cluster, *, overheads: Overheads | Non
     """Simulated EWTT of ``plan`` on ``cluster``, with the ideal and the two baselines.
 
     Keyword Args:
-        overheads: Measured step costs (`weightbridge.planning.calibrate.fit_overheads`):
+        overheads: Measured step costs (`weightbridge.simulation.calibrate.fit_overheads`):
             EWTT then comes from the event-driven model of an update
-            (`weightbridge.planning.timeline`); None: the no-overhead pipelined model.
+            (`weightbridge.simulation.timeline`); None: the no-overhead pipelined model.
         depth: Round arenas per worker (`TransferConfig.depth`); the calibrated model only.
     """
     ewtt = (_pipelined(plan, cluster) if overheads is None else
@@ -125,26 +126,6 @@ def ideal_ewtt(plan: TransferPlan, cluster: Cluster) -> float:
     """Eq. (1): max(M / B_T, max over rollout nodes v of M_v / B_v)."""
     bw = cluster.inter_node_bandwidth
     return eq1(plan, trainer_node_bandwidth=bw, rollout_node_bandwidth=bw)
-
-
-def eq1(plan: TransferPlan, *, trainer_node_bandwidth: float,
-        rollout_node_bandwidth: float) -> float:
-    """Eq. (1) with separate link rates (bytes/s): trainer-node egress, rollout-node ingress.
-
-    M / B_T with B_T = trainer nodes x ``trainer_node_bandwidth``; M_v (the unique bytes the
-    workers of rollout node v need) / ``rollout_node_bandwidth`` for every rollout node.
-    """
-    if trainer_node_bandwidth <= 0 or rollout_node_bandwidth <= 0:
-        raise ValueError(f"bandwidths must be positive, got {trainer_node_bandwidth} and "
-                         f"{rollout_node_bandwidth} bytes/s")
-    corr = plan.correspondence
-    trainer_nodes = len({p.node for p in plan.trainers})
-    node_need: dict[str, int] = {}
-    for o in corr.overlaps:
-        for node in {plan.rollouts[w].node for w in o.needers}:
-            node_need[node] = node_need.get(node, 0) + o.nbytes
-    return max(corr.nbytes / (trainer_nodes * trainer_node_bandwidth),
-               max(node_need.values(), default=0) / rollout_node_bandwidth)
 
 
 def _pipelined(plan: TransferPlan, cluster: Cluster) -> float:
