@@ -33,7 +33,8 @@ from typing import Callable, Iterator, NoReturn
 
 import torch
 
-from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
+from weightbridge.discovery.boxes import (Boxes, TensorIndex, box_to_pieces, group_boxes,
+                                          run_box)
 from weightbridge.discovery.codec import (NO_SOURCE, Alphabet, alphabet, cast_alphabet,
                                           digits_to_values)
 from weightbridge.discovery.diagnose import source_tensor
@@ -43,7 +44,8 @@ from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantiz
 from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, checked_params,
                                            in_memory_order, threads, torch_dtype,
                                            with_threads)
-from weightbridge.discovery.runs import CHUNK, PassRuns, Rings, Runs, merge_passes, scan_pass
+from weightbridge.discovery.runs import (CHUNK, PassRuns, Rings, Runs, merge_passes, one_run,
+                                         scan_pass)
 from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
@@ -182,11 +184,16 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         alpha = alpha_of(p.dtype)
         dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
         row = dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
-        runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]], bases, row)
+        moduli = alpha.moduli[:num_passes[p.dtype]]
+        one = one_run(scans[name], moduli, bases)
+        if one is not None:  # one slice-copy: its box directly, no per-row runs to group
+            pieces += _pieces(name, run_box(*one, p.numel(), row), tindex)
+            continue
+        runs = merge_passes(scans[name], moduli, bases, row)
         bad = _check_decoded(name, p, runs, tindex)
         if bad:
             refuse(bad)
-        pieces += _pieces(name, tuple(p.shape), runs, tindex)
+        pieces += _pieces(name, group_boxes(runs, tuple(p.shape)), tindex)
         hole = runs.index < 0
         if hole.any():
             unsourced.append((name, int(runs.length[hole].sum())))
@@ -334,8 +341,7 @@ def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
-def _pieces(name: str, shape: tuple[int, ...], runs: Runs, tindex: TensorIndex) -> list[Piece]:
-    boxes = group_boxes(runs, shape)
+def _pieces(name: str, boxes: Boxes, tindex: TensorIndex) -> list[Piece]:
     out: list[Piece] = []
     rows = zip(boxes.pos.tolist(), boxes.index.tolist(), boxes.shape.tolist(),
                boxes.cstride.tolist(), boxes.pstride.tolist())

@@ -341,6 +341,32 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.T
     return _join_continued(_cut_at_rows(runs, row), bases, row)
 
 
+def one_run(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor
+            ) -> tuple[int, int] | None:
+    """(first index, index step) of a parameter that is one slice-copy from inside one
+    checkpoint tensor: every pass one sourced run of a non-zero step (a row-sharded or whole
+    weight, every chunk of it on the scan's fast path). None otherwise: `merge_passes` then
+    decodes it, and refuses what is outside the checkpoint. What `merge_passes` would find for
+    such a parameter, without its per-row runs (`boxes.run_box` is what grouping them
+    gives)."""
+    n = passes[0].numel
+    if n < 2 or any(p.start.numel() != 1 for p in passes):
+        return None
+    digits = [int(p.digit[0]) for p in passes]
+    if NO_SOURCE in digits:
+        return None
+    total = math.prod(moduli)
+    index = int(crt([torch.tensor([d]) for d in digits], moduli)[0])
+    stride = int(crt([p.stride[:1] for p in passes], moduli)[0])
+    stride = stride - total if stride > total // 2 else stride
+    last = index + stride * (n - 1)
+    end = int(bases[-1])
+    if not stride or not (0 <= index < end and 0 <= last < end):
+        return None
+    tensor = torch.searchsorted(bases, torch.tensor([index, last]), right=True)
+    return (index, stride) if int(tensor[0]) == int(tensor[1]) else None
+
+
 def _cut_at_rows(r: Runs, row: int) -> Runs:
     """Cut runs at multiples of ``row`` elements (parameter row boundaries)."""
     first_row = r.start // row
