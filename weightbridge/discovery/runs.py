@@ -189,10 +189,11 @@ class Rings:
         ring = self._rings.pop(key, None)
         if ring is None or ring.size < modulus + size:
             length = modulus + min(1 << (size - 1).bit_length(), CHUNK + 2)
-            # int32 is exact: both factors are below the modulus, and MAX_RING_MODULUS**2 < 2**31.
-            digits = np.arange(length, dtype=np.int32) % modulus * s % modulus
-            ring = (digits + alpha.first_normal).astype(
-                torch.empty(0, dtype=alpha.bits_dtype).numpy().dtype)
+            # One period, then tiled: the ring repeats with the modulus. int32 is exact: both
+            # factors are below the modulus, and MAX_RING_MODULUS**2 < 2**31.
+            digits = np.arange(modulus, dtype=np.int32) * s % modulus
+            ring = np.resize((digits + alpha.first_normal).astype(
+                torch.empty(0, dtype=alpha.bits_dtype).numpy().dtype), length)
         if len(self._rings) >= MAX_RINGS:
             self._rings.pop(next(iter(self._rings)))
         self._rings[key] = ring  # (re-inserted: the oldest used goes first)
