@@ -40,3 +40,28 @@ def test_an_unknown_step_is_refused_before_anything_runs():
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "unknown step(s) prob" in out.stderr and "choose from" in out.stderr
+
+
+def test_interpreter_rows_get_no_verdict():
+    lines = gpu_check.kernel_verdicts(ROWS, judged=False)
+    assert len(lines) == 4 and all(ln.endswith("| interpreter: no verdict") for ln in lines)
+
+
+def test_interpret_runs_the_checksum_and_probe_steps_on_the_cpu():
+    """--interpret: the steps' code paths with no GPU (here: this venv's torch and triton; the
+    docs' prepared command runs it under a GPU machine's torch 2.11 and triton 3.6)."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "checksum,probe",
+                          "--interpret", "--probe-gib", "0.01"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(ln.startswith("gpu-check: checksum:    1 MiB") for ln in lines)
+    assert any(ln.startswith("gpu-check: probe: 1-layer rank") and "CPU parameters" in ln
+               for ln in lines)
+    assert lines[-1] == "gpu-check: 2 of 2 steps passed"
+
+
+def test_interpret_refuses_the_mesh_step_before_anything_runs():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "probe,mesh",
+                          "--interpret"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--interpret runs no mesh step" in out.stderr
