@@ -206,14 +206,11 @@ STEP_RUNNERS = {"triton": _triton, "kernels": _kernels, "checksum": _checksum,
 
 
 def _timed_ms(fn, repeats: int = 10, device: str = "cuda") -> float:
-    fn()
     if device != "cuda":  # --interpret: wall clock
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return sorted(times)[len(times) // 2]
+        from bench_kernels_gpu import perf_counter_ms
+
+        return perf_counter_ms(fn, repeats)
+    fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):

@@ -47,6 +47,7 @@ def test_interpreter_rows_get_no_verdict():
     assert len(lines) == 4 and all(ln.endswith("| interpreter: no verdict") for ln in lines)
 
 
+@pytest.mark.slow
 def test_interpret_runs_the_checksum_and_probe_steps_on_the_cpu():
     """--interpret: the steps' code paths with no GPU (here: this venv's torch and triton; the
     docs' prepared command runs it under a GPU machine's torch 2.11 and triton 3.6)."""
