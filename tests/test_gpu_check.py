@@ -66,3 +66,14 @@ def test_interpret_refuses_the_mesh_step_before_anything_runs():
     out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "probe,mesh",
                           "--interpret"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--interpret runs no mesh step" in out.stderr
+
+
+def test_a_step_past_its_limit_fails_with_what_it_printed(monkeypatch, capsys):
+    """A step stopped at its limit hands back its output as bytes even with text=True: the
+    check reports it (it raised TypeError concatenating bytes and str)."""
+    monkeypatch.setitem(gpu_check.BUDGET_S, "checksum", 1)
+    ok, text = gpu_check._run("checksum", [sys.executable, "-c",
+                                           "import time; print('started', flush=True); "
+                                           "time.sleep(30)"])
+    assert not ok and "started" in text
+    assert "checksum: FAILED (did not finish within 1 s)" in capsys.readouterr().out
