@@ -226,6 +226,7 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
     """The index passes: (live parameters, per parameter its passes' runs)."""
     scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(), None)}
     shapes, rings, holes = None, Rings(), True
+    buffers: dict[torch.dtype, torch.Tensor] = {}  # each dtype's ring, rewritten every pass
     for k in range(max(num_passes.values())):
         if holes or not verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
@@ -233,7 +234,8 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
             # alone would decode wrongly, and the verification pass (which zeroes first)
             # refuses the map then; without that pass, every load is zeroed first.
             fill_zero(get())
-        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
+        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of,
+                                       buffers))
         live = checked_params(get(), shapes)
         shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
         for name, p in live.items():
@@ -296,13 +298,20 @@ def _refuse_quantized(bad: Bad) -> NoReturn:
 
 def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
                       dtypes: dict[str, torch.dtype], num_passes: dict[torch.dtype, int],
-                      k: int, alpha_of: Callable[[torch.dtype], Alphabet]
+                      k: int, alpha_of: Callable[[torch.dtype], Alphabet],
+                      buffers: dict[torch.dtype, torch.Tensor]
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass k's checkpoint: element g of the concatenated checkpoint holds digit g mod p_k.
 
     For 8- and 16-bit alphabets the digits repeat with period p_k, so every tensor is a view
     into one ring of p_k + (largest tensor) values: the pass costs one ring, not one checkpoint.
-    A tensor of another dtype than its alphabet's holds the same values in its own dtype.
+    A tensor of another dtype than its alphabet's holds the same values in its own dtype. The
+    ring is written into ``buffers[dtype]``, kept from pass to pass (moduli only shrink): a
+    fresh one each pass cost about one more plain load of a small rank in page faults. A
+    loader that made the last pass's views its parameters sees them rewritten when it asks
+    for this pass's first tensor; it replaces them in this pass, or the parameters it leaves
+    alone decode wrongly and the verification pass refuses the map (as for any element a pass
+    leaves alone).
     """
     rings: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
     for t, base in zip(spec.tensors, tindex.bases):
@@ -314,16 +323,22 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
             continue
         if dtype not in rings:
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            ring = _tiled(_encoded(0, p, alpha, p), p + largest).to(dtype)
-            rings[dtype] = (ring, p)
+            buf = buffers.get(dtype)
+            if buf is None or buf.numel() < p + largest:
+                buf = buffers[dtype] = torch.empty(p + largest, dtype=dtype)
+            rings[dtype] = (_tile_into(buf[:p + largest], _encoded(0, p, alpha, p)), p)
         ring, _ = rings[dtype]
         start = base % p
         yield t.name, ring[start:start + t.numel].view(t.shape)
 
 
-def _tiled(period: torch.Tensor, length: int) -> torch.Tensor:
-    """``length`` elements repeating ``period`` (one memcpy-speed pass)."""
-    return period.repeat(-(-length // period.numel()))[:length]
+def _tile_into(out: torch.Tensor, period: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with ``period`` repeated (converted to its dtype): one memcpy-speed pass."""
+    p, n = period.numel(), out.numel()
+    reps = n // p
+    out[:reps * p].view(reps, p).copy_(period.expand(reps, p))
+    out[reps * p:].copy_(period[:n - reps * p])
+    return out
 
 
 def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
