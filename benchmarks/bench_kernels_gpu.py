@@ -55,7 +55,7 @@ def main() -> int:
 
     device = args.device
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    median_ms = _do_bench if device == "cuda" else _perf_counter_ms
+    median_ms = _do_bench if device == "cuda" else perf_counter_ms
     print(f"{name}, torch {torch.__version__}, "
           f"triton {triton.__version__}, round {args.round_mib} MiB, link {args.link_gbps} Gb/s")
     rounds = [(f"{size >> 10} KB regions" if size < (1 << 20) else f"{size >> 20} MB regions",
@@ -128,7 +128,9 @@ def _do_bench(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-def _perf_counter_ms(fn, repeats: int = 3) -> float:
+def perf_counter_ms(fn, repeats: int = 3) -> float:
+    """Median wall-clock milliseconds of ``repeats`` calls (CPU runs: this script's smoke test,
+    `gpu_check.py --interpret`)."""
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -5,6 +5,8 @@
     .venv/bin/python benchmarks/bench_probe.py --layers 2 --device emulated-cuda
     .venv/bin/python benchmarks/bench_probe.py --sweep    # the scaling table (probe_sweep)
     .venv/bin/python benchmarks/bench_probe.py --restart  # cached maps: restart connect time
+    .venv/bin/python benchmarks/bench_probe.py --tiny --wbridge-path /tmp/wbridge
+                                                # tiny loaders: ours against wbridge 0.1.0
 
 Prints, measured in one run: probe time / one plain load_weights call (target <= 6), peak extra
 memory during the probe / parameter bytes (target <= 1.0), source-map bytes (target <= 1 MB) and
@@ -33,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import load  # noqa: E402
 from benchmarks.probe_restart import run_restart  # noqa: E402
 from benchmarks.probe_sweep import HEADER, PeakRss, measure, run_sweep  # noqa: E402
+from benchmarks.probe_tiny import measure as measure_tiny  # noqa: E402
+from benchmarks.probe_tiny import run_tiny  # noqa: E402
 from meshes.qwen3_moe import MoEConfig, RolloutShard, checkpoint_spec
 from weightbridge import TransferConfig, extract_source_map
 from weightbridge.config import TRAINER_RESTORES
@@ -54,11 +58,26 @@ def main() -> None:
     parser.add_argument("--restart", action="store_true",
                         help="first and restart connect of a controller run (probe_restart)")
     parser.add_argument("--model", default="small", help="--restart: the demo model size")
+    parser.add_argument("--tiny", action="store_true",
+                        help="tiny loaders: ours against wbridge 0.1.0's probe (probe_tiny)")
+    parser.add_argument("--wbridge-path", help="--tiny: a folder holding the wbridge package "
+                        "(pip install --target DIR wbridge==0.1.0 --no-deps)")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # one sweep row: device,mib,tp
+    parser.add_argument("--tiny-row", help=argparse.SUPPRESS)  # one tiny row: impl,loader
     args = parser.parse_args()
     if args.row:
         device, mib, tp = args.row.split(",")
         print("ROW " + json.dumps(measure(device, float(mib), int(tp))))
+        return
+    if args.tiny_row:
+        impl, kind = args.tiny_row.split(",")
+        print("ROW " + json.dumps(measure_tiny(impl, kind)))
+        return
+    if args.tiny:
+        print(f"load before: {load()}")
+        for line in run_tiny(__file__, args.wbridge_path):
+            print(line)
+        print(f"load after: {load()}")
         return
     if args.restart:
         print(f"load before: {load()}")

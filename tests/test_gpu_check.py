@@ -40,3 +40,40 @@ def test_an_unknown_step_is_refused_before_anything_runs():
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "unknown step(s) prob" in out.stderr and "choose from" in out.stderr
+
+
+def test_interpreter_rows_get_no_verdict():
+    lines = gpu_check.kernel_verdicts(ROWS, judged=False)
+    assert len(lines) == 4 and all(ln.endswith("| interpreter: no verdict") for ln in lines)
+
+
+@pytest.mark.slow
+def test_interpret_runs_the_checksum_and_probe_steps_on_the_cpu():
+    """--interpret: the steps' code paths with no GPU (here: this venv's torch and triton; the
+    docs' prepared command runs it under a GPU machine's torch 2.11 and triton 3.6)."""
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "checksum,probe",
+                          "--interpret", "--probe-gib", "0.01"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert any(ln.startswith("gpu-check: checksum:    1 MiB") for ln in lines)
+    assert any(ln.startswith("gpu-check: probe: 1-layer rank") and "CPU parameters" in ln
+               for ln in lines)
+    assert lines[-1] == "gpu-check: 2 of 2 steps passed"
+
+
+def test_interpret_refuses_the_mesh_step_before_anything_runs():
+    out = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "probe,mesh",
+                          "--interpret"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--interpret runs no mesh step" in out.stderr
+
+
+def test_a_step_past_its_limit_fails_with_what_it_printed(monkeypatch, capsys):
+    """A step stopped at its limit hands back its output as bytes even with text=True: the
+    check reports it (it raised TypeError concatenating bytes and str)."""
+    monkeypatch.setitem(gpu_check.BUDGET_S, "checksum", 1)
+    ok, text = gpu_check._run("checksum", [sys.executable, "-c",
+                                           "import time; print('started', flush=True); "
+                                           "time.sleep(30)"])
+    assert not ok and "started" in text
+    assert "checksum: FAILED (did not finish within 1 s)" in capsys.readouterr().out

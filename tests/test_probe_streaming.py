@@ -9,6 +9,8 @@ own steps on one torch thread and gives the loader, and the caller, their own.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -149,3 +151,48 @@ def test_a_loader_that_skips_an_element_in_a_later_pass_is_refused():
                 param.copy_(t)
     with pytest.raises(LayoutError):
         extract_source_map({"w": param}, load_weights, spec)
+
+
+@pytest.mark.parametrize("shape,index,stride", [
+    ((4, 8), 0, 1), ((4, 8), 100, 1), ((1, 32), 7, 1), ((32,), 3, 2), ((3, 1, 5), 50, 3),
+    ((2, 3, 4), 200, -1), ((6, 4), 40, 16), ((2, 2), 999, -7), ((5, 7), 60, 1)])
+def test_a_one_run_parameter_gets_the_box_grouping_its_rows_finds(shape, index, stride):
+    """`one_run` and `run_box` skip the per-row runs of a parameter that is one slice-copy:
+    they must give the box that `merge_passes` and `group_boxes` find for it."""
+    from weightbridge.discovery.boxes import group_boxes, run_box
+    from weightbridge.discovery.codec import alphabet
+
+    moduli = alphabet(torch.bfloat16).moduli[:2]
+    bases = torch.tensor([0, 1000, 2000])
+    numel = math.prod(shape)
+    passes = [runs.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
+                            torch.tensor([stride % m]), numel) for m in moduli]
+    dims = [d for d in shape if d > 1]
+    row = dims[-1] if len(dims) >= 2 else numel
+    one = runs.one_run(passes, moduli, bases)
+    assert one == (index, stride)
+    want = group_boxes(runs.merge_passes(passes, moduli, bases, row), shape)
+    got = run_box(*one, numel, row)
+    assert all(torch.equal(getattr(got, f), getattr(want, f))
+               for f in ("pos", "index", "shape", "cstride", "pstride"))
+
+
+@pytest.mark.parametrize("index,stride", [(990, 1), (5, -1), (2999, 1), (0, 0)])
+def test_a_run_that_crosses_or_leaves_the_tensors_is_decoded_the_general_way(index, stride):
+    """Crossing a tensor boundary, leaving the checkpoint or a step of zero: no shortcut
+    (`merge_passes` cuts the run or the probe refuses it)."""
+    from weightbridge.discovery.codec import alphabet
+
+    moduli = alphabet(torch.bfloat16).moduli[:2]
+    passes = [runs.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
+                            torch.tensor([stride % m]), 32) for m in moduli]
+    assert runs.one_run(passes, moduli, torch.tensor([0, 1000, 2000])) is None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_one_run_shortcut_finds_the_general_paths_map(case, monkeypatch):
+    from weightbridge.discovery import probe
+
+    fast = _map(case)
+    monkeypatch.setattr(probe, "one_run", lambda *a: None)
+    assert _map(case) == fast

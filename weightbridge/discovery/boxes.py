@@ -57,6 +57,19 @@ def group_boxes(runs: Runs, shape: tuple[int, ...]) -> Boxes:
     return b
 
 
+def run_box(index: int, stride: int, numel: int, row: int) -> Boxes:
+    """`group_boxes` of one run (`runs.one_run`) of a parameter's ``numel`` elements cut at
+    rows of ``row``: one box of its rows (or of its one row), built directly."""
+    def box(*dims: tuple[int, int, int]) -> Boxes:
+        return Boxes(torch.tensor([0]), torch.tensor([index]),
+                     torch.tensor([[n for n, _, _ in dims]]),
+                     torch.tensor([[c for _, c, _ in dims]]),
+                     torch.tensor([[p for _, _, p in dims]]))
+    if numel <= row:
+        return box((numel, stride, 1))
+    return box((numel // row, stride * row, row), (row, stride, 1))
+
+
 def _group_level(b: Boxes, period: int | None = None) -> Boxes:
     """One level of grouping, over neighbours in parameter order or, with ``period``, in the
     order (position mod period, position). Returns ``b`` itself when nothing groups."""

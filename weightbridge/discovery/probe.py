@@ -33,7 +33,8 @@ from typing import Callable, Iterator, NoReturn
 
 import torch
 
-from weightbridge.discovery.boxes import TensorIndex, box_to_pieces, group_boxes
+from weightbridge.discovery.boxes import (Boxes, TensorIndex, box_to_pieces, group_boxes,
+                                          run_box)
 from weightbridge.discovery.codec import (NO_SOURCE, Alphabet, alphabet, cast_alphabet,
                                           digits_to_values)
 from weightbridge.discovery.diagnose import source_tensor
@@ -43,7 +44,8 @@ from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantiz
 from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, checked_params,
                                            in_memory_order, threads, torch_dtype,
                                            with_threads)
-from weightbridge.discovery.runs import CHUNK, PassRuns, Rings, Runs, merge_passes, scan_pass
+from weightbridge.discovery.runs import (CHUNK, PassRuns, Rings, Runs, merge_passes, one_run,
+                                         scan_pass)
 from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
@@ -182,11 +184,16 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         alpha = alpha_of(p.dtype)
         dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
         row = dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
-        runs = merge_passes(scans[name], alpha.moduli[:num_passes[p.dtype]], bases, row)
+        moduli = alpha.moduli[:num_passes[p.dtype]]
+        one = one_run(scans[name], moduli, bases)
+        if one is not None:  # one slice-copy: its box directly, no per-row runs to group
+            pieces += _pieces(name, run_box(*one, p.numel(), row), tindex)
+            continue
+        runs = merge_passes(scans[name], moduli, bases, row)
         bad = _check_decoded(name, p, runs, tindex)
         if bad:
             refuse(bad)
-        pieces += _pieces(name, tuple(p.shape), runs, tindex)
+        pieces += _pieces(name, group_boxes(runs, tuple(p.shape)), tindex)
         hole = runs.index < 0
         if hole.any():
             unsourced.append((name, int(runs.length[hole].sum())))
@@ -219,6 +226,7 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
     """The index passes: (live parameters, per parameter its passes' runs)."""
     scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(), None)}
     shapes, rings, holes = None, Rings(), True
+    buffers: dict[torch.dtype, torch.Tensor] = {}  # each dtype's ring, rewritten every pass
     for k in range(max(num_passes.values())):
         if holes or not verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
@@ -226,7 +234,8 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
             # alone would decode wrongly, and the verification pass (which zeroes first)
             # refuses the map then; without that pass, every load is zeroed first.
             fill_zero(get())
-        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of))
+        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of,
+                                       buffers))
         live = checked_params(get(), shapes)
         shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
         for name, p in live.items():
@@ -289,13 +298,20 @@ def _refuse_quantized(bad: Bad) -> NoReturn:
 
 def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
                       dtypes: dict[str, torch.dtype], num_passes: dict[torch.dtype, int],
-                      k: int, alpha_of: Callable[[torch.dtype], Alphabet]
+                      k: int, alpha_of: Callable[[torch.dtype], Alphabet],
+                      buffers: dict[torch.dtype, torch.Tensor]
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass k's checkpoint: element g of the concatenated checkpoint holds digit g mod p_k.
 
     For 8- and 16-bit alphabets the digits repeat with period p_k, so every tensor is a view
     into one ring of p_k + (largest tensor) values: the pass costs one ring, not one checkpoint.
-    A tensor of another dtype than its alphabet's holds the same values in its own dtype.
+    A tensor of another dtype than its alphabet's holds the same values in its own dtype. The
+    ring is written into ``buffers[dtype]``, kept from pass to pass (moduli only shrink): a
+    fresh one each pass cost about one more plain load of a small rank in page faults. A
+    loader that made the last pass's views its parameters sees them rewritten when it asks
+    for this pass's first tensor; it replaces them in this pass, or the parameters it leaves
+    alone decode wrongly and the verification pass refuses the map (as for any element a pass
+    leaves alone).
     """
     rings: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
     for t, base in zip(spec.tensors, tindex.bases):
@@ -307,16 +323,22 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
             continue
         if dtype not in rings:
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            ring = _tiled(_encoded(0, p, alpha, p), p + largest).to(dtype)
-            rings[dtype] = (ring, p)
+            buf = buffers.get(dtype)
+            if buf is None or buf.numel() < p + largest:
+                buf = buffers[dtype] = torch.empty(p + largest, dtype=dtype)
+            rings[dtype] = (_tile_into(buf[:p + largest], _encoded(0, p, alpha, p)), p)
         ring, _ = rings[dtype]
         start = base % p
         yield t.name, ring[start:start + t.numel].view(t.shape)
 
 
-def _tiled(period: torch.Tensor, length: int) -> torch.Tensor:
-    """``length`` elements repeating ``period`` (one memcpy-speed pass)."""
-    return period.repeat(-(-length // period.numel()))[:length]
+def _tile_into(out: torch.Tensor, period: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with ``period`` repeated (converted to its dtype): one memcpy-speed pass."""
+    p, n = period.numel(), out.numel()
+    reps = n // p
+    out[:reps * p].view(reps, p).copy_(period.expand(reps, p))
+    out[reps * p:].copy_(period[:n - reps * p])
+    return out
 
 
 def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:
@@ -334,8 +356,7 @@ def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tenso
 # --------------------------------------------------------------------------------------------
 
 
-def _pieces(name: str, shape: tuple[int, ...], runs: Runs, tindex: TensorIndex) -> list[Piece]:
-    boxes = group_boxes(runs, shape)
+def _pieces(name: str, boxes: Boxes, tindex: TensorIndex) -> list[Piece]:
     out: list[Piece] = []
     rows = zip(boxes.pos.tolist(), boxes.index.tolist(), boxes.shape.tolist(),
                boxes.cstride.tolist(), boxes.pstride.tolist())

@@ -189,10 +189,11 @@ class Rings:
         ring = self._rings.pop(key, None)
         if ring is None or ring.size < modulus + size:
             length = modulus + min(1 << (size - 1).bit_length(), CHUNK + 2)
-            # int32 is exact: both factors are below the modulus, and MAX_RING_MODULUS**2 < 2**31.
-            digits = np.arange(length, dtype=np.int32) % modulus * s % modulus
-            ring = (digits + alpha.first_normal).astype(
-                torch.empty(0, dtype=alpha.bits_dtype).numpy().dtype)
+            # One period, then tiled: the ring repeats with the modulus. int32 is exact: both
+            # factors are below the modulus, and MAX_RING_MODULUS**2 < 2**31.
+            digits = np.arange(modulus, dtype=np.int32) * s % modulus
+            ring = np.resize((digits + alpha.first_normal).astype(
+                torch.empty(0, dtype=alpha.bits_dtype).numpy().dtype), length)
         if len(self._rings) >= MAX_RINGS:
             self._rings.pop(next(iter(self._rings)))
         self._rings[key] = ring  # (re-inserted: the oldest used goes first)
@@ -339,6 +340,32 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.T
     index = torch.where(ok, index, NO_SOURCE)
     runs = _split_at_tensors(Runs(starts, length, index, stride), bases)
     return _join_continued(_cut_at_rows(runs, row), bases, row)
+
+
+def one_run(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor
+            ) -> tuple[int, int] | None:
+    """(first index, index step) of a parameter that is one slice-copy from inside one
+    checkpoint tensor: every pass one sourced run of a non-zero step (a row-sharded or whole
+    weight, every chunk of it on the scan's fast path). None otherwise: `merge_passes` then
+    decodes it, and refuses what is outside the checkpoint. What `merge_passes` would find for
+    such a parameter, without its per-row runs (`boxes.run_box` is what grouping them
+    gives)."""
+    n = passes[0].numel
+    if n < 2 or any(p.start.numel() != 1 for p in passes):
+        return None
+    digits = [int(p.digit[0]) for p in passes]
+    if NO_SOURCE in digits:
+        return None
+    total = math.prod(moduli)
+    index = int(crt([torch.tensor([d]) for d in digits], moduli)[0])
+    stride = int(crt([p.stride[:1] for p in passes], moduli)[0])
+    stride = stride - total if stride > total // 2 else stride
+    last = index + stride * (n - 1)
+    end = int(bases[-1])
+    if not stride or not (0 <= index < end and 0 <= last < end):
+        return None
+    tensor = torch.searchsorted(bases, torch.tensor([index, last]), right=True)
+    return (index, stride) if int(tensor[0]) == int(tensor[1]) else None
 
 
 def _cut_at_rows(r: Runs, row: int) -> Runs:
