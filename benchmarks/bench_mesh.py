@@ -20,6 +20,7 @@ one round's stage, issue to all landed) with the ratio batched / per-range.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import statistics
 import sys
@@ -31,6 +32,7 @@ from controller.driver import MeshTransfer
 from meshes.qwen3_moe import SIZES, checkpoint_spec
 from meshes.spec import RolloutSpec, TrainerSpec
 from weightbridge import TransferConfig
+from weightbridge.planning.worker_plans import worker_plan
 from weightbridge.mesh.transport import configure_transport
 
 TRAINER = "nodes=1,gpus=4,tp=2,ep=2"
@@ -41,6 +43,18 @@ LAYOUTS = {
 
 
 WRITE_STAGES = ("receive", "external", "internal")
+
+
+def ranges_per_step(plan) -> str:
+    """How many byte ranges a write step of the plan writes (one worker, one round's stage)."""
+    counts = collections.Counter()
+    for worker in plan.workers:
+        for rnd in worker_plan(plan, worker).rounds:
+            for w in rnd.writes:
+                counts[(worker, rnd.index, w.stage)] += 1
+    n = sorted(counts.values())
+    return (f"{len(n)} write steps of {statistics.median(n):g} ranges (median; {n[0]}-{n[-1]})"
+            if n else "no write steps")
 
 
 def run_layout(label: str, rollout: str, args, procs, writes: str = "per-range",
@@ -55,7 +69,7 @@ def run_layout(label: str, rollout: str, args, procs, writes: str = "per-range",
         links = ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in mt.links.items())
         print(f"[{label}] connect {time.perf_counter() - t0:.1f}s, {plan.num_rounds} rounds, "
               f"{plan.correspondence.nbytes / 1e6:.1f} MB unique; links {links}; "
-              f"ideal EWTT {mt.ideal_s:.3f}s", flush=True)
+              f"ideal EWTT {mt.ideal_s:.3f}s; {ranges_per_step(plan)}", flush=True)
         ok = True
         for version in range(1, args.updates + 1):
             report = mt.update(version)
