@@ -93,23 +93,24 @@ def write(handle: RDMABuffer, src: torch.Tensor, *, timeout_s: int = 60):
     Returns a Monarch future; the write is sent eagerly. A receiver whose process is gone makes
     the write hang until ``timeout_s`` on the TCP fallback, so keep the timeout finite.
     """
+    _check_covers(handle, src)
+    return handle.write_from(src, timeout=timeout_s)
+
+
+def _check_covers(handle: RDMABuffer, src: torch.Tensor) -> None:
     if src.numel() != handle.size():
         raise ValueError(f"writing {src.numel()} bytes into a registered range of "
                          f"{handle.size()} bytes; writes must cover exactly one registered range")
-    return handle.write_from(src, timeout=timeout_s)
 
 
 def write_batch(pairs: Sequence[tuple[RDMABuffer, torch.Tensor]], *, timeout_s: int = 60):
     """Start writing every ``(handle, src)`` pair as one `RDMAAction`: one future for the batch,
     resolved once every range landed or failing with the first failed one's error; the whole
-    batch is bounded by ``timeout_s``. On the TCP fallback Monarch runs the ranges one after
-    another (per-range writes run at once), measured in `benchmarks/rdma_batch.py`."""
+    batch is bounded by ``timeout_s``. On the TCP fallback Monarch sends the ranges one after
+    another, where each `write` is a submission of its own (`benchmarks/rdma_batch.py`)."""
     action = RDMAAction()
     for handle, src in pairs:
-        if src.numel() != handle.size():
-            raise ValueError(f"writing {src.numel()} bytes into a registered range of "
-                             f"{handle.size()} bytes; writes must cover exactly one registered "
-                             f"range")
+        _check_covers(handle, src)  # before anything is submitted
         action.write_remote(handle, src)
     return action.submit(timeout=timeout_s)
 
