@@ -21,8 +21,9 @@ optimizer step) and call ``send_weights(v)``; the rollouts ``wait_for_version(v)
 With ``--modes`` (a comma list of sync, ss, rs, async, sync-delta, rs-delta, or "all") it
 measures memory per mode instead: one group per mode on the same procs, one after another
 (RSS is per process, so the modes must not overlap), each for ``--updates`` updates after
-``--warmup``, then closed. The delta modes send ``changed=`` a different third of the
-checkpoint tensors each update (rotating: every update re-plans). Printed per mode: each
+``--warmup``, then closed (once per way of ``--writes``: `TransferConfig.rdma_writes`).
+The delta modes send ``changed=`` a different third of the checkpoint tensors each update
+(rotating: every update re-plans). Printed per mode: each
 process's RSS growth per update (least squares over the samples), the largest of the
 rollouts' and the trainers', and the fds at the start and end of the mode; then, per
 trainer and rollout rank 0 and 1 (of the first engine), the peer calls per update it sent
@@ -201,6 +202,9 @@ def main() -> int:
     parser.add_argument("--check-every", type=int, default=100)
     parser.add_argument("--round-kib", type=int, default=256)
     parser.add_argument("--modes", help=f"memory per mode: a comma list of {MODES} or 'all'")
+    parser.add_argument("--writes", default="per-range",
+                        help="with --modes: TransferConfig.rdma_writes, or 'per-range,batched' "
+                             "to run each mode once per way")
     parser.add_argument("--trim", action="store_true",
                         help="malloc_trim(0) in each process before each memory sample")
     parser.add_argument("--trace", action="store_true",
@@ -299,15 +303,16 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
     try:
         trainers = tp.spawn("soak_trainer", SoakTrainer, args.model)
         rollouts = rp.spawn("soak_rollout", SoakRollout, args.model)
-        for mode in modes:
+        for mode, writes in [(m, w) for m in modes for w in args.writes.split(",")]:
+            name = mode if "," not in args.writes else f"{mode} {writes}"
             ss, rs = STAGING[mode.split("-")[0]]
             config = TransferConfig(round_bytes=args.round_kib << 10, timeout_s=60,
-                                    sender_staging=ss, receiver_staging=rs)
+                                    sender_staging=ss, receiver_staging=rs, rdma_writes=writes)
             group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
             try:
-                trainers.setup.call(mode, group).get()
-                rollouts.setup.call(mode, group).get()
-                trainers.connect.call(mode).get()
+                trainers.setup.call(name, group).get()
+                rollouts.setup.call(name, group).get()
+                trainers.connect.call(name).get()
                 held: dict[str, int] = {}
                 samples: list[tuple[int, dict]] = []
                 t0 = time.perf_counter()
@@ -316,8 +321,8 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                     changed = (thirds[v % 3] if mode.endswith("delta") and v > 1 else None)
                     held.update(dict.fromkeys(changed or names, weights))
                     check = v % args.check_every == 0
-                    received = rollouts.receive.call(mode, v, dict(held), check)
-                    trainers.send.call(mode, v, weights, changed).get()
+                    received = rollouts.receive.call(name, v, dict(held), check)
+                    trainers.send.call(name, v, weights, changed).get()
                     bad += sum(not ok for _, ok in received.get().items())
                     if v > args.warmup and ((v - args.warmup) % args.sample_every == 0
                                            or v == args.warmup + 1):
@@ -326,7 +331,7 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                             counted = _calls(trainers, rollouts)
                             trainers.heap_mark.call().get()
                             rollouts.heap_mark.call().get()
-                trainers.wait_idle.call(mode).get()
+                trainers.wait_idle.call(name).get()
                 wall = time.perf_counter() - t0
                 counted = {k: _minus(c, counted[k]) for k, c in
                            _calls(trainers, rollouts).items()}
@@ -335,18 +340,18 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                         if args.trace else {})
             finally:
                 group.close()
-                trainers.drop.call(mode).get()
-                rollouts.drop.call(mode).get()
+                trainers.drop.call(name).get()
+                rollouts.drop.call(name).get()
             xs = [v for v, _ in samples]
             growth = {k: 1024 * slope(xs, [s[k][0] for _, s in samples]) for k in samples[0][1]}
             for side in ("rollout", "trainer"):
-                worst[(mode, side)] = max(g for k, g in growth.items() if k[0] == side)
+                worst[(name, side)] = max(g for k, g in growth.items() if k[0] == side)
             per = "  ".join(f"{k[0][0]}{k[1]} {g:+.1f}" for k, g in sorted(growth.items()))
             fds = [s[k][1] for _, s in (samples[0], samples[-1]) for k in sorted(s)]
             half = len(fds) // 2
-            lines.append(f"{mode:>10}: RSS KB/update over updates {xs[0]}-{xs[-1]}: max rollout "
-                         f"{worst[(mode, 'rollout')]:+.1f}, max trainer "
-                         f"{worst[(mode, 'trainer')]:+.1f}  ({per}); fds {sum(fds[:half])} -> "
+            lines.append(f"{name:>10}: RSS KB/update over updates {xs[0]}-{xs[-1]}: max rollout "
+                         f"{worst[(name, 'rollout')]:+.1f}, max trainer "
+                         f"{worst[(name, 'trainer')]:+.1f}  ({per}); fds {sum(fds[:half])} -> "
                          f"{sum(fds[half:])} over all procs; {wall:.0f}s")
             n = xs[-1] - xs[0]
             for side, name in (("trainer", "t"), ("rollout", "r")):

@@ -76,8 +76,8 @@ class FlipsOneByte(LocalTransport):
 
     armed = False
 
-    def write(self, peer, key, src):
-        super().write(peer, key, src)
+    def write_range(self, peer, key, src):
+        super().write_range(peer, key, src)
         if self.armed and peer.index == 1 and peer.side == "rollout":
             self.armed = False
             index, offset, nbytes = key

@@ -139,3 +139,12 @@ def test_a_timeout_that_is_not_a_finite_bounded_number_is_refused(timeout_s):
     with pytest.raises(ValueError, match="timeout_s must be a number of seconds in"):
         TransferConfig(timeout_s=timeout_s)
     assert TransferConfig(timeout_s=MAX_TIMEOUT_S).timeout_s == MAX_TIMEOUT_S
+
+
+@pytest.mark.parametrize("writes", ["per-peer", "", None, True])
+def test_rdma_writes_other_than_per_range_or_batched_is_refused(writes):
+    """Issue 43, item 1: how a step's RDMA writes start is one of two named ways."""
+    with pytest.raises(ValueError, match="rdma_writes must be one of"):
+        TransferConfig(rdma_writes=writes)
+    assert {TransferConfig(rdma_writes=w).rdma_writes for w in ("per-range", "batched")} == {
+        "per-range", "batched"}

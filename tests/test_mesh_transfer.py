@@ -46,14 +46,33 @@ def procs():
 ], ids=["tp2ep2-to-tp2ep2", "tp2ep2-to-2xtp2", "ep4-to-2xep2", "dp2tp2-to-4xtp1",
         "tp2pp2-to-2xtp2", "fsdp4-to-tp2ep2"])
 def test_rollouts_are_bit_identical_to_their_loader_after_each_update(procs, trainer, rollout):
+    _two_bit_identical_updates(trainer, rollout, CONFIG, procs)
+
+
+def _two_bit_identical_updates(trainer: str, rollout: str, config, procs) -> list:
+    """Connect, run updates 1 and 2, check each bit-identical; their reports."""
+    reports = []
     with MeshTransfer(TrainerSpec.parse(trainer), RolloutSpec.parse(rollout), "tiny",
-                      config=CONFIG, procs=procs) as mt:
+                      config=config, procs=procs) as mt:
         plan = mt.connect()
         assert plan.num_rounds > 2
         for version in (1, 2):
-            report = mt.update(version)
+            reports.append(report := mt.update(version))
             assert not report.mismatched, report.line()
             assert report.num_params > 0 and report.rdma_bytes > 0
+    return reports
+
+
+@pytest.mark.parametrize("rollout", ["engines=2,nodes=1,gpus=2,tp=2", "engines=4,nodes=1,gpus=1"],
+                         ids=["2xtp2", "4xtp1"])
+def test_one_rdma_action_per_step_is_bit_identical_too(procs, rollout):
+    """Issue 43, item 1: each worker starts a step's writes as one `RDMAAction`
+    (``rdma_writes="batched"``), trainers' receive writes and rollouts' forwards alike."""
+    for report in _two_bit_identical_updates("nodes=1,gpus=4,tp=2,ep=2", rollout,
+                                             dataclasses.replace(CONFIG, rdma_writes="batched"),
+                                             procs):
+        stages = {stage for spans in report.timing.spans.values() for stage, *_ in spans}
+        assert {"receive", "external"} <= stages or {"receive", "internal"} <= stages
 
 
 def test_a_third_arena_is_bit_identical_too(procs):
@@ -297,10 +316,12 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
         assert time.monotonic() - t0 < 30
 
 
-def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on():
+@pytest.mark.parametrize("writes", ["per-range", "batched"])
+def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on(writes):
     """Rollout 1 (engine 1 of 2) exits in round 1 of update 1: `WorkersLost` names it, version
     1 is re-sent to engine 0 over a new plan and verified bit-exact there, and update 2 goes
-    to engine 0 alone (the controller path recovers as the adapters do)."""
+    to engine 0 alone (the controller path recovers as the adapters do); with a write per
+    range or one RDMA action per step (`TransferConfig.rdma_writes`)."""
     import time
 
     before = bootstrap_children()
@@ -308,7 +329,8 @@ def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
                       rollout_actor=DiesInRound1Rollout,
-                      config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s))
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s,
+                                            rdma_writes=writes))
     with mt:
         mt.connect()
         t0 = time.monotonic()

@@ -37,6 +37,8 @@ ARENAS = ("device", "host")
 """`TransferConfig.arenas` choices."""
 TRAINER_RESTORES = ("host-copy", "none")
 """`TransferConfig.trainer_restore` choices."""
+RDMA_WRITES = ("per-range", "batched")
+"""`TransferConfig.rdma_writes` choices."""
 DEFAULT_SOURCE_MAP_CACHE = "~/.cache/weightbridge/source-maps"
 """`TransferConfig.source_map_cache` unless told otherwise: the user's cache directory, on each
 host (``~`` is the home of the user each worker runs as)."""
@@ -119,6 +121,14 @@ class TransferConfig:
     round landed, before anything is assembled; a mismatch fails the update closed, naming
     the worker, the round and the parameters (`weightbridge.execution.checksum`)."""
 
+    rdma_writes: str = "per-range"
+    """How a worker starts one step's RDMA writes (`weightbridge.mesh.transport`):
+    ``"per-range"`` (default): a ``write_from`` per byte range, all in flight at once, each
+    bounded by `peer_timeout_s`; ``"batched"``: one `monarch.rdma.RDMAAction` of the step's
+    ranges, one future bounded by `peer_timeout_s`. Monarch 0.7.0's TCP fallback runs an
+    action's ranges one after another, and it did not measure faster there
+    (docs/performance.md, "Batched RDMA writes"); for an ibverbs NIC, measure it."""
+
     source_map_cache: str | None = DEFAULT_SOURCE_MAP_CACHE
     """Directory where connect keeps each worker's source map across restarts
     (`weightbridge.discovery.cache`; a few KiB per worker), or None to probe every time. A
@@ -159,6 +169,9 @@ class TransferConfig:
             raise ValueError(f"trainer_restore must be one of {TRAINER_RESTORES} (how a trainer "
                              f"gets its weights back after the probe), got "
                              f"{self.trainer_restore!r}")
+        if self.rdma_writes not in RDMA_WRITES:
+            raise ValueError(f"rdma_writes must be one of {RDMA_WRITES} (how a step's RDMA "
+                             f"writes are started), got {self.rdma_writes!r}")
         if self.source_map_cache is not None and (
                 not isinstance(self.source_map_cache, str) or not self.source_map_cache):
             raise ValueError(f"source_map_cache must be a directory path (str) or None (no "

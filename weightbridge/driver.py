@@ -17,7 +17,7 @@ Sections: control planes and calls; connect, plan and run an update (`weightbrid
 processes; mesh specs; plan values and the views a custom data plane copies through (the
 baselines'); and, imported on first use because they need Monarch, the mesh control plane
 and RDMA transport (`MeshControl`, `TransferGroup`, `TransferAgent`, `configure_transport`,
-`register_ranges`, `write`, `wait_all`, `drop_all`, `backend`).
+`register_ranges`, `write`, `write_batch`, `wait_all`, `drop_all`, `backend`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ from weightbridge.views import as_bits, memory_order
 
 _MESH = {"MeshControl": "control", "TransferGroup": "group", "TransferAgent": "agent",
          "configure_transport": "transport", "backend": "transport", "drop_all": "transport",
-         "register_ranges": "transport", "wait_all": "transport", "write": "transport"}
+         "register_ranges": "transport", "wait_all": "transport", "write": "transport",
+         "write_batch": "transport"}
 """Imported on first use from ``weightbridge.mesh.<module>``: they need Monarch."""
 
 
@@ -94,5 +95,5 @@ __all__ = [
     "memory_order", "param_view", "region_view", "scaled_tensor",
     # Monarch (imported on first use)
     "TransferAgent", "TransferGroup", "backend", "configure_transport", "drop_all",
-    "register_ranges", "wait_all", "write",
+    "register_ranges", "wait_all", "write", "write_batch",
 ]

@@ -134,8 +134,10 @@ class Transport(Protocol):
         """The handles of every peer range this worker writes into."""
         ...
 
-    def write(self, peer: WorkerId, key: Range, src) -> Any:
-        """Start writing the bytes ``src`` into ``peer``'s range ``key``; returns a future."""
+    def write(self, writes: Sequence[tuple[WorkerId, Range, Any]]
+              ) -> list[tuple[tuple[WorkerId, ...], Any]]:
+        """Start writing one step's ``(peer, peer's range, source bytes)`` triples; returns
+        (the peers it writes into, a future) for each batch of them that lands together."""
         ...
 
     def wait(self, futures: Sequence) -> None:

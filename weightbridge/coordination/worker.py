@@ -416,17 +416,18 @@ class TransferWorker:
         return self._timed(stage.value, r, self._write_all, r, stage, writes)
 
     def _write_all(self, r: int, stage: Stage, writes: list) -> Checksums:
-        futures = [(peer, self.transport.write(peer, key, src)) for peer, key, src in writes]
+        futures = self.transport.write(writes)
         # Summed while the bytes are on their way (nothing writes into the sources before
         # this round's writes landed).
         sums = (tuple(x for peer, key, src in writes for x in (peer.index, *key, checksum(src)))
                 if self.config.checksums else ())
-        for peer, f in futures:  # a failure names the peer, the round and the stage
+        for peers, f in futures:  # a failure names the peers, the round and the stage
             try:
                 self.transport.wait([f])
             except Exception as e:
                 raise RuntimeError(
-                    f"{self.worker}: the {stage.value} write of round {r} into {peer} failed "
+                    f"{self.worker}: the {stage.value} write of round {r} into "
+                    f"{', '.join(map(str, peers))} failed "
                     f"({type(e).__name__}: {e}); that worker died or its link stalled for "
                     f"{self.config.peer_timeout_s:g}s") from e
         return sums

@@ -189,7 +189,9 @@ class TransferGroup:
 
     def _wiring(self) -> dict:
         return {"control": MeshControl(self),
-                "transport": MeshTransport(self.config.peer_timeout_s), "config": self.config}
+                "transport": MeshTransport(self.config.peer_timeout_s,
+                                           batched=self.config.rdma_writes == "batched"),
+                "config": self.config}
 
     def sender(self, params, load_weights, spec, *, placement: Placement | None = None,
                kernels=None, cls=None):

@@ -32,7 +32,8 @@ calls: collections.Counter = collections.Counter()
 """(kind, what) -> count, in this process: ("sent", call value) the Monarch messages
 `MeshControl` sent (one per run of consecutive peers), ("served", call value) the calls the
 agent served, ("local", call value) the calls a worker made on itself (no message),
-("write", side) the RDMA writes `MeshTransport` started into peers of that side."""
+("write", side) the RDMA submissions `MeshTransport` started into peers of that side (a
+``write_from`` per range, or one action of a step's ranges: `TransferConfig.rdma_writes`)."""
 
 
 def register(group: str, worker) -> None:

@@ -5,15 +5,16 @@ the remote buffer), so a receiver registers one buffer per byte range that some 
 each over a view of one of its ``depth`` round arenas (`TransferConfig.depth`), once, at
 connect. A writer then sends a slice of
 its own arena into the handle of exactly that range. Handles are small picklable objects: they
-travel through endpoint arguments (control plane); bytes move only through ``write_from`` (data
-plane).
+travel through endpoint arguments (control plane); bytes move only through RDMA writes (data
+plane): one ``write_from`` per range, all in flight at once, or one `monarch.rdma.RDMAAction`
+of a step's ranges (`TransferConfig.rdma_writes`).
 
 Typical usage::
 
     configure_transport()                                   # controller, before spawning procs
     handles = register_ranges(arenas, [(0, 4096, 65536)])   # receiver, once, at connect
     futures = [write(handles[key], arena[off:off + n]) for ...]   # writer, per stage
-    wait_all(futures)
+    wait_all(futures)                                       # or: write_batch([...]).get()
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterable, Mapping, Sequence
 
 import monarch
 import torch
-from monarch.rdma import RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
+from monarch.rdma import RDMAAction, RDMABuffer, RDMATcpFallbackWarning, get_rdma_backend
 
 from weightbridge.mesh.registry import calls
 from weightbridge.types import Range
@@ -92,10 +93,26 @@ def write(handle: RDMABuffer, src: torch.Tensor, *, timeout_s: int = 60):
     Returns a Monarch future; the write is sent eagerly. A receiver whose process is gone makes
     the write hang until ``timeout_s`` on the TCP fallback, so keep the timeout finite.
     """
+    _check_covers(handle, src)
+    return handle.write_from(src, timeout=timeout_s)
+
+
+def _check_covers(handle: RDMABuffer, src: torch.Tensor) -> None:
     if src.numel() != handle.size():
         raise ValueError(f"writing {src.numel()} bytes into a registered range of "
                          f"{handle.size()} bytes; writes must cover exactly one registered range")
-    return handle.write_from(src, timeout=timeout_s)
+
+
+def write_batch(pairs: Sequence[tuple[RDMABuffer, torch.Tensor]], *, timeout_s: int = 60):
+    """Start writing every ``(handle, src)`` pair as one `RDMAAction`: one future for the batch,
+    resolved once every range landed or failing with the first failed one's error; the whole
+    batch is bounded by ``timeout_s``. On the TCP fallback Monarch sends the ranges one after
+    another, where each `write` is a submission of its own (`benchmarks/rdma_batch.py`)."""
+    action = RDMAAction()
+    for handle, src in pairs:
+        _check_covers(handle, src)  # before anything is submitted
+        action.write_remote(handle, src)
+    return action.submit(timeout=timeout_s)
 
 
 def wait_all(futures: Sequence) -> None:
@@ -110,10 +127,12 @@ def drop_all(handles: Mapping[object, RDMABuffer]) -> None:
 
 
 class MeshTransport:
-    """Monarch RDMA behind the `weightbridge.coordination.control.Transport` calls."""
+    """Monarch RDMA behind the `weightbridge.coordination.control.Transport` calls: a step's
+    writes go out as one `write` per range, or as one `write_batch` when ``batched``."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, *, batched: bool = False):
         self.timeout_s = max(1, int(timeout_s))
+        self.batched = batched
         self.peers: dict = {}
         self.registered: dict = {}
 
@@ -132,9 +151,23 @@ class MeshTransport:
     def set_peers(self, handles: dict) -> None:
         self.peers = handles
 
-    def write(self, peer, key, src):
-        calls["write", peer.side] += 1  # (the receiver keeps state for each: registry.calls)
-        return write(self.peers[(peer, key)], src, timeout_s=self.timeout_s)
+    def write(self, writes) -> list:
+        """Start a step's writes, ``(peer, key, src)`` each: one future per range, or one for
+        them all when batched; (the peers a future writes into, the future) each."""
+        if not writes:
+            return []
+        # (the receiver keeps state for each RDMA submission: registry.calls)
+        if not self.batched:
+            out = []
+            for peer, key, src in writes:
+                calls["write", peer.side] += 1
+                out.append(((peer,), write(self.peers[(peer, key)], src,
+                                           timeout_s=self.timeout_s)))
+            return out
+        peers = tuple(dict.fromkeys(peer for peer, _, _ in writes))
+        calls["write", peers[0].side] += 1
+        return [(peers, write_batch([(self.peers[(peer, key)], src) for peer, key, src in writes],
+                                    timeout_s=self.timeout_s))]
 
     def wait(self, futures) -> None:
         wait_all(futures)
