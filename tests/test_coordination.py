@@ -6,8 +6,8 @@ import random
 import pytest
 
 from weightbridge.config import Mode
-from weightbridge.coordination.protocol import (EngineCoordinator, Relay, SenderStage,
-                                                TrainerVersions, WorkerVersions)
+from weightbridge.adapters.protocol import (EngineCoordinator, Relay, SenderStage,
+                                            TrainerVersions, WorkerVersions)
 from weightbridge.coordination.slots import StagingSlots
 
 # -- modes ---------------------------------------------------------------------------------------

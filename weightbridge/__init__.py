@@ -24,7 +24,7 @@ DeprecationWarning naming where they live now.
 """
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.adapters import ReceiverAdapter, SenderAdapter
+from weightbridge.adapters import ReceiverAdapter, SenderAdapter
 from weightbridge.coordination.local import run_plan_locally
 from weightbridge.coordination.worker import UnsourcedParameter, WorkerParts
 from weightbridge.discovery.checkpoint_spec import read_checkpoint_spec

@@ -37,7 +37,7 @@ from weightbridge.coordination.delta import check_changed
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
-from weightbridge.coordination.protocol import check_version
+from weightbridge.coordination.version import check_version
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
                                                connect_group, plan_group, probe_group,
                                                run_update, unanswered)

@@ -3,7 +3,8 @@
 `control` declares the two protocols a transfer group runs on (`ControlPlane`, `Transport`)
 and the `PeerCall`s workers serve; `session` is connect and update, once; `sequencer` issues
 an update's rounds with ``depth`` in flight; `worker.TransferWorker` is one rank's part.
-`sender` / `receiver` (re-exported by `adapters`) are the user-facing ``connect`` /
-``send_weights`` / ``poll_requests`` with the pure version and staging state machines of
-`protocol`; `local` and `local_control` run a group in one process.
+`leader.GroupLeader` owns a connected group's state (with its staging-slot ledger, `slots`,
+and the delta log, `delta`); `local` and `local_control` run a group in one process. The
+user-facing ``connect`` / ``send_weights`` / ``poll_requests`` on this core are
+`weightbridge.adapters`.
 """

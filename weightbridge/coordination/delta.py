@@ -1,7 +1,7 @@
 """Delta updates, pure: which checkpoint tensors a transfer must carry so that what a rollout
 installs is bit-identical to a full update of that version.
 
-No torch, no threads: the rank-0 sender (`weightbridge.coordination.sender_delta`) feeds it
+No torch, no threads: the rank-0 sender (`weightbridge.adapters.sender_delta`) feeds it
 what the trainers said changed in each version, and asks it what the next transfer needs given
 the version the rollouts' parameters hold when they install it (the "base")::
 

@@ -197,7 +197,7 @@ class TransferGroup:
                kernels=None, cls=None):
         """This trainer rank's `SenderAdapter` (or ``cls``, a subclass); its rank is this
         actor's flat rank in its mesh."""
-        from weightbridge.coordination.sender import SenderAdapter
+        from weightbridge.adapters.sender import SenderAdapter
 
         self._check_open("build workers in")
 
@@ -211,7 +211,7 @@ class TransferGroup:
         """This rollout rank's `ReceiverAdapter` (or ``cls``, a subclass); its engine and
         engine rank follow from its flat rank and ``engine_size``. The hooks run around each
         install (`ReceiverAdapter.poll_requests`)."""
-        from weightbridge.coordination.receiver import ReceiverAdapter
+        from weightbridge.adapters.receiver import ReceiverAdapter
 
         self._check_open("build workers in")
 

@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.adapter_base import TransferFailed
+from weightbridge.adapters.base import TransferFailed
 from weightbridge.coordination.local_control import LocalControl
-from weightbridge.coordination.receiver import ReceiverAdapter
-from weightbridge.coordination.sender import SenderAdapter
+from weightbridge.adapters.receiver import ReceiverAdapter
+from weightbridge.adapters.sender import SenderAdapter
 from weightbridge.errors import ParameterRebound
 from weightbridge.testing.fuzz_plan import (SHAPES, Model, Op, Scenario, same_bytes,
                                              scenario_of, value)

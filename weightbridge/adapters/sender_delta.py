@@ -2,7 +2,7 @@
 
 Every trainer checks its ``changed`` argument before anything moves and keeps what it said
 for rank 0 (`TrainerDelta`, answered with `PeerCall.DELTA`); rank 0 (`plan_delta`, run by its
-`weightbridge.coordination.rank0.GroupSequencer`), once every trainer is inside
+`weightbridge.adapters.rank0.GroupSequencer`), once every trainer is inside
 send_weights(version), gathers those answers, refuses a disagreement on every trainer, records
 the version's changes in a `weightbridge.coordination.delta.DeltaLog`, and re-plans restricted
 to the tensors the rollouts need (`plan_group(tensors=...)`, the one restricted plan of the

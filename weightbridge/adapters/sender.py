@@ -1,6 +1,6 @@
 """`SenderAdapter`: a trainer worker's `connect` and `send_weights`; rank 0 sequences transfers.
 
-See `weightbridge.coordination.adapters` for the whole picture and docs/integration.md for the
+See `weightbridge.adapters` for the whole picture and docs/integration.md for the
 user's view.
 """
 
@@ -10,12 +10,13 @@ import threading
 
 
 from weightbridge.config import WAIT_TIMEOUTS, TransferConfig
-from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
+from weightbridge.adapters.base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
-from weightbridge.coordination.protocol import SenderStage, TrainerVersions, check_version
-from weightbridge.coordination.rank0 import TRAINER_0, GroupSequencer
-from weightbridge.coordination.sender_delta import TrainerDelta
-from weightbridge.coordination.sender_membership import TrainerMembership, call_name
+from weightbridge.adapters.protocol import SenderStage, TrainerVersions
+from weightbridge.coordination.version import check_version
+from weightbridge.adapters.rank0 import TRAINER_0, GroupSequencer
+from weightbridge.adapters.sender_delta import TrainerDelta
+from weightbridge.adapters.sender_membership import TrainerMembership, call_name
 from weightbridge.errors import from_kind
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
@@ -25,7 +26,7 @@ class SenderAdapter(AdapterWorker):
     """A trainer worker's side: `connect` once, `send_weights(version)` after each step (a
     delta with ``changed``: ``changes``, `sender_delta`); `add_engines` / `remove_engine`
     between steps (``membership``, `sender_membership`). Trainer 0 sequences the group: its
-    `GroupSequencer` (``rank0``, `weightbridge.coordination.rank0`) holds the group's state
+    `GroupSequencer` (``rank0``, `weightbridge.adapters.rank0`) holds the group's state
     and runs every transfer."""
 
     side = "trainer"

@@ -1,6 +1,6 @@
 """`ReceiverAdapter`: a rollout worker's `poll_requests`, and its part of every transfer.
 
-See `weightbridge.coordination.adapters` for the whole picture and docs/integration.md for the
+See `weightbridge.adapters` for the whole picture and docs/integration.md for the
 user's view.
 """
 
@@ -11,10 +11,10 @@ import time
 
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.adapter_base import AdapterWorker, TransferFailed
+from weightbridge.adapters.base import AdapterWorker, TransferFailed
 from weightbridge.coordination.control import PeerCall, engine_workers
-from weightbridge.coordination.protocol import (EngineCoordinator, Relay, WorkerVersions,
-                                                check_version)
+from weightbridge.adapters.protocol import EngineCoordinator, Relay, WorkerVersions
+from weightbridge.coordination.version import check_version
 from weightbridge.coordination.session import unanswered
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId

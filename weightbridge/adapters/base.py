@@ -1,6 +1,6 @@
 """What both adapters share: a `TransferWorker` with a control plane and bounded waits.
 
-The public entry point is `weightbridge.coordination.adapters`; see its docstring and
+The public entry point is `weightbridge.adapters`; see its docstring and
 docs/integration.md.
 """
 

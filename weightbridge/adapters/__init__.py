@@ -13,7 +13,7 @@ controller-driven path: the rank-0 sender plays the controller's part. Round by 
 the trainers pack and write, the receivers forward (EXTERNAL, INTERNAL) and land each round:
 into their parameters (RS off) or into a host staging slot (RS on). The version protocol
 (offers, relays, engine-consistent installs, staging slots) is the pure
-`weightbridge.coordination.protocol`; this module adds bytes, locks and waits.
+`weightbridge.adapters.protocol`; this module adds bytes, locks and waits.
 
 Where the calls of one adapter on another go is the ``control`` object (a
 `weightbridge.coordination.control.ControlPlane`):
@@ -27,7 +27,7 @@ rank 0 re-plans without it (docs/failures.md).
 Delta updates (``send_weights(v, changed=...)``, sync and RS modes) move only the tensors the
 rollouts lack over a plan restricted to them: `sender_delta`, `delta`.
 
-Modules: `adapter_base` (shared worker state and waits), `sender` (a trainer's worker; its
+Modules: `base` (shared worker state and waits), `sender` (a trainer's worker; its
 parts are components: `sender_delta.TrainerDelta` (``changes``),
 `sender_membership.TrainerMembership` (``membership``) and, used on trainer 0,
 `rank0.GroupSequencer` (``rank0``: every transfer, `recovery`, the rank-0 half of
@@ -37,8 +37,8 @@ itself is `protocol`.
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """
 
-from weightbridge.coordination.adapter_base import TransferFailed
-from weightbridge.coordination.receiver import ReceiverAdapter
-from weightbridge.coordination.sender import SenderAdapter
+from weightbridge.adapters.base import TransferFailed
+from weightbridge.adapters.receiver import ReceiverAdapter
+from weightbridge.adapters.sender import SenderAdapter
 
 __all__ = ["ReceiverAdapter", "SenderAdapter", "TransferFailed"]

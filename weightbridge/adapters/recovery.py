@@ -1,13 +1,13 @@
 """Trainer 0's failure policy: find the lost workers, plan them out, re-send, tell everyone.
 
-`recover` runs on trainer 0's `weightbridge.coordination.rank0.GroupSequencer` when a call of
+`recover` runs on trainer 0's `weightbridge.adapters.rank0.GroupSequencer` when a call of
 a transfer failed; the group's state changes only through its `GroupLeader` (``exclude``,
 ``replan``). See docs/failures.md, for the guarantees.
 """
 
 from __future__ import annotations
 
-from weightbridge.coordination.adapter_base import TransferFailed
+from weightbridge.adapters.base import TransferFailed
 from weightbridge.coordination.control import engine_workers, rollouts
 from weightbridge.coordination.session import unanswered
 from weightbridge.errors import describe, failure_kind

@@ -1,7 +1,7 @@
 """Worker coordination, pure: versions, supersession, engine-consistent installs.
 
 No torch, no Monarch, no threads: every class here is a small state machine whose methods are
-called by the adapters (`weightbridge.coordination.adapters`) when a control message arrives or
+called by the adapters (`weightbridge.adapters`) when a control message arrives or
 a worker polls. The tests drive them directly (`tests/test_coordination.py`).
 
 The protocol (paper section 3.3)::
@@ -30,19 +30,7 @@ Typical usage::
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
-
-
-def check_version(version, call: str = "send_weights") -> int:
-    """``version`` as an int, or ValueError: versions are positive ints (a bool or a float is
-    refused, not rounded: ``True`` would be version 1 and ``1.5`` no version at all)."""
-    if (isinstance(version, bool) or not isinstance(version, numbers.Integral)
-            or version < 1):
-        raise ValueError(f"{call}: version must be a positive int (1, 2, ...: the number of "
-                         f"the update, increasing from one send_weights to the next), got "
-                         f"{version!r}")
-    return int(version)
 
 
 @dataclass(frozen=True, slots=True)

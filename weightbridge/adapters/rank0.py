@@ -25,8 +25,8 @@ import time
 from typing import Callable
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination import recovery, sender_delta
-from weightbridge.coordination.adapter_base import TransferFailed, poll_until
+from weightbridge.adapters import recovery, sender_delta
+from weightbridge.adapters.base import TransferFailed, poll_until
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.session import check_replicas, run_update, unanswered
