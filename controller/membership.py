@@ -24,7 +24,7 @@ from controller.report import JoinReport, WorkersLost
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import CatchUpRefused, GroupClosed, TransferFailed, TransferPlan
-from weightbridge.driver import PeerCall, surfaced
+from weightbridge.driver import PeerCall, describe, surfaced
 
 
 def serialized(method):
@@ -70,8 +70,9 @@ class Membership:
                 anything spawns.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
-            TransferFailed: the catch-up transfer failed (the engine is taken out again) or
-                did not verify.
+            TransferFailed: setting the engine up failed (its process died, say: the join
+                is rolled back, its engine number is the next join's), the catch-up transfer
+                failed (the engine is taken out again) or did not verify.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before add_engine()")
@@ -83,16 +84,28 @@ class Membership:
         self._between_updates()  # every live engine holds the newest version sent
         self._check_catch_up_source(engine)
         t0 = time.perf_counter()
+        before, old = self.plan.num_rounds, self.group
         grown = dataclasses.replace(spec, engines=engine + 1)
-        procs, actors = self.meshes.spawn_engine(procs, grown, first)
-        group = self.group.add_engines(procs)
-        actors.attach.call(group).get()
-        self.group, self.rollout_spec = group, grown
-        self.control.use(group)
-        t1 = time.perf_counter()
-        before = self.plan.num_rounds
-        self.leader.join()  # (a failure leaves it out, told why; the group goes on)
-        self._use()
+        joining = [procs, None, None]  # (procs, actors, grown group): what to roll back
+        try:
+            joining[:2] = self.meshes.spawn_engine(procs, grown, first)
+            joining[2] = group = self.group.add_engines(joining[0])
+            joining[1].attach.call(group).get()
+            self.group, self.rollout_spec = group, grown
+            self.control.use(group)
+            t1 = time.perf_counter()
+            self.leader.join()  # (a failure leaves it out, told why; rolled back here)
+            self._use()
+        except Exception as e:  # noqa: BLE001  (rolled back, then raised as what it is)
+            undone = self._roll_back_join(engine, spec, old, *joining)
+            if isinstance(e, ValueError):  # (a LayoutError too: it does not fit)
+                e.add_note(undone)
+                raise
+            raise TransferFailed(
+                f"engine {engine} could not join: setting it up failed ({describe(e)}); "
+                f"{undone}: find why (a process that died, say), then add_engine() again"
+            ) from e
+        actors = joining[1]
         start = self.leader.catch_up_from
         t2 = time.perf_counter()
         count, bad, moved = 0, (), 0
@@ -127,6 +140,23 @@ class Membership:
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
+
+    def _roll_back_join(self, engine: int, spec, group, procs, actors, grown) -> str:
+        """A join whose set-up failed (a joiner killed while its actors were built, probed
+        or set up): take it off the control plane, the leader's books and the meshes again,
+        as before `add_engine` (its engine number is the next join's); says how that went.
+        ``procs``, ``actors``, ``grown``: what was spawned for it so far (None: not yet)."""
+        self.leader.forget([engine])
+        self.group, self.rollout_spec = group, spec
+        self.control.use(group)
+        self._use()  # (a failed join's re-plan over the others may have put a plan in force)
+        errors = [] if grown is None else group.undo_add_engines(grown)
+        if actors is not None:
+            errors += self.meshes.drop_engine(actors, procs)
+        how = (f" (stopping its actors failed: {describe(errors[0])}; look for leftover "
+               f"bootstrap_main processes with ps)" if errors else "")
+        return (f"the join was rolled back{how}: the other engines keep their version and "
+                f"plan, the next update() goes to them")
 
     def _leave_out(self, engine: int) -> str:
         """A join whose catch-up failed: take the engine out again (told why; its rows
