@@ -9,6 +9,7 @@ they must hold, known here independently of the controller's books.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -275,3 +276,44 @@ def test_a_rank_stalled_at_install_is_fenced_within_timeout_and_the_others_go_on
         mt.update(2)
         installed = mt.poll_requests()
         assert installed.version == 2 and not installed.mismatched, installed.line()
+
+
+def test_close_from_another_thread_ends_a_running_update_with_group_closed():
+    """Issue 44, item 10: update() running while another thread called close() raised
+    Monarch's ``asyncio.CancelledError`` (or a dead actor's error); it raises `GroupClosed`
+    now, and so does every later call."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      config=_config("sync", timeout_s=10))
+    with mt:
+        mt.connect()
+        mt.update(1)
+        moving, closed = threading.Event(), threading.Event()
+        move = mt._move
+
+        def held_move(version):  # (the rounds start once close() stopped the meshes)
+            moving.set()
+            closed.wait(60)
+            move(version)
+
+        mt._move = held_move
+        outcome: list = []
+        updating = threading.Thread(target=lambda: outcome.append(_raised(mt.update, 2)))
+        updating.start()
+        assert moving.wait(60)
+        mt.close()
+        closed.set()
+        updating.join(timeout=120)
+    assert isinstance(outcome[0], GroupClosed), repr(outcome[0])
+    assert "ended by close()" in str(outcome[0]), str(outcome[0])
+    with pytest.raises(GroupClosed):
+        mt.update(3)
+
+
+def _raised(call, *args):
+    """What ``call(*args)`` raised (None: it returned)."""
+    try:
+        call(*args)
+    except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+        return e
+    return None
+
