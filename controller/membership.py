@@ -273,10 +273,11 @@ class Membership:
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
         """Leave the ``lost`` trainers and the engines of the lost rollout workers out and
         re-plan over the others from the source maps of connect (no probe; a lost trainer's
-        regions then come from its replicas). Where the trainers' parameters still hold
-        ``version`` (no sender staging) re-send it and verify it; raise `WorkersLost`. If no
-        trainer holds what the rollouts need, no engine is left, or the re-send fails too,
-        raise `TransferFailed`."""
+        regions then come from its replicas); raise `WorkersLost` at once, within timeout_s
+        of the loss. Where the trainers' parameters still hold ``version`` (no sender
+        staging) it is re-sent afterwards, on the streaming thread (`_resend`): `wait`
+        returns its report, and every later call waits for it first. If no trainer holds what
+        the rollouts need, no engine is left, or the re-plan fails, raise `TransferFailed`."""
         size = self.control.engine_size
         engines = sorted({w.index // size for w in lost if w.side == "rollout"})
         trainers_ = sorted(w.index for w in lost if w.side == "trainer")
@@ -290,16 +291,13 @@ class Membership:
             raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
         for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
-        t1 = time.perf_counter()
         try:
             self.leader.replan()
             self._use()
-            if not self.mode.sender_staging:  # the trainers' parameters still hold it
-                self._move(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
-            raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
-                                f"engines {survivors} failed too ({type(e).__name__}: {e}): "
-                                f"close this MeshTransfer and start again") from e
+            raise TransferFailed(f"{what}; planning the surviving engines {survivors} again "
+                                 f"failed too ({type(e).__name__}: {e}): close this "
+                                 f"MeshTransfer and start again") from e
         out = (frozenset(self.leader.out_engines), frozenset(self.leader.out_trainers))
         if self.mode.sender_staging:
             if not self.mode.receiver_staging:
@@ -311,14 +309,38 @@ class Membership:
                      "until the next update() reached them (it carries every tensor)")
             raise WorkersLost(f"{what}; version {version} was not re-sent to the surviving "
                               f"engines {survivors} (the staged copy was laid out for the "
-                              f"old plan): {state}", *out, None)
-        report = self._report(version, train_step_s, t1)
-        where = ("hold it whole" if report.state == "installed" else
-                 "have it in staging (poll_requests installs it)")
-        raise WorkersLost(f"{what}; version {version} was re-sent over a new plan to the "
-                          f"surviving engines {survivors}, which {where} "
-                          f"({report.line().splitlines()[0]}); the next update() goes to "
-                          f"them", *out, report)
+                              f"old plan): {state}", *out)
+        # The trainers' parameters still hold it: re-sent after this raise (every later call
+        # joins it first; update() before its train step, which would change what it reads).
+        self._streaming.start(self._resend, version, train_step_s, what, survivors)
+        where = ("hold it whole" if not self.mode.receiver_staging else
+                 "have it in staging (the next poll_requests() installs it)")
+        raise WorkersLost(f"{what}; version {version} is being re-sent over a new plan to the "
+                          f"surviving engines {survivors}, which then {where}: wait() returns "
+                          f"its verified report; every later call waits for it first (run no "
+                          f"train step of your own on the trainers before wait() returned); "
+                          f"the next update() goes to them", *out)
+
+    def _resend(self, version: int, train_step_s: float, what: str, survivors: list[int]):
+        """`_recover`'s re-send of ``version`` over the new plan, on the streaming thread;
+        its report, verified (RS: landed in staging, verified at its install).
+
+        Raises:
+            TransferFailed: the re-send failed or did not verify."""
+        t1 = time.perf_counter()
+        try:
+            self._move(version)
+            report = self._report(version, train_step_s, t1)
+        except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
+            raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
+                                 f"engines {survivors} failed too ({describe(e)}): close this "
+                                 f"MeshTransfer and start again") from e
+        if report.mismatched:
+            raise TransferFailed(f"{what}; version {version} re-sent to the surviving engines "
+                                 f"{survivors} did not verify ({report.line()}: "
+                                 f"{list(report.mismatched[:4])}): did a train step run before "
+                                 f"wait() returned? call update() with the next version")
+        return report
 
 
 class Lost(Exception):

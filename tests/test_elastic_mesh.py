@@ -268,7 +268,8 @@ def test_after_a_lost_engine_deltas_and_joins_verify_against_what_the_rollouts_h
         assert not mt.update(1).mismatched
         with pytest.raises(WorkersLost) as lost:
             mt.update(2)
-        assert lost.value.lost_engines == {1} and not lost.value.report.mismatched
+        resent = mt.wait()  # (version 2, re-sent to engine 0 after the raise)
+        assert lost.value.lost_engines == {1} and not resent.mismatched, resent.line()
         delta = mt.update(3, changed=norm)
         assert not delta.mismatched and delta.num_params > 0, delta.line()
         joined = mt.add_engine()

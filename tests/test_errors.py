@@ -69,14 +69,13 @@ def test_transfer_error_is_a_deprecated_alias_of_transfer_failed():
         assert controller.report.TransferError is TransferFailed
     # One event, one class: catching either name catches what both paths raise.
     with pytest.raises(TransferError):
-        raise WorkersLost("engine 1 lost", frozenset({1}), frozenset(), None)
+        raise WorkersLost("engine 1 lost", frozenset({1}), frozenset())
 
 
 def test_workers_lost_keeps_its_attributes_across_a_pickle():
-    e = pickle.loads(pickle.dumps(WorkersLost("engine 1 lost", frozenset({1}), frozenset({2}),
-                                              "report")))
-    assert (str(e), e.lost_engines, e.lost_trainers, e.report) == (
-        "engine 1 lost", frozenset({1}), frozenset({2}), "report")
+    e = pickle.loads(pickle.dumps(WorkersLost("engine 1 lost", frozenset({1}), frozenset({2}))))
+    assert (str(e), e.lost_engines, e.lost_trainers) == (
+        "engine 1 lost", frozenset({1}), frozenset({2}))
 
 
 # -- the public faces ---------------------------------------------------------------------------
