@@ -202,9 +202,11 @@ class Membership:
         return "it is out of the group again"
 
     def _staged_copy_kept(self) -> bool:
-        """Sender staging, and no re-plan since the trainers' staged copies were taken (a
-        re-plan drops them: they were laid out for the old plan)."""
-        return self.mode.sender_staging and self.staged_generation == self.leader.generation
+        """Sender staging, no re-plan since the trainers' staged copies were taken (a re-plan
+        drops them: they were laid out for the old plan), and no delta plan in force (a
+        join then plans everything again, and the copies hold only the delta's tensors)."""
+        return (self.mode.sender_staging and self.staged_generation == self.leader.generation
+                and self.leader.tensors is None)
 
     def _check_catch_up_source(self, engine: int) -> None:
         """Without a staged copy (no sender staging, or a re-plan dropped it) the catch-up

@@ -338,3 +338,32 @@ def test_a_joiner_lost_in_its_set_up_is_rolled_back_and_the_group_goes_on(
         three = mt.update(3)
         assert not three.mismatched and three.num_params * 2 == first.num_params * 3, three
     assert mt.closed  # (close() ran on leaving the block and raised nothing)
+
+
+@pytest.mark.parametrize("receiver_staging", [False, True], ids=["ss", "async"])
+def test_with_sender_staging_a_join_under_a_delta_plan_after_a_train_step_is_refused(
+        receiver_staging):
+    """Found by the controller's fuzz (issue 44, item 1 under a delta plan): a join plans
+    everything again when a delta plan is in force, which drops the staged copy (it held the
+    delta's tensors only), so the catch-up staged the trainers' parameters again: after the
+    next train step that wrote version 3's bytes into engine 0 under the label 2 (42 of 42
+    parameters differ, silently; a MISMATCH named only the joiner). Refused now, before
+    anything spawns, and engine 0 keeps what it holds."""
+    config = TransferConfig(round_bytes=64 << 10, sender_staging=True,
+                            receiver_staging=receiver_staging)
+    norm = "model.norm.weight"
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
+                      config=config) as mt:
+        mt.connect()
+        for version, changed in ((1, None), (2, [norm])):
+            mt.update(version, changed)
+            mt.wait()
+            mt.poll_requests()
+        holds = {**dict.fromkeys(mt.book.tensors, 1), norm: 2}
+        mt.trainers.train_step.call(3).get()  # the next train step, version 3 not sent
+        with pytest.raises(CatchUpRefused, match="no longer hold version 2"):
+            mt.add_engine()
+        assert mt.rollout_spec.engines == 1  # nothing spawned
+        count, bad = mismatches(by_rank(mt.rollouts.checksums.call(holds).get()))
+        assert count > 0 and not bad, bad
