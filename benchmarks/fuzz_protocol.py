@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/fuzz_protocol.py --seeds 500            # seeds 0..499
     .venv/bin/python benchmarks/fuzz_protocol.py --seeds 20 --first 1000 --jobs 1
     .venv/bin/python benchmarks/fuzz_protocol.py --only 19 --verbose    # one seed, every detail
+    .venv/bin/python benchmarks/fuzz_protocol.py --path controller --seeds 100
 
 Each seed is a small adapter group in one process (`weightbridge.testing.fuzz`: one or two
 trainers, one to three engines of one or two ranks, a three-tensor model) in the mode
@@ -11,6 +12,11 @@ joins, leaves, kills, stalls, pauses; in 30% of seeds a train step that rebinds 
 storage, which every send must refuse) and then full updates until one goes through. Printed:
 one line per violation kind with the number of seeds showing it (per mode), the first seeds
 that do and one example; then a summary line. Exit status 1 when any seed violates.
+
+``--path controller`` fuzzes the controller's path instead (`controller.fuzz`: a long-lived
+`MeshTransfer` per mode on real local Monarch meshes; joins after a train step, membership
+changes from another thread, padded parameters, storage rebinding; ``--ops`` operations per
+seed, each followed by a bit-exact check of every live engine), in this process.
 """
 
 from __future__ import annotations
@@ -49,10 +55,14 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=1.0, help="the groups' timeout_s")
     parser.add_argument("--jobs", type=int, default=2, help="processes running seeds")
     parser.add_argument("--verbose", action="store_true", help="every seed's violations")
+    parser.add_argument("--path", choices=("adapters", "controller"), default="adapters",
+                        help="the adapters in one process, or MeshTransfer on local meshes")
     args = parser.parse_args()
     if args.seeds < 1 or args.jobs < 1 or args.ops < 0 or args.timeout_s <= 0:
         parser.error("--seeds, --jobs >= 1, --ops >= 0, --timeout-s > 0")
     seeds = args.only if args.only else range(args.first, args.first + args.seeds)
+    if args.path == "controller":
+        return _controller(seeds, args)
     work = [(s, args.ops, args.timeout_s) for s in seeds]
     t0 = time.monotonic()
     results = []
@@ -96,6 +106,43 @@ def main() -> int:
              if bad else "0 violations")
           + f"; {wall:.0f}s wall ({args.jobs} jobs; slowest seed {slowest[0]}: "
             f"{slowest[6]:.1f}s)")
+    return 1 if bad else 0
+
+
+def _controller(seeds, args) -> int:
+    """The controller's path: `controller.fuzz.run_seeds`, in this process."""
+    from controller import fuzz
+
+    t0 = time.monotonic()
+    results = fuzz.run_seeds(seeds, num_ops=args.ops, timeout_s=args.timeout_s)
+    wall = time.monotonic() - t0
+    by_kind = {k: collections.defaultdict(set) for k in fuzz.KINDS}
+    example: dict[str, str] = {}
+    for r in results:
+        if args.verbose or r.violations:
+            print(f"seed {r.seed} ({r.mode}) {list(r.ops)} [{r.wall_s:.1f}s]"
+                  + "".join(f"\n    {v.kind}: {v.detail[:300]}" for v in r.violations))
+        for v in r.violations:
+            by_kind[v.kind][r.mode].add(r.seed)
+            example.setdefault(v.kind, f"seed {r.seed}: {v.detail}")
+    for kind in fuzz.KINDS:
+        seeds_of = sorted(set().union(*by_kind[kind].values()))
+        modes = " ".join(f"{m} {len(by_kind[kind][m])}" for m in fuzz.MODES)
+        print(f"{kind:<12} {len(seeds_of):4d} seeds ({modes})"
+              + (f"  seeds {seeds_of[:8]}\n{'':17}e.g. {example[kind][:220]}" if seeds_of
+                 else ""))
+    per_mode = collections.Counter(r.mode for r in results)
+    ops = collections.Counter(op for r in results for op in r.ops)
+    refusals = sum(len(r.refusals) for r in results)
+    bad = [r.seed for r in results if r.violations]
+    print(f"fuzz_protocol (controller): {len(results)} seeds ("
+          + ", ".join(f"{m} {per_mode[m]}" for m in fuzz.MODES)
+          + f"), {sum(ops.values())} operations ("
+          + ", ".join(f"{op} {n}" for op, n in sorted(ops.items()))
+          + f"), {refusals} documented refusals, timeout_s={args.timeout_s:g}: "
+          + (f"{len(bad)} seeds with violations, {len(results) - len(bad)} clean" if bad
+             else "0 violations")
+          + f"; {wall:.0f}s wall")
     return 1 if bad else 0
 
 

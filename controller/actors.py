@@ -94,6 +94,21 @@ class WorkerMeshes:
         self.rollout_meshes.append((first, actors))
         return procs, actors
 
+    def drop_engine(self, actors, procs) -> list[Exception]:
+        """Undo `spawn_engine` (a join whose set-up failed): forget the engine's ``actors``
+        and stop them, or its ``procs`` if they were spawned here; returns what failed to
+        stop (a proc that died)."""
+        self.rollout_meshes = [(f, m) for f, m in self.rollout_meshes if m is not actors]
+        self.actors = [m for m in self.actors if m is not actors]
+        owned = any(p is procs for p in self.owned)
+        self.owned = [p for p in self.owned if p is not procs]
+        self.foreign = [m for m in self.foreign if m is not actors]
+        try:
+            (procs if owned else actors).stop().get(timeout=60)
+        except Exception as e:  # noqa: BLE001  (a dead proc's; the caller says so)
+            return [e]
+        return []
+
     def stop(self) -> list[Exception]:
         """Stop every actor mesh on given procs and every proc spawned here; returns what
         failed (each one tried)."""

@@ -278,10 +278,14 @@ class MeshTransfer(ClosingContext, Membership):
                 workers do not read, or comes before any full update (before anything moves).
             TransferFailed: a worker failed, died or stalled during the transfer (with
                 staging: perhaps the previous version's, raised here once).
-            WorkersLost: workers were lost and left out; the group goes on without them.
+            WorkersLost: workers were lost and left out, raised within timeout_s of the loss;
+                the group goes on without them (sync, RS: the version is re-sent to them
+                afterwards, `wait` returns its report).
         """
         self._connected("update")
         versions = self.book.next(version, changed)
+        if not self.mode.sender_staging:  # (a re-send after a loss reads the parameters)
+            self._streaming.join(self._deadline())
         t0 = time.perf_counter()
         trained = version if changed is None else versions
         for f in ([mesh.train_step.call(trained) for _, mesh in self._live("trainer")]
@@ -336,7 +340,9 @@ class MeshTransfer(ClosingContext, Membership):
     @serialized
     def wait(self) -> UpdateReport | None:
         """SS, async: wait until the rounds of the newest staged version ended; returns their
-        report (verified in SS; async: landed in staging). None: no transfer was streaming.
+        report (verified in SS; async: landed in staging). Sync, RS: after a `WorkersLost`,
+        wait until the version was re-sent to the surviving engines; returns that re-send's
+        report (verified; RS: landed). None: no transfer was streaming.
 
         Raises:
             TransferFailed, WorkersLost: that transfer failed (raised once).
@@ -362,12 +368,15 @@ class MeshTransfer(ClosingContext, Membership):
         """
         self._connected("poll_requests")
         if not self.mode.receiver_staging:
-            report = self.wait() if self.mode.sender_staging else None
+            report = self.wait()  # (SS: the streaming rounds; sync: a re-send after a loss)
             self._check_whole()
             return None if report is None else InstallReport(
                 version=report.version, install_s=0.0, verify_s=report.verify_s,
                 num_params=report.num_params, mismatched=report.mismatched)
-        self._streaming.raise_failure()
+        if self.mode.sender_staging:
+            self._streaming.raise_failure()  # (async: the rounds stream on; not waited for)
+        else:
+            self._streaming.join(self._deadline())  # (RS: a re-send after a loss)
         with self._book_lock:
             # The leader's ledger says what landed where (a newer landing may have overwritten
             # a version never installed: superseded); every live engine lands every version.
@@ -400,7 +409,7 @@ class MeshTransfer(ClosingContext, Membership):
         if lost is not None:
             raise WorkersLost(f"{lost}; the other engines installed it ({report.line()}): go "
                               f"on with them", frozenset(self.leader.out_engines),
-                              frozenset(self.leader.out_trainers), None)
+                              frozenset(self.leader.out_trainers))
         return report
 
     def _fence_install(self, version: int, failed: list) -> str:

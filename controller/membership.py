@@ -23,25 +23,56 @@ from controller.report import JoinReport, WorkersLost
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
-from weightbridge import CatchUpRefused, GroupClosed, TransferFailed, TransferPlan
-from weightbridge.driver import PeerCall, surfaced
+from weightbridge import (CatchUpRefused, GroupClosed, TransferFailed, TransferPlan,
+                          WeightBridgeError)
+from weightbridge.driver import PeerCall, describe, library_error, surfaced
 
 
 def serialized(method):
     """One public call of a `MeshTransfer` at a time (its ``calls`` lock, reentrant): a
     membership change or a poll from another thread waits for the update running, as the
     adapters' session lock makes it, instead of re-planning under its rounds. After `close`
-    every call raises `GroupClosed`."""
+    every call raises `GroupClosed`; a call that `close` (from another thread) ended raises
+    it too. Whatever else escapes is raised as the library's own error (`documented`)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        name = method.__name__
         with self.calls:
             if self.closed:
-                raise GroupClosed(f"{method.__name__}() on a MeshTransfer that was closed: this "
+                raise GroupClosed(f"{name}() on a MeshTransfer that was closed: this "
                                   f"MeshTransfer was closed (close(), or the end of its with "
                                   f"block) and its actors are stopped; build a new MeshTransfer "
                                   f"to go on")
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException as e:  # noqa: BLE001  (raised again, as the library's)
+                error = documented(e, name, self.closed)
+                if error is e:
+                    raise
+                raise error from e
     return run
+
+
+def documented(error: BaseException, call: str, closed: bool) -> BaseException:
+    """What a public call of a `MeshTransfer` raises for ``error``: `GroupClosed` when the
+    object was ``closed`` while the call ran (Monarch's ``CancelledError``, a stopped actor),
+    the library's error inside a Monarch wrapper (`library_error`), a ``ValueError`` or a
+    `WeightBridgeError` as it is; anything else (a plain ``TimeoutError``, a dead process's
+    ``SupervisionError``, an ``AssertionError``) as a `TransferFailed` naming it. A
+    ``KeyboardInterrupt`` or ``SystemExit`` stays what it is, and so does the plain
+    ``RuntimeError`` of a call made before `connect`."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit, GeneratorExit)):
+        return error
+    if closed and not isinstance(error, GroupClosed):
+        return GroupClosed(f"{call}() was ended by close() (from another thread): this "
+                           f"MeshTransfer was closed while it ran ({describe(error)}) and its "
+                           f"actors are stopped; build a new MeshTransfer to go on")
+    inner = library_error(error)
+    if isinstance(inner, (WeightBridgeError, ValueError)) or type(inner) is RuntimeError:
+        return inner
+    return TransferFailed(f"{call}() failed: {describe(inner)}; what the rollouts hold is not "
+                          f"known: close this MeshTransfer and start again (if a process died, "
+                          f"see why first)")
 
 
 class Membership:
@@ -70,8 +101,9 @@ class Membership:
                 anything spawns.
             LayoutError: the engine loads another checkpoint or needs what no trainer holds
                 (before any of its buffers exist).
-            TransferFailed: the catch-up transfer failed (the engine is taken out again) or
-                did not verify.
+            TransferFailed: setting the engine up failed (its process died, say: the join
+                is rolled back, its engine number is the next join's), the catch-up transfer
+                failed (the engine is taken out again) or did not verify.
         """
         if self.plan is None:
             raise RuntimeError("call connect() before add_engine()")
@@ -83,16 +115,28 @@ class Membership:
         self._between_updates()  # every live engine holds the newest version sent
         self._check_catch_up_source(engine)
         t0 = time.perf_counter()
+        before, old = self.plan.num_rounds, self.group
         grown = dataclasses.replace(spec, engines=engine + 1)
-        procs, actors = self.meshes.spawn_engine(procs, grown, first)
-        group = self.group.add_engines(procs)
-        actors.attach.call(group).get()
-        self.group, self.rollout_spec = group, grown
-        self.control.use(group)
-        t1 = time.perf_counter()
-        before = self.plan.num_rounds
-        self.leader.join()  # (a failure leaves it out, told why; the group goes on)
-        self._use()
+        joining = [procs, None, None]  # (procs, actors, grown group): what to roll back
+        try:
+            joining[:2] = self.meshes.spawn_engine(procs, grown, first)
+            joining[2] = group = self.group.add_engines(joining[0])
+            joining[1].attach.call(group).get()
+            self.group, self.rollout_spec = group, grown
+            self.control.use(group)
+            t1 = time.perf_counter()
+            self.leader.join()  # (a failure leaves it out, told why; rolled back here)
+            self._use()
+        except Exception as e:  # noqa: BLE001  (rolled back, then raised as what it is)
+            undone = self._roll_back_join(engine, spec, old, *joining)
+            if isinstance(e, ValueError):  # (a LayoutError too: it does not fit)
+                e.add_note(undone)
+                raise
+            raise TransferFailed(
+                f"engine {engine} could not join: setting it up failed ({describe(e)}); "
+                f"{undone}: find why (a process that died, say), then add_engine() again"
+            ) from e
+        actors = joining[1]
         start = self.leader.catch_up_from
         t2 = time.perf_counter()
         count, bad, moved = 0, (), 0
@@ -128,6 +172,23 @@ class Membership:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         return report
 
+    def _roll_back_join(self, engine: int, spec, group, procs, actors, grown) -> str:
+        """A join whose set-up failed (a joiner killed while its actors were built, probed
+        or set up): take it off the control plane, the leader's books and the meshes again,
+        as before `add_engine` (its engine number is the next join's); says how that went.
+        ``procs``, ``actors``, ``grown``: what was spawned for it so far (None: not yet)."""
+        self.leader.forget([engine])
+        self.group, self.rollout_spec = group, spec
+        self.control.use(group)
+        self._use()  # (a failed join's re-plan over the others may have put a plan in force)
+        errors = [] if grown is None else group.undo_add_engines(grown)
+        if actors is not None:
+            errors += self.meshes.drop_engine(actors, procs)
+        how = (f" (stopping its actors failed: {describe(errors[0])}; look for leftover "
+               f"bootstrap_main processes with ps)" if errors else "")
+        return (f"the join was rolled back{how}: the other engines keep their version and "
+                f"plan, the next update() goes to them")
+
     def _leave_out(self, engine: int) -> str:
         """A join whose catch-up failed: take the engine out again (told why; its rows
         dropped, or the others planned again), so later updates do not run into it; says
@@ -141,9 +202,11 @@ class Membership:
         return "it is out of the group again"
 
     def _staged_copy_kept(self) -> bool:
-        """Sender staging, and no re-plan since the trainers' staged copies were taken (a
-        re-plan drops them: they were laid out for the old plan)."""
-        return self.mode.sender_staging and self.staged_generation == self.leader.generation
+        """Sender staging, no re-plan since the trainers' staged copies were taken (a re-plan
+        drops them: they were laid out for the old plan), and no delta plan in force (a
+        join then plans everything again, and the copies hold only the delta's tensors)."""
+        return (self.mode.sender_staging and self.staged_generation == self.leader.generation
+                and self.leader.tensors is None)
 
     def _check_catch_up_source(self, engine: int) -> None:
         """Without a staged copy (no sender staging, or a re-plan dropped it) the catch-up
@@ -212,10 +275,11 @@ class Membership:
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
         """Leave the ``lost`` trainers and the engines of the lost rollout workers out and
         re-plan over the others from the source maps of connect (no probe; a lost trainer's
-        regions then come from its replicas). Where the trainers' parameters still hold
-        ``version`` (no sender staging) re-send it and verify it; raise `WorkersLost`. If no
-        trainer holds what the rollouts need, no engine is left, or the re-send fails too,
-        raise `TransferFailed`."""
+        regions then come from its replicas); raise `WorkersLost` at once, within timeout_s
+        of the loss. Where the trainers' parameters still hold ``version`` (no sender
+        staging) it is re-sent afterwards, on the streaming thread (`_resend`): `wait`
+        returns its report, and every later call waits for it first. If no trainer holds what
+        the rollouts need, no engine is left, or the re-plan fails, raise `TransferFailed`."""
         size = self.control.engine_size
         engines = sorted({w.index // size for w in lost if w.side == "rollout"})
         trainers_ = sorted(w.index for w in lost if w.side == "trainer")
@@ -229,16 +293,13 @@ class Membership:
             raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
         for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
-        t1 = time.perf_counter()
         try:
             self.leader.replan()
             self._use()
-            if not self.mode.sender_staging:  # the trainers' parameters still hold it
-                self._move(version)
         except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
-            raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
-                                f"engines {survivors} failed too ({type(e).__name__}: {e}): "
-                                f"close this MeshTransfer and start again") from e
+            raise TransferFailed(f"{what}; planning the surviving engines {survivors} again "
+                                 f"failed too ({type(e).__name__}: {e}): close this "
+                                 f"MeshTransfer and start again") from e
         out = (frozenset(self.leader.out_engines), frozenset(self.leader.out_trainers))
         if self.mode.sender_staging:
             if not self.mode.receiver_staging:
@@ -250,14 +311,38 @@ class Membership:
                      "until the next update() reached them (it carries every tensor)")
             raise WorkersLost(f"{what}; version {version} was not re-sent to the surviving "
                               f"engines {survivors} (the staged copy was laid out for the "
-                              f"old plan): {state}", *out, None)
-        report = self._report(version, train_step_s, t1)
-        where = ("hold it whole" if report.state == "installed" else
-                 "have it in staging (poll_requests installs it)")
-        raise WorkersLost(f"{what}; version {version} was re-sent over a new plan to the "
-                          f"surviving engines {survivors}, which {where} "
-                          f"({report.line().splitlines()[0]}); the next update() goes to "
-                          f"them", *out, report)
+                              f"old plan): {state}", *out)
+        # The trainers' parameters still hold it: re-sent after this raise (every later call
+        # joins it first; update() before its train step, which would change what it reads).
+        self._streaming.start(self._resend, version, train_step_s, what, survivors)
+        where = ("hold it whole" if not self.mode.receiver_staging else
+                 "have it in staging (the next poll_requests() installs it)")
+        raise WorkersLost(f"{what}; version {version} is being re-sent over a new plan to the "
+                          f"surviving engines {survivors}, which then {where}: wait() returns "
+                          f"its verified report; every later call waits for it first (run no "
+                          f"train step of your own on the trainers before wait() returned); "
+                          f"the next update() goes to them", *out)
+
+    def _resend(self, version: int, train_step_s: float, what: str, survivors: list[int]):
+        """`_recover`'s re-send of ``version`` over the new plan, on the streaming thread;
+        its report, verified (RS: landed in staging, verified at its install).
+
+        Raises:
+            TransferFailed: the re-send failed or did not verify."""
+        t1 = time.perf_counter()
+        try:
+            self._move(version)
+            report = self._report(version, train_step_s, t1)
+        except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
+            raise TransferFailed(f"{what}; re-sending version {version} to the surviving "
+                                 f"engines {survivors} failed too ({describe(e)}): close this "
+                                 f"MeshTransfer and start again") from e
+        if report.mismatched:
+            raise TransferFailed(f"{what}; version {version} re-sent to the surviving engines "
+                                 f"{survivors} did not verify ({report.line()}: "
+                                 f"{list(report.mismatched[:4])}): did a train step run before "
+                                 f"wait() returned? call update() with the next version")
+        return report
 
 
 class Lost(Exception):

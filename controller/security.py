@@ -25,6 +25,7 @@ Typical usage::
 from __future__ import annotations
 
 import argparse
+import datetime
 import ipaddress
 import os
 import shutil
@@ -185,11 +186,16 @@ def resolve(*, tls_dir: str | None, ca: str | None, cert: str | None, key: str |
 
 
 def check_files(creds: Credentials) -> None:
-    """Each file exists and holds PEM of its kind; with ``openssl`` on PATH, the certificate is
-    signed by a CA of the CA file and the key is the certificate's. ValueError otherwise."""
+    """Each file is a regular file (a FIFO would wait for a writer) holding PEM of its kind,
+    the key not encrypted; with ``openssl`` on PATH, the certificate is in its validity
+    period, signed by a CA of the CA file, usable by a client (mutual TLS: clientAuth), and
+    the key is the certificate's. ValueError naming the cause otherwise."""
     for what, path, marker in (("CA file", creds.ca, "-----BEGIN CERTIFICATE-----"),
                                ("certificate", creds.cert, "-----BEGIN CERTIFICATE-----"),
                                ("key", creds.key, "PRIVATE KEY-----")):
+        if Path(path).exists() and not Path(path).is_file():
+            raise ValueError(f"TLS {what} {path} is not a regular file (a FIFO, a device or a "
+                             f"folder): give the PEM file `python -m controller.certs` makes")
         try:
             text = Path(path).read_text(errors="replace")
         except OSError as e:
@@ -198,18 +204,54 @@ def check_files(creds: Credentials) -> None:
         if marker not in text:
             raise ValueError(f"TLS {what} {path} holds no PEM {marker.strip('-')}; give the "
                              f"PEM file `python -m controller.certs` makes")
+        if what == "key" and ("ENCRYPTED" in text):
+            raise ValueError(f"TLS key {path} is encrypted (it needs a passphrase, which no "
+                             f"worker can type): give it unencrypted (`openssl pkey -in "
+                             f"{path} -out plain.key`, kept readable by its owner only)")
     if shutil.which("openssl") is None:
         return
-    done = subprocess.run(["openssl", "verify", "-CAfile", creds.ca, creds.cert],
-                          capture_output=True, text=True)
+    _check_dates(creds.cert)
+    done = _run("verify", "-CAfile", creds.ca, creds.cert)
     if done.returncode != 0:
         detail = (done.stdout + done.stderr).strip().splitlines()
         raise ValueError(f"TLS certificate {creds.cert} is not signed by a CA in {creds.ca} "
                          f"({detail[-1] if detail else 'openssl verify failed'}); peers would "
                          f"refuse it: give the certificate your cluster's CA signed")
-    pub = [subprocess.run(cmd, capture_output=True, text=True).stdout for cmd in
-           (["openssl", "x509", "-in", creds.cert, "-noout", "-pubkey"],
-            ["openssl", "pkey", "-in", creds.key, "-pubout"])]
+    usage = _run("x509", "-in", creds.cert, "-noout", "-ext", "extendedKeyUsage").stdout
+    if "Extended Key Usage" in usage and "TLS Web Client Authentication" not in usage:
+        raise ValueError(f"TLS certificate {creds.cert} has no clientAuth extended key usage "
+                         f"({usage.strip().splitlines()[-1].strip()}): in mutual TLS every side "
+                         f"is also a client, and its peers refuse it; {MAKE_HINT}")
+    pub = [_run(*args).stdout for args in
+           (("x509", "-in", creds.cert, "-noout", "-pubkey"),
+            ("pkey", "-in", creds.key, "-pubout", "-passin", "pass:"))]
     if not pub[0] or pub[0] != pub[1]:
         raise ValueError(f"TLS key {creds.key} is not the key of certificate {creds.cert}: "
                          f"give the .key made with that .crt")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    """``openssl *args``, never waiting on a terminal (no passphrase prompt)."""
+    return subprocess.run(["openssl", *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=60)
+
+
+def _check_dates(cert: str) -> None:
+    """The certificate is valid now (``openssl x509 -checkend 0``; its dates named)."""
+    dates = dict(line.split("=", 1) for line in _run(
+        "x509", "-in", cert, "-noout", "-startdate", "-enddate").stdout.splitlines()
+        if "=" in line)
+    if _run("x509", "-in", cert, "-noout", "-checkend", "0").returncode != 0:
+        raise ValueError(f"TLS certificate {cert} expired on {dates.get('notAfter', '?')}: "
+                         f"peers refuse it; make new files ({MAKE_HINT})")
+    start = dates.get("notBefore")
+    if start and _not_yet(start):
+        raise ValueError(f"TLS certificate {cert} is not valid before {start} (check this "
+                         f"host's clock, or wait): peers refuse it until then")
+
+
+def _not_yet(stamp: str) -> bool:
+    """``stamp`` (openssl's ``Jan  1 00:00:00 2099 GMT``) is later than now."""
+    when = datetime.datetime.strptime(" ".join(stamp.split()), "%b %d %H:%M:%S %Y %Z")
+    return when.replace(tzinfo=datetime.timezone.utc) > datetime.datetime.now(
+        datetime.timezone.utc)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextvars
 import threading
 
+from weightbridge import TransferFailed
+
 
 class Streaming:
     """At most one background call, its result and its failure (module doc)."""
@@ -47,14 +49,14 @@ class Streaming:
         since the last join) or raise its failure.
 
         Raises:
-            TimeoutError: it is still running after ``timeout_s`` (a worker that neither
+            TransferFailed: it is still running after ``timeout_s`` (a worker that neither
                 finishes nor fails past every bound of the transfer).
         """
         thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
             if thread.is_alive():
-                raise TimeoutError(f"the transfer streaming on the controller did not end "
+                raise TransferFailed(f"the transfer streaming on the controller did not end "
                                    f"within {timeout_s:g}s (its rounds and a recovery are "
                                    f"each bounded by timeout_s: a worker is wedged); close "
                                    f"this MeshTransfer and start again")

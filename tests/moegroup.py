@@ -211,3 +211,15 @@ def probed_workers(trainer_dtype, rollout_dtype, ckpt_dtype=None):
                          [(m, Placement(f"r{i // 2}", engine=i // 2)) for i, m in enumerate(rmaps)],
                          round_bytes=64 << 10)
     return spec, trainers, rollouts, rmaps, plan
+
+
+def replica_plan(trainers, rollouts, round_bytes, spec):
+    """Trainers and two engines, the second a replica of the first (probed once): the plan
+    and the first engine's maps."""
+    tmaps = [extract_source_map(w.params, w.load_weights, spec) for w in trainers]
+    per_engine = len(rollouts) // 2
+    probed = [extract_source_map(w.params, w.load_weights, spec) for w in rollouts[:per_engine]]
+    rmaps = probed + probed  # the second engine is a replica of the first
+    return plan_transfer([(m, Placement("t0")) for m in tmaps],
+                         [(m, Placement(f"r{i // per_engine}", engine=i // per_engine))
+                          for i, m in enumerate(rmaps)], round_bytes=round_bytes), probed

@@ -9,6 +9,8 @@ they must hold, known here independently of the controller's books.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 
 import pytest
@@ -138,15 +140,15 @@ def test_a_rollout_lost_while_a_version_streams_is_raised_once_and_the_group_goe
         mt.wait()
         mt.poll_requests()
         count, bad = _holds(mt, 2)
-    assert lost.value.lost_engines == {1} and lost.value.report is None
+    assert lost.value.lost_engines == {1}
     assert "was not re-sent" in str(lost.value), str(lost.value)
     assert count > 0 and not bad, bad[:4]
 
 
 def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
     """RS: the trainers' parameters still hold version 1 when R1 dies in its rounds, so it is
-    re-sent over a new plan into engine 0's staging: `WorkersLost` carries that landed
-    report, and the next poll installs it, bit-exact."""
+    re-sent over a new plan into engine 0's staging (after `WorkersLost` is raised), and the
+    next poll installs it, bit-exact."""
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
                       rollout_actor=DiesInRound1Rollout, config=_config("rs", timeout_s=5))
     with mt:
@@ -155,8 +157,8 @@ def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
             mt.update(1)
         installed = mt.poll_requests()
         count, bad = _holds(mt, 1)
-    assert lost.value.lost_engines == {1} and lost.value.report.state == "landed"
-    assert "poll_requests installs it" in str(lost.value), str(lost.value)
+    assert lost.value.lost_engines == {1}
+    assert "poll_requests() installs it" in str(lost.value), str(lost.value)
     assert installed.version == 1 and not installed.mismatched
     assert count > 0 and not bad, bad[:4]
 
@@ -275,3 +277,100 @@ def test_a_rank_stalled_at_install_is_fenced_within_timeout_and_the_others_go_on
         mt.update(2)
         installed = mt.poll_requests()
         assert installed.version == 2 and not installed.mismatched, installed.line()
+
+
+def test_close_from_another_thread_ends_a_running_update_with_group_closed():
+    """Issue 44, item 10: update() running while another thread called close() raised
+    Monarch's ``asyncio.CancelledError`` (or a dead actor's error); it raises `GroupClosed`
+    now, and so does every later call."""
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      config=_config("sync", timeout_s=10))
+    with mt:
+        mt.connect()
+        mt.update(1)
+        moving, closed = threading.Event(), threading.Event()
+        move = mt._move
+
+        def held_move(version):  # (the rounds start once close() stopped the meshes)
+            moving.set()
+            closed.wait(60)
+            move(version)
+
+        mt._move = held_move
+        outcome: list = []
+        updating = threading.Thread(target=lambda: outcome.append(_raised(mt.update, 2)))
+        updating.start()
+        assert moving.wait(60)
+        mt.close()
+        closed.set()
+        updating.join(timeout=120)
+    assert isinstance(outcome[0], GroupClosed), repr(outcome[0])
+    assert "ended by close()" in str(outcome[0]), str(outcome[0])
+    with pytest.raises(GroupClosed):
+        mt.update(3)
+
+
+def _raised(call, *args):
+    """What ``call(*args)`` raised (None: it returned)."""
+    try:
+        call(*args)
+    except BaseException as e:  # noqa: BLE001  (the test asserts on it)
+        return e
+    return None
+
+
+class DiesThenSlowsTheReSend(TransferWorker):
+    """Rollout 1 (engine 1) notes the time in ``WB_TEST_DIED_AT`` and exits in round 1 of
+    version 1; rollout 0 then takes 1 s per land (the re-send of a large model takes
+    seconds: the loss must not wait for it)."""
+
+    def on_land(self, r, slots=None, expected=None):
+        marker = os.environ["WB_TEST_DIED_AT"]
+        if self.worker.index == 1 and r == 1:
+            with open(marker, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(3)
+        if self.worker.index == 0 and os.path.exists(marker):
+            time.sleep(1)
+        super().on_land(r, slots, expected)
+
+
+class DiesThenSlowsTheReSendRollout(RolloutActor):
+    worker_class = DiesThenSlowsTheReSend
+
+
+@pytest.mark.parametrize("mode", ["sync", "rs"])
+def test_a_loss_is_raised_within_timeout_of_it_and_the_re_send_follows(mode, tmp_path,
+                                                                       monkeypatch):
+    """Issue 44, item 10: a loss was raised only after the version was re-sent to the
+    survivors (11.1-12.3 s at timeout_s=10, named at 9.05 s). It is raised once named now,
+    within timeout_s of the loss (bound here with 2 s to spare: the machine is shared), and
+    the re-send runs after it: wait() returns its verified report, the next update() waits
+    for it before its train step."""
+    timeout_s = 5
+    died = tmp_path / "died"
+    monkeypatch.setenv("WB_TEST_DIED_AT", str(died))  # (the children inherit it)
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"), ROLLOUT, "tiny",
+                      rollout_actor=DiesThenSlowsTheReSendRollout,
+                      config=_config(mode, timeout_s=timeout_s))
+    with mt:
+        mt.connect()
+        with pytest.raises(WorkersLost, match="being re-sent") as lost:
+            mt.update(1)
+        raised = time.time()
+        late = raised - float(died.read_text())
+        print(f"WorkersLost {late:.2f}s after the loss (timeout_s={timeout_s}, {mode})")
+        assert late <= timeout_s + 2, late
+        resent = mt.wait()
+        assert resent.version == 1 and not resent.mismatched, resent.line()
+        assert resent.state == ("landed" if mode == "rs" else "installed")
+        if mode == "rs":
+            installed = mt.poll_requests()
+            assert installed.version == 1 and not installed.mismatched, installed.line()
+        count, bad = _holds(mt, 1)
+        assert count > 0 and not bad, bad[:4]
+        after = mt.update(2)
+        mt.poll_requests()
+        count2, bad = _holds(mt, 2)
+    assert lost.value.lost_engines == {1}
+    assert count2 == count and not bad and not after.mismatched, bad[:4]

@@ -268,10 +268,102 @@ def test_after_a_lost_engine_deltas_and_joins_verify_against_what_the_rollouts_h
         assert not mt.update(1).mismatched
         with pytest.raises(WorkersLost) as lost:
             mt.update(2)
-        assert lost.value.lost_engines == {1} and not lost.value.report.mismatched
+        resent = mt.wait()  # (version 2, re-sent to engine 0 after the raise)
+        assert lost.value.lost_engines == {1} and not resent.mismatched, resent.line()
         delta = mt.update(3, changed=norm)
         assert not delta.mismatched and delta.num_params > 0, delta.line()
         joined = mt.add_engine()
         assert not joined.mismatched and joined.num_params > 0, joined.line()
         after = mt.update(4, changed=norm)
         assert not after.mismatched and after.num_params == 2 * joined.num_params, after.line()
+
+
+class DiesOnceInItsSetUp(TransferWorker):
+    """A joining engine's process (rank 2) exits once, at the point of its set-up named by
+    ``WB_TEST_DIE_AT`` (``attach``: building its worker; ``source_map``: the join's probe;
+    ``setup``: its plan's set-up), unless the marker file ``WB_TEST_DIED`` exists (it is
+    made first: the next joiner, rank 2 again, lives)."""
+
+    def __init__(self, side, *args, rank, **kwargs):
+        self._dies = side == "rollout" and rank == 2
+        self._die("attach")
+        super().__init__(side, *args, rank=rank, **kwargs)
+
+    def _die(self, where: str) -> None:
+        marker = os.environ.get("WB_TEST_DIED", "")
+        if self._dies and os.environ.get("WB_TEST_DIE_AT") == where and marker \
+                and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(3)
+
+    def on_source_map(self, how="probe"):
+        self._die("source_map")
+        return super().on_source_map(how)
+
+    def on_setup(self, plan, ranges=(), generation=0):
+        self._die("setup")
+        return super().on_setup(plan, ranges, generation)
+
+
+class DiesOnceInItsSetUpRollout(RolloutActor):
+    worker_class = DiesOnceInItsSetUp
+
+
+@pytest.mark.parametrize("where", ["attach", "source_map", "setup"])
+def test_a_joiner_lost_in_its_set_up_is_rolled_back_and_the_group_goes_on(
+        where, tmp_path, monkeypatch):
+    """Issue 44, item 8 (the wedge): a joining engine killed while it was set up left every
+    later update() and add_engine() failing at once (a SupervisionError from the dead
+    actors), and close() raising. The join is rolled back now: add_engine raises
+    TransferFailed naming the engine and what to do, the next update reaches the other
+    engines whole, the next join works, and close() succeeds."""
+    # (Children inherit the environment when spawned: the joiner's procs see these.)
+    monkeypatch.setenv("WB_TEST_DIE_AT", where)
+    monkeypatch.setenv("WB_TEST_DIED", str(tmp_path / "died"))
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      rollout_actor=DiesOnceInItsSetUpRollout,
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=5))
+    with mt:
+        mt.connect()
+        first = mt.update(1)
+        with pytest.raises(TransferFailed, match="engine 2") as failed:
+            mt.add_engine()
+        assert (tmp_path / "died").exists()  # (it died where the test says, not elsewhere)
+        assert "add_engine()" in str(failed.value), failed.value
+        after = mt.update(2)
+        assert not after.mismatched and after.num_params == first.num_params, after.line()
+        joined = mt.add_engine()
+        assert not joined.mismatched and joined.num_params * 2 == first.num_params, joined
+        three = mt.update(3)
+        assert not three.mismatched and three.num_params * 2 == first.num_params * 3, three
+    assert mt.closed  # (close() ran on leaving the block and raised nothing)
+
+
+@pytest.mark.parametrize("receiver_staging", [False, True], ids=["ss", "async"])
+def test_with_sender_staging_a_join_under_a_delta_plan_after_a_train_step_is_refused(
+        receiver_staging):
+    """Found by the controller's fuzz (issue 44, item 1 under a delta plan): a join plans
+    everything again when a delta plan is in force, which drops the staged copy (it held the
+    delta's tensors only), so the catch-up staged the trainers' parameters again: after the
+    next train step that wrote version 3's bytes into engine 0 under the label 2 (42 of 42
+    parameters differ, silently; a MISMATCH named only the joiner). Refused now, before
+    anything spawns, and engine 0 keeps what it holds."""
+    config = TransferConfig(round_bytes=64 << 10, sender_staging=True,
+                            receiver_staging=receiver_staging)
+    norm = "model.norm.weight"
+    with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny",
+                      config=config) as mt:
+        mt.connect()
+        for version, changed in ((1, None), (2, [norm])):
+            mt.update(version, changed)
+            mt.wait()
+            mt.poll_requests()
+        holds = {**dict.fromkeys(mt.book.tensors, 1), norm: 2}
+        mt.trainers.train_step.call(3).get()  # the next train step, version 3 not sent
+        with pytest.raises(CatchUpRefused, match="no longer hold version 2"):
+            mt.add_engine()
+        assert mt.rollout_spec.engines == 1  # nothing spawned
+        count, bad = mismatches(by_rank(mt.rollouts.checksums.call(holds).get()))
+        assert count > 0 and not bad, bad

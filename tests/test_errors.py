@@ -62,14 +62,13 @@ def test_old_import_paths_give_the_one_class(module, name, cls):
 def test_workers_lost_is_a_transfer_failed():
     # One event, one class: catching TransferFailed catches what both paths raise.
     with pytest.raises(TransferFailed):
-        raise WorkersLost("engine 1 lost", frozenset({1}), frozenset(), None)
+        raise WorkersLost("engine 1 lost", frozenset({1}), frozenset())
 
 
 def test_workers_lost_keeps_its_attributes_across_a_pickle():
-    e = pickle.loads(pickle.dumps(WorkersLost("engine 1 lost", frozenset({1}), frozenset({2}),
-                                              "report")))
-    assert (str(e), e.lost_engines, e.lost_trainers, e.report) == (
-        "engine 1 lost", frozenset({1}), frozenset({2}), "report")
+    e = pickle.loads(pickle.dumps(WorkersLost("engine 1 lost", frozenset({1}), frozenset({2}))))
+    assert (str(e), e.lost_engines, e.lost_trainers) == (
+        "engine 1 lost", frozenset({1}), frozenset({2}))
 
 
 # -- the public faces ---------------------------------------------------------------------------

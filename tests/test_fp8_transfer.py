@@ -18,8 +18,9 @@ import torch
 
 from meshes.fp8_rollout import Fp8RolloutShard, per_tensor_quantize
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
-from weightbridge import (CpuCopyKernels, LayoutError, Placement, extract_source_map,
-                          plan_transfer, run_plan_locally)
+from moegroup import replica_plan
+from weightbridge import (CpuCopyKernels, LayoutError, extract_source_map,
+                          run_plan_locally)
 from weightbridge.discovery.replay import replay
 from weightbridge.planning.ideal import eq1
 from weightbridge.execution.boxcopy import TorchCopyKernels
@@ -42,13 +43,7 @@ def _checkpoint(seed: int, spec=SPEC) -> dict[str, torch.Tensor]:
 
 
 def _plan(trainers, rollouts, round_bytes, spec=SPEC):
-    tmaps = [extract_source_map(w.params, w.load_weights, spec) for w in trainers]
-    per_engine = len(rollouts) // 2
-    probed = [extract_source_map(w.params, w.load_weights, spec) for w in rollouts[:per_engine]]
-    rmaps = probed + probed  # the second engine is a replica of the first
-    return plan_transfer([(m, Placement("t0")) for m in tmaps],
-                         [(m, Placement(f"r{i // per_engine}", engine=i // per_engine))
-                          for i, m in enumerate(rmaps)], round_bytes=round_bytes), probed
+    return replica_plan(trainers, rollouts, round_bytes, spec)
 
 
 def _update_and_check(plan, trainers, rollouts, kernels, seeds, spec=SPEC) -> None:

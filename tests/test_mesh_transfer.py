@@ -319,9 +319,9 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
 @pytest.mark.parametrize("writes", ["per-range", "batched"])
 def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on(writes):
     """Rollout 1 (engine 1 of 2) exits in round 1 of update 1: `WorkersLost` names it, version
-    1 is re-sent to engine 0 over a new plan and verified bit-exact there, and update 2 goes
-    to engine 0 alone (the controller path recovers as the adapters do); with a write per
-    range or one RDMA action per step (`TransferConfig.rdma_writes`)."""
+    1 is re-sent to engine 0 over a new plan (after the raise: `wait` returns it) and
+    verified bit-exact there, and update 2 goes to engine 0 alone; with a write per range or
+    one RDMA action per step (`TransferConfig.rdma_writes`)."""
     import time
 
     before = bootstrap_children()
@@ -338,16 +338,17 @@ def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on
             mt.update(1)
         elapsed = time.monotonic() - t0
         lost = failure.value
+        resent = mt.wait()
         second = mt.update(2)
     message = str(lost)
     assert "update 1 failed" in message and "R1 did not answer a ping" in message, message
     assert "engine [1] excluded" in message and "surviving engines [0]" in message, message
-    assert lost.lost_engines == {1} and not lost.report.mismatched
-    assert lost.report.num_params > 0 and second.num_params == lost.report.num_params
+    assert lost.lost_engines == {1} and not resent.mismatched
+    assert resent.num_params > 0 and second.num_params == resent.num_params
     assert not second.mismatched, second.line()
     assert all(d <= {0} for d in mt._dests.values())  # nothing routed to engine 1
     print(f"WorkersLost after {elapsed:.1f}s (timeout_s={timeout_s}): {message}")
-    assert elapsed < timeout_s + lost.report.transfer_s + lost.report.verify_s, elapsed
+    assert elapsed < timeout_s + 2, elapsed  # (the re-send follows: 2 s for a shared machine)
     assert bootstrap_children() - before == set()
 
 
@@ -382,9 +383,10 @@ def test_a_lost_trainer_is_rerouted_from_its_replica_or_fails_closed(trainer, lo
             assert lost.lost_trainers == {1} and not lost.lost_engines
             assert "T1 did not answer a ping" in str(lost) and "trainer [1] excluded" in \
                 str(lost) and "surviving engines [0, 1]" in str(lost), str(lost)
-            assert not lost.report.mismatched and lost.report.num_params > 0
+            resent = mt.wait()  # (version 1, re-sent after the raise)
+            assert not resent.mismatched and resent.num_params > 0, resent.line()
             second = mt.update(2)  # from trainer 0 alone
-            assert not second.mismatched and second.num_params == lost.report.num_params
+            assert not second.mismatched and second.num_params == resent.num_params
             assert all(k[:2] != ("trainer", 1) for k in mt._dests)
         else:
             with pytest.raises(TransferFailed) as failure:
@@ -434,6 +436,7 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
             with pytest.raises(WorkersLost) as failure:
                 mt.update(1)
             failed_at = time.monotonic()
+            report = mt.wait()  # (version 1, re-sent to engine 0 after the raise)
             second = mt.update(2)
             (stall,) = tmp_path.iterdir()
             os.kill(int(stall.name), signal.SIGKILL)  # a stopped proc ignores its mesh's stop
@@ -444,7 +447,7 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
             except ProcessLookupError:
                 pass
     elapsed = failed_at - float(stall.read_text())  # one monotonic clock for every process
-    message, report = str(failure.value), failure.value.report
+    message = str(failure.value)
     print(f"WorkersLost {elapsed:.1f}s after the stall (timeout_s={timeout_s}): {message}")
     # Whichever step waits on the stopped process times out first (round 0's land still in
     # flight, round 1's, a send writing into it, or the other engine's node forwarding to it);
@@ -453,8 +456,9 @@ def test_a_stalled_rollout_is_found_within_timeout_named_and_left_out(tmp_path, 
                      r"|trainers' send)", message), message
     assert "R1 did not answer a ping" in message and "surviving engines [0]" in message, message
     assert not report.mismatched and not second.mismatched, second.line()
-    # Found within timeout_s; then version 1 is re-sent to engine 0 and verified there.
-    assert elapsed < timeout_s + report.transfer_s + report.verify_s, elapsed
+    # Found and raised within timeout_s (2 s to spare: a shared machine); version 1 is
+    # re-sent to engine 0 and verified there afterwards.
+    assert elapsed < timeout_s + 2, elapsed
     assert bootstrap_children() - before == set()
 
 

@@ -182,3 +182,94 @@ def test_the_cluster_command_refuses_workers_without_files_or_insecure():
     assert ("give --tls-dir DIR (made by `python -m controller.certs make DIR --hosts "
             "10.77.0.2,10.77.0.3 --controller 10.77.0.1`) for authenticated workers, or "
             "--insecure") in done.stderr
+
+
+def _signed(certs: Path, tmp_path: Path, name: str, *, ext: str, dates: tuple[str, str] | None
+            = None, key_args: tuple[str, ...] = ()) -> Credentials:
+    """A key and a certificate for ``name`` signed by ``certs``' CA with the extensions
+    ``ext`` (and, with ``dates``, the validity (not before, not after) as openssl's
+    ``YYYYMMDDHHMMSSZ``); ``key_args`` encrypt the key as written."""
+    key, csr, crt = (tmp_path / f"{name}.{s}" for s in ("key", "csr", "crt"))
+    plain = tmp_path / f"{name}.plain.key"
+    ssl = lambda *a: subprocess.run(["openssl", *a], check=True, capture_output=True)  # noqa
+    ssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out",
+        str(plain))
+    ssl("req", "-new", "-key", str(plain), "-subj", f"/CN={name}", "-out", str(csr))
+    (tmp_path / "ext.cnf").write_text(ext)
+    if dates is None:
+        ssl("x509", "-req", "-in", str(csr), "-CA", str(certs / "ca.crt"), "-CAkey",
+            str(certs / "ca.key"), "-CAcreateserial", "-days", "30", "-extfile",
+            str(tmp_path / "ext.cnf"), "-out", str(crt))
+    else:  # (openssl ca sets explicit dates; x509 -req cannot in 3.0)
+        db = tmp_path / "db"
+        db.mkdir(exist_ok=True)
+        (db / "index.txt").write_text("")
+        (db / "serial").write_text("1000\n")
+        (tmp_path / "ca.cnf").write_text(
+            f"[ca]\ndefault_ca=c\n[c]\ndatabase={db}/index.txt\nserial={db}/serial\n"
+            f"new_certs_dir={db}\ndefault_md=sha256\npolicy=p\n[p]\ncommonName=supplied\n")
+        ssl("ca", "-batch", "-config", str(tmp_path / "ca.cnf"), "-cert",
+            str(certs / "ca.crt"), "-keyfile", str(certs / "ca.key"), "-in", str(csr),
+            "-startdate", dates[0], "-enddate", dates[1], "-extfile",
+            str(tmp_path / "ext.cnf"), "-out", str(crt), "-notext")
+    if key_args:
+        ssl("pkey", "-in", str(plain), "-out", str(key), *key_args)
+    else:
+        plain.rename(key)
+    return Credentials(str(certs / "ca.crt"), str(crt), str(key))
+
+
+BOTH = "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:node9\n"
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("expired", "expired on"),
+    ("not-yet-valid", "is not valid before"),
+    ("encrypted-key", "is encrypted"),
+    ("no-client-auth", "has no clientAuth"),
+])
+def test_a_certificate_or_key_that_cannot_work_is_refused_naming_the_real_cause(
+        certs, tmp_path, case, expected):
+    """Issue 44, item 11: these got messages naming the wrong cause ("is not signed by a
+    CA", "is not the key of")."""
+    made = {"expired": lambda: _signed(certs, tmp_path, "node9", ext=BOTH,
+                                       dates=("20200101000000Z", "20200201000000Z")),
+            "not-yet-valid": lambda: _signed(certs, tmp_path, "node9", ext=BOTH,
+                                             dates=("20990101000000Z", "20990201000000Z")),
+            "encrypted-key": lambda: _signed(certs, tmp_path, "node9", ext=BOTH,
+                                             key_args=("-aes256", "-passout", "pass:secret")),
+            "no-client-auth": lambda: _signed(
+                certs, tmp_path, "node9",
+                ext="extendedKeyUsage=serverAuth\nsubjectAltName=DNS:node9\n")}[case]()
+    with pytest.raises(ValueError, match=expected) as refused:
+        resolve(**{**NONE, "ca": made.ca, "cert": made.cert, "key": made.key}, name="x",
+                env={})
+    assert "not signed by a CA" not in str(refused.value), refused.value
+    assert "is not the key of" not in str(refused.value), refused.value
+
+
+def test_a_fifo_given_as_a_tls_file_is_refused_at_once(certs, tmp_path):
+    """Issue 44, item 11: a FIFO as the CA file hung worker and controller (reading it
+    waits for a writer)."""
+    fifo = tmp_path / "ca.fifo"
+    os.mkfifo(fifo)
+    refused: list = []
+
+    def check():
+        try:
+            resolve(**{**NONE, "ca": str(fifo), "cert": str(certs / "node1.crt"),
+                       "key": str(certs / "node1.key")}, name="x", env={})
+        except ValueError as e:
+            refused.append(e)
+
+    import threading
+
+    checking = threading.Thread(target=check, daemon=True)
+    checking.start()
+    checking.join(10)
+    if checking.is_alive():  # (release the hung reader: open the FIFO for writing once)
+        with open(fifo, "w"):
+            pass
+        checking.join(10)
+        pytest.fail("resolve() waited on a FIFO given as the CA file")
+    assert refused and "not a regular file" in str(refused[0]), refused

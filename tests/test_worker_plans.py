@@ -59,16 +59,17 @@ def test_block_fp8_plans_equal_the_reference():
     rounds cutting the value overlaps often; in a P2P plan too, where one segment is packed at
     several offsets (boxes built once and shifted, `block` carried)."""
     from controller.baselines import p2p_plan
-    from test_fp8_transfer import CONFIG, _plan
+    from moegroup import CONFIG, replica_plan
 
     from meshes.fp8_rollout import Fp8RolloutShard
-    from meshes.qwen3_moe import TrainerShard
+    from meshes.qwen3_moe import TrainerShard, checkpoint_spec
 
     trainers = [TrainerShard(CONFIG, 2, r % 2, 2, r // 2) for r in range(4)]
     rollouts = [Fp8RolloutShard(CONFIG, 2, r, 1, 0, block=(32, 32))
                 for _ in range(2) for r in range(2)]
     for round_bytes in (64 << 10, 8 << 10):
-        plan, _ = _plan(trainers, rollouts, round_bytes)
+        plan, _ = replica_plan(trainers, rollouts, round_bytes,
+                               checkpoint_spec(CONFIG, "bfloat16"))
         for each in (plan, p2p_plan(plan)):
             _assert_same(each)
             packs = [b for wp in worker_plans(each).values() for r in wp.rounds for b in r.pack]

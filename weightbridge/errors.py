@@ -66,24 +66,23 @@ class TransferFailed(WeightBridgeError, RuntimeError):
 
 class WorkersLost(TransferFailed):
     """Workers were lost during an update and left out: trainers whose regions their replicas
-    also hold, rollout engines. The surviving engines hold the version whole (re-sent over a
-    new plan) and the `MeshTransfer` goes on with them.
+    also hold, rollout engines. Raised within ``timeout_s`` of the loss; without sender
+    staging the version is then re-sent over a new plan to the surviving engines (the
+    `MeshTransfer`'s ``wait()`` returns that re-send's report), and the `MeshTransfer` goes
+    on with them.
 
     Attributes:
         lost_engines: Every rollout engine excluded so far.
         lost_trainers: Every trainer excluded so far.
-        report: The re-sent update's `UpdateReport` (verified on the surviving engines; in
-            staging state "landed" with receiver staging), or None with sender staging (the
-            version was not re-sent: the message says what the survivors hold).
     """
 
     def __init__(self, message: str, lost_engines: frozenset[int] = frozenset(),
-                 lost_trainers: frozenset[int] = frozenset(), report=None):
+                 lost_trainers: frozenset[int] = frozenset()):
         super().__init__(message)
-        self.lost_engines, self.lost_trainers, self.report = lost_engines, lost_trainers, report
+        self.lost_engines, self.lost_trainers = lost_engines, lost_trainers
 
     def __reduce__(self):
-        return type(self), (str(self), self.lost_engines, self.lost_trainers, self.report)
+        return type(self), (str(self), self.lost_engines, self.lost_trainers)
 
 
 class GroupClosed(TransferFailed):

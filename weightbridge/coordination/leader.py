@@ -13,6 +13,8 @@ it goes through one of the leader's operations, so the policies exist once::
                           (its next poll raises `TransferFailed`)
     join()                probe the engines added since, extend the plan (or, under a delta
                           plan, plan everything again); a join that fails excludes them
+    forget(engines)       undo that exclusion (the controller takes them off the control
+                          plane again: a failed join rolled back)
     leave(engine)         exclude it; drop its rows, or replan()
 
 Why the generation strictly increases: it numbers the receivers' staging slots
@@ -239,6 +241,21 @@ class GroupLeader:
         with self._ledger:
             self.slots.grow(self.control.num_engines)
         return joining
+
+    def forget(self, engines: Collection[int]) -> None:
+        """Undo a failed `join`'s exclusion of ``engines`` when the caller takes them off the
+        control plane again (the controller rolls a failed join back: a later join gets
+        their numbers and ranks, and must not find them out)."""
+        size = self.control.engine_size
+        with self._ledger:
+            self.out_engines.difference_update(engines)
+            for e in engines:
+                self.asked_out.pop(e, None)
+            for w in [w for w in self.untold if w.side == "rollout" and w.index // size
+                      in engines]:
+                del self.untold[w]
+        for e in engines:
+            self.out_why.pop(e, None)
 
     def ask_out(self, engine: int, why: str) -> None:
         """A worker of ``engine`` says its engine can run no more steps (a rank it could not

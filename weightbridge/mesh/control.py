@@ -68,6 +68,12 @@ class MeshControl:
         (the agents sliced so far stay valid: old segments never change)."""
         self.group = group
         self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
+        # A group shrunk back (a join rolled back, `TransferGroup.undo_add_engines`): the
+        # agents cached for ranks beyond it are gone; a later join's ranks are others'.
+        end = group.num_engines * group.engine_size
+        for cache in (self._agents, self._inboxes):
+            for key in [k for k in cache if _rank_of(k) >= end]:
+                del cache[key]
         self._segments = {"trainer": ((0, group.trainer_agents),),
                           "rollout": ((0, group.rollout_agents),) + group.joined}
 
@@ -277,6 +283,13 @@ def _timed_out(call: PeerCall, peers: Sequence[WorkerId], timeout: float) -> Tim
     names = ", ".join(str(p) for p in peers)
     return TimeoutError(f"{call.value} to {names} did not answer within {timeout:g}s "
                         f"(TransferConfig.timeout_s): a peer is stalled or its process died")
+
+
+def _rank_of(key) -> int:
+    """The first rollout rank a cache key of `MeshControl` addresses (a worker, or a run:
+    (side, first rank, length)); -1 for a trainer's."""
+    side, first = (key.side, key.index) if isinstance(key, WorkerId) else key[:2]
+    return first if side == "rollout" else -1
 
 
 def mailed(call: PeerCall) -> bool:
