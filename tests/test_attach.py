@@ -20,7 +20,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.mesh
 def _wait_listening(port: int, procs, timeout_s: float = 60.0) -> None:
     """Until a socket listens on ``port`` (read from /proc/net/tcp: no connection is made)."""
     deadline = time.monotonic() + timeout_s
@@ -33,6 +32,7 @@ def _wait_listening(port: int, procs, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.mesh
 def test_controller_attaches_to_remote_workers_and_verifies_updates(tmp_path):
     # Mutual TLS, as by default: one CA, the loopback "host" and the controller keys.
     make = subprocess.run([sys.executable, "-m", "controller.certs", "make", str(tmp_path),

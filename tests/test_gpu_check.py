@@ -27,6 +27,7 @@ def test_kernel_rows_get_their_targets_verdict():
     assert all(ln.startswith("gpu-check: kernels: ") for ln in lines)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU answer")
 def test_without_cuda_it_says_so_and_exits_0():
     out = subprocess.run(["bash", "scripts/dev.sh", "gpu-check"], cwd=REPO, capture_output=True,
