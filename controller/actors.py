@@ -12,7 +12,7 @@ from monarch.actor import this_host
 
 from controller.ranks import actor_at
 from weightbridge.driver import (RolloutSpec, TrainerSpec, configure_transport,
-                                 drop_all)
+                                 disown_faults, drop_all, own_faults)
 
 PROBE_BYTES = 8 << 20
 """Link probe write size: one 8 MB RDMA chunk."""
@@ -69,6 +69,7 @@ class WorkerMeshes:
         self.actors.append(self.trainers)
         self.rollouts = rp.spawn("rollout", rollout_cls, self.workers, self.rollout_spec)
         self.actors.append(self.rollouts)
+        own_faults(self.trainers, self.rollouts)  # (losses are found and raised by the driver)
         self.rollout_meshes = [(0, self.rollouts)]
         if self.given_procs is not None:
             self.foreign += self.actors
@@ -88,6 +89,7 @@ class WorkerMeshes:
                                             name=f"rollout-e{spec.engines - 1}")
             self.owned.append(procs)
         actors = procs.spawn("rollout", self.actor_classes[1], self.workers, spec, first)
+        own_faults(actors)
         if not owned:
             self.foreign.append(actors)
         self.actors.append(actors)
@@ -107,6 +109,8 @@ class WorkerMeshes:
             (procs if owned else actors).stop().get(timeout=60)
         except Exception as e:  # noqa: BLE001  (a dead proc's; the caller says so)
             return [e]
+        finally:
+            disown_faults(actors)
         return []
 
     def stop(self) -> list[Exception]:
@@ -118,6 +122,7 @@ class WorkerMeshes:
                 mesh.stop().get(timeout=60)
             except Exception as e:  # keep stopping the others; the caller raises
                 errors.append(e)
+        disown_faults(*self.actors)
         self.owned, self.actors, self.foreign = [], [], []
         return errors
 

@@ -59,7 +59,7 @@ from weightbridge.views import as_bits, memory_order
 _MESH = {"MeshControl": "control", "TransferGroup": "group", "TransferAgent": "agent",
          "configure_transport": "transport", "backend": "transport", "drop_all": "transport",
          "register_ranges": "transport", "wait_all": "transport", "write": "transport",
-         "write_batch": "transport"}
+         "write_batch": "transport", "own_faults": "faults", "disown_faults": "faults"}
 """Imported on first use from ``weightbridge.mesh.<module>``: they need Monarch."""
 
 
@@ -95,5 +95,5 @@ __all__ = [
     "memory_order", "param_view", "region_view", "scaled_tensor",
     # Monarch (imported on first use)
     "TransferAgent", "TransferGroup", "backend", "configure_transport", "drop_all",
-    "register_ranges", "wait_all", "write", "write_batch",
+    "register_ranges", "wait_all", "write", "write_batch", "own_faults", "disown_faults",
 ]

@@ -17,6 +17,7 @@ The Monarch integration's modules, by job:
     group       `TransferGroup`, the handle: spawn, add_engines, close, build a rank's worker
     transport   Monarch RDMA (`MeshTransport`)
     monarch_api the private Monarch calls, checked against the installed version
+    faults      the faults of the library's meshes, reported by the transfer, not fatal
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from monarch.actor import current_rank
 from weightbridge.config import TransferConfig
 from weightbridge.errors import GroupClosed
 from weightbridge.mesh import monarch_api
+from weightbridge.mesh.faults import disown_faults, own_faults
 from weightbridge.mesh.agent import TransferAgent
 from weightbridge.mesh.control import AXIS, MeshControl, mesh_size
 from weightbridge.mesh.registry import register
@@ -116,6 +117,7 @@ class TransferGroup:
         name = name or f"wb-{uuid.uuid4().hex[:8]}"
         spawned = tuple(procs.spawn(f"{name}-{side}", TransferAgent) for side, procs in
                         (("trainer", trainer_procs), ("rollout", rollout_procs)))
+        own_faults(*spawned)  # (a dead proc is the transfer's to report, not fatal: mesh.faults)
         return cls(name=name, trainer_agents=spawned[0].flatten(AXIS),
                    rollout_agents=spawned[1].flatten(AXIS), num_trainers=mesh_size(trainer_procs),
                    num_engines=num_rollouts // engine_size, engine_size=engine_size,
@@ -140,6 +142,7 @@ class TransferGroup:
                              f"multiple of engine_size={self.engine_size}")
         first = self.num_engines * self.engine_size
         agents = rollout_procs.spawn(f"{self.name}-rollout-{first}", TransferAgent)
+        own_faults(agents)
         with self._life.lock:
             self._life.spawned.append(agents)
         return dataclasses.replace(
@@ -160,6 +163,7 @@ class TransferGroup:
         errors: list[Exception] = []
         for agents in added:
             _collect(errors, lambda: agents.stop().get(timeout=CLOSE_TIMEOUT_S))
+        disown_faults(*added)
         return errors
 
     def close(self) -> None:
@@ -192,6 +196,7 @@ class TransferGroup:
             _collect(errors, lambda: future.get(timeout=CLOSE_TIMEOUT_S))
         for agents in spawned:
             _collect(errors, lambda: agents.stop().get(timeout=CLOSE_TIMEOUT_S))
+        disown_faults(*spawned)
         if errors:
             raise errors[0]
 
