@@ -125,7 +125,7 @@ class Membership:
             self.group, self.rollout_spec = group, grown
             self.control.use(group)
             t1 = time.perf_counter()
-            self.leader.join()  # (a failure leaves it out, told why; rolled back here)
+            self.leader.join(rolled_back=True)  # (a failure is rolled back here)
             self._use()
         except Exception as e:  # noqa: BLE001  (rolled back, then raised as what it is)
             undone = self._roll_back_join(engine, spec, old, *joining)

@@ -144,6 +144,12 @@ def test_an_engine_that_reads_another_checkpoint_is_refused_and_the_group_goes_o
     with pytest.raises(TransferFailed, match=r"engines \[2\] could not join"):
         stranger.poll_requests()
     assert in_threads(*tinygroup.send(trainers, 2, ss=False), *polls(2, rollouts))[2:] == [2, 2]
+    # Issue 44, item 8: engine 2's number stays taken, out for good; the next engine to join
+    # is planned in after it (its join must not probe the stranger again).
+    rollouts.append(_add_receiver(control, config, 3))
+    assert in_threads(*[a.add_engines for _, a in trainers]) == [None, None]
+    sent = in_threads(*tinygroup.send(trainers, 3, ss=False), *polls(3, rollouts))
+    assert sent[2:] == [3, 3, 3] and all(m.holds(3) for m, _ in rollouts), sent
 
 
 def test_membership_changes_are_refused_clearly():

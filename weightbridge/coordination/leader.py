@@ -47,7 +47,7 @@ from weightbridge.coordination.delta import DeltaLog
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.slots import StagingSlots
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, connect_group,
-                                               plan_group)
+                                               plan_group, unjoined)
 from weightbridge.errors import LayoutError
 
 
@@ -207,7 +207,7 @@ class GroupLeader:
             with self._ledger:
                 self._retelling = False
 
-    def join(self) -> range:
+    def join(self, *, rolled_back: bool = False) -> range:
         """Plan in the engines the control plane has beyond the maps (probing only them);
         returns their engine numbers. Under a delta plan every worker is planned again for
         every tensor (a joining engine needs them all).
@@ -215,7 +215,11 @@ class GroupLeader:
         Raises:
             ValueError, LayoutError: as `elastic.join_group`; the joining engines are out
                 (told why) and the group goes on as before. Anything else: they are out
-                and the group is re-planned (their set-up may have begun).
+                and the group is re-planned (their set-up may have begun). Either way,
+                unless ``rolled_back`` (the caller takes them off the control plane again
+                and `forget`s them: the controller), their places stay taken (`unjoined`):
+                they stay on the control plane, out for good, and a later join's engines
+                come after them instead of probing them again.
         """
         size = self.control.engine_size
         joining = range(len(self.maps.rollouts) // size, self.control.num_engines)
@@ -233,7 +237,10 @@ class GroupLeader:
         except Exception as e:
             self.exclude(joining, why=f"engines {list(joining)} could not join this transfer "
                                       f"group ({type(e).__name__}: {e})")
-            if not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
+            if not rolled_back and joining:
+                self.maps = unjoined(self.maps, len(joining) * size, size)
+                self.replan()  # (the plan in force then counts their places too)
+            elif not isinstance(e, (LayoutError, ValueError)):  # set-up may have begun
                 self.replan()
             raise
         self.maps, self.group, self.tensors, self._unplanned = maps, group, None, False

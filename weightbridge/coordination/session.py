@@ -171,6 +171,20 @@ def _emptied(maps, excluded: frozenset[int]) -> list:
             if i in excluded else (m, p) for i, (m, p) in enumerate(maps)]
 
 
+def unjoined(maps: GroupMaps, count: int, engine_size: int) -> GroupMaps:
+    """``maps`` grown by ``count`` rollout workers that hold and need nothing: engines whose
+    join failed and that stay on the control plane, out of the group for good, so that a
+    later join's workers come after them (each on the node of its engine rank in engine 0;
+    never planned, as an excluded one)."""
+    size = len(maps.rollouts)
+    added = tuple((dataclasses.replace(maps.rollouts[i % engine_size][0], pieces=(),
+                                       unsourced=(), unused=()),
+                   dataclasses.replace(maps.rollouts[i % engine_size][1],
+                                       engine=i // engine_size))
+                  for i in range(size, size + count))
+    return dataclasses.replace(maps, rollouts=maps.rollouts + added)
+
+
 def _compared(smap: SourceMap) -> tuple[str, ...]:
     """A trainer's parameter names in digest order (a parameter with padding is summed
     without it: `params.param_digest`)."""
