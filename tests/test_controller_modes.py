@@ -405,3 +405,34 @@ def test_a_replan_while_a_parameter_is_rebound_never_sends_stale_bytes(procs, mo
         mt.poll_requests()
         count, bad = _holds(mt, 3)
         assert count > 0 and not bad, bad[:4]
+
+
+@pytest.mark.parametrize("mode", ["sync", "ss", "rs", "async"])
+def test_an_update_refused_for_a_rebound_storage_leaves_no_copy_table_on_it(procs, mode):
+    """Issue 44, what the controller fuzz's async seeds 51 and 91 found: update(3) re-plans
+    (a delta plan was in force) while every trainer parameter is rebound, and is refused with
+    `ParameterRebound`; the storage is put back (it holds step 3's values) and update(4) goes
+    out with no re-plan. The re-plan had built the trainers' copy tables on the rebound
+    storage, which the storage check does not look at, so update(4) shipped step 3's bytes
+    under the label 4 (async: a MISMATCH in every parameter at its install). The copy tables
+    read the registered storage, whatever a re-plan finds: update(4) arrives bit-exact."""
+    from controller.fuzz import RebindingTrainer as Rebinds
+
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs,
+                      trainer_actor=Rebinds) as mt:
+        mt.connect()
+        for v, changed in ((1, None), (2, ["model.norm.weight"])):  # a delta plan in force
+            mt.update(v, changed)
+            mt.wait()
+            mt.poll_requests()
+        mt.trainers.rebind.call(False).get()  # p.data = a copy, on every trainer
+        with pytest.raises(ParameterRebound, match="no longer uses the storage"):
+            mt.update(3)  # (re-plans for every tensor first)
+        mt.trainers.rebind.call(True).get()  # the registered storage again, with step 3's values
+        mt.update(4)
+        streamed = mt.wait()
+        installed = mt.poll_requests()
+        for report in (streamed, installed):
+            assert report is None or not report.mismatched, report.line()
+        count, bad = _holds(mt, 4)
+        assert count > 0 and not bad, bad[:4]

@@ -182,6 +182,10 @@ class TransferWorker:
         self.storage = {n: storage_of(p) for n, p in self.params.items()}
         """Parameter -> the storage registered here (`storage_of`), what the copy tables
         read; `check_storage` compares it before every send."""
+        self._registered = {n: p.detach() for n, p in self.params.items()}
+        """The registered storage itself: a trainer's copy tables are built on it at every
+        set-up, so a re-plan while a parameter is rebound (refused at its send) does not
+        read the new storage, which nothing checks once the registered one is put back."""
 
     def check_storage(self) -> None:
         """Trainers, before every send: each parameter still uses its registered storage.
@@ -310,7 +314,8 @@ class TransferWorker:
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
     def _setup(self, plan: WorkerPlan) -> None:
-        self.executor = WorkerExecutor(plan, self.params, self.kernels, depth=self.config.depth,
+        params = self._registered if self.side == "trainer" else self.params
+        self.executor = WorkerExecutor(plan, params, self.kernels, depth=self.config.depth,
                                        host_arenas=self.config.arenas == "host")
         self.staged.reset(self.executor)  # (laid out for this plan; allocated when taken)
 
