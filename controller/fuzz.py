@@ -42,9 +42,8 @@ from monarch.actor import endpoint
 
 from controller.driver import MeshTransfer
 from meshes.actors import TrainerActor
-from weightbridge.driver import RolloutSpec, TrainerSpec
-from weightbridge import (CatchUpRefused, ParameterRebound, TransferConfig, WeightBridgeError)
-from weightbridge.config import Mode
+from weightbridge import CatchUpRefused, ParameterRebound, TransferConfig, WeightBridgeError
+from weightbridge.driver import Mode, RolloutSpec, TrainerSpec
 from weightbridge.testing.fuzz import Violation  # (kind: one of this module's KINDS)
 
 KINDS = ("stale", "error", "late")

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from weightbridge import TransferFailed
+
 from controller.streaming import Streaming
 from controller.versions import VersionBook
 
@@ -76,10 +78,10 @@ def test_streaming_hands_its_result_to_the_joiner_and_raises_a_failure_once():
     assert s.join(5) is None
 
 
-def test_a_stream_that_never_ends_is_a_timeout_not_a_hang():
+def test_a_stream_that_never_ends_is_a_transfer_failure_not_a_hang():
     s, release = Streaming(), threading.Event()
     s.start(release.wait)
-    with pytest.raises(TimeoutError, match="did not end within 0.1s"):
+    with pytest.raises(TransferFailed, match="did not end within 0.1s"):
         s.join(0.1)
     release.set()
     assert s.join(5) is True

@@ -197,11 +197,13 @@ def test_a_worker_whose_load_weights_raises_fails_in_connect_and_meshes_stop():
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
                       RolloutSpec.parse("engines=1,nodes=1,gpus=2,tp=2"), "tiny",
                       config=CONFIG, rollout_actor=FailingLoaderRollout)
-    # Monarch re-raises the remote error with its traceback; the original message is in it.
-    with pytest.raises(ActorError, match=r"OSError: rollout shard 1: checkpoint file "
-                       r"truncated"):
+    # The worker's own error, named in the documented one (Monarch's ActorError, with the
+    # remote traceback, is its cause).
+    with pytest.raises(TransferFailed, match=r"connect\(\) failed: OSError: rollout shard 1: "
+                       r"checkpoint file truncated") as failed:
         with mt:
             mt.connect()
+    assert isinstance(failed.value.__cause__, ActorError), failed.value.__cause__
     assert mt.plan is None and mt.num_handles == 0
     assert bootstrap_children() - before == set()
 
