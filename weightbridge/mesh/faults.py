@@ -23,6 +23,8 @@ import threading
 
 import monarch.actor
 
+from weightbridge.mesh.monarch_api import mesh_name
+
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -33,19 +35,20 @@ seen: list[str] = []
 """The faults of owned meshes, as Monarch reported them (newest last; at most 100 kept)."""
 
 
-def _name(mesh) -> str:
-    return mesh._name.get()
+def _names(meshes) -> set[str]:
+    names = set()
+    for m in meshes:
+        try:
+            names.add(mesh_name(m))
+        except Exception:  # noqa: BLE001  (a mesh that failed to start: its spawn raises)
+            continue
+    return names
 
 
 def own_faults(*meshes) -> None:
     """Faults on these actor meshes are the library's (logged, recorded, not fatal)."""
     global _before
-    names = set()
-    for m in meshes:
-        try:
-            names.add(_name(m))
-        except Exception:  # noqa: BLE001  (a mesh that failed to start: its spawn raises)
-            continue
+    names = _names(meshes)
     with _lock:
         _owned.update(names)
         if monarch.actor.unhandled_fault_hook is not _hook:
@@ -55,12 +58,7 @@ def own_faults(*meshes) -> None:
 
 def disown_faults(*meshes) -> None:
     """Hand these meshes' faults back to the hook in place before (they are stopped)."""
-    names = set()
-    for m in meshes:
-        try:
-            names.add(_name(m))
-        except Exception:  # noqa: BLE001  (a mesh that failed to start has no name to give back)
-            continue
+    names = _names(meshes)
     with _lock:
         _owned.difference_update(names)
 

@@ -10,6 +10,7 @@ Typical usage::
 
     check()                       # TransferGroup.spawn and each agent, before any call
     answer(port, result)          # an agent thread, for a call served off the actor's thread
+    mesh_name(actor_mesh)         # the name a supervision fault of that mesh carries
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from importlib import metadata
 SUPPORTED = "0.7"
 """The torchmonarch release (major.minor) whose private API this module was written against."""
 
-_PRIVATE = (("monarch._src.actor.actor_mesh", "Port", "_resolve_and_send_blocking"),)
+_PRIVATE = (("monarch._src.actor.actor_mesh", "Port", "_resolve_and_send_blocking"),
+            ("monarch._src.actor.actor_mesh", "ActorMesh", "_name"))
 """(module, class, attribute) of every private Monarch name the library uses."""
 
 
@@ -59,3 +61,9 @@ def answer(port, result) -> None:
     """Send ``result`` to the caller of an explicit-response-port endpoint from any thread,
     as Monarch answers a sync endpoint (mesh references in ``result`` resolved first)."""
     port._resolve_and_send_blocking(result)
+
+
+def mesh_name(mesh) -> str:
+    """The name Monarch gives an actor mesh, as its supervision faults carry it
+    (``MeshFailure.mesh_name``)."""
+    return mesh._name.get()
