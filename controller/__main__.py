@@ -150,11 +150,10 @@ def attach(addresses: tuple[list[str], list[str]], trainer, rollout, security
            ) -> tuple[tuple, tuple]:
     """Proc meshes on remote Monarch workers, one address per node of each spec (checked by
     `attach_addresses`): ((trainer owner, rollout owner), (trainer workers, rollout workers))."""
-    from controller.launch import attach_procs, probe_workers
+    from controller.launch import attach_procs, check_workers
 
     t_addrs, r_addrs = addresses
-    if security.credentials is not None:  # every worker's handshake before any proc spawns
-        probe_workers(t_addrs + r_addrs, security.credentials)
+    check_workers(t_addrs + r_addrs, security)  # every worker, before any proc spawns
     t_owner, tp = attach_procs(t_addrs, gpus=trainer.gpus, name="trainer", security=security,
                                probe=False)
     try:

@@ -11,8 +11,11 @@ loopback).
 
 Before Monarch dials, `probe_workers` runs one TLS handshake per worker with this side's files
 (Python's ``ssl``): a worker that refuses this controller's certificate, or whose certificate
-the CA did not sign, is reported by name within seconds, and no proc is spawned. Monarch's own
-attach, which retries a refused handshake for as long as it is let, is bounded by ``timeout_s``.
+the CA did not sign, is reported by name within seconds, and no proc is spawned. An
+``--insecure`` controller sends each worker a TLS hello instead (`probe_plaintext`): a worker
+that answers it runs mutual TLS and would never accept a plaintext controller, so it is named
+at once too. Monarch's own attach, which retries a refused handshake for as long as it is let,
+is bounded by ``timeout_s``.
 
 Typical usage::
 
@@ -63,8 +66,8 @@ def attach_procs(addresses: list[str], *, gpus: int, name: str,
         raise ValueError(f"the {name} mesh's TLS files are not this process's "
                          f"({', '.join(security.env)}): export them before Monarch is imported "
                          f"(os.environ.update(security.env))")
-    if probe and security.credentials is not None:
-        probe_workers(addresses, security.credentials)
+    if probe:
+        check_workers(addresses, security)
     from monarch.actor import attach_to_workers
 
     from weightbridge.driver import configure_transport
@@ -88,6 +91,15 @@ def _bounded(future, timeout_s: float, name: str, addresses: list[str], what: st
             f"refused TLS handshake (a certificate the other side's CA did not sign, or a "
             f"tls/tcp mismatch) or an unreachable host; Monarch's log (/tmp/$USER/"
             f"monarch_log.log) has the handshake errors") from None
+
+
+def check_workers(addresses: list[str], security: Security) -> None:
+    """Before Monarch dials: `WorkerRefused` naming every worker that will not take this
+    controller (a refused handshake, or a TLS worker for an ``--insecure`` controller)."""
+    if security.credentials is not None:
+        probe_workers(addresses, security.credentials)
+    else:
+        probe_plaintext(addresses)
 
 
 def probe_workers(addresses: list[str], creds: Credentials,
@@ -125,6 +137,45 @@ def _probe(address: str, creds: Credentials, timeout_s: float) -> str | None:
                 f"plaintext tcp:// worker started with --insecure?)")
     except OSError as e:
         return f"worker {address} is unreachable ({e})"
+
+
+def probe_plaintext(addresses: list[str], timeout_s: float = 10.0) -> None:
+    """An ``--insecure`` controller's check: `WorkerRefused` naming every worker that answers a
+    TLS hello (it runs mutual TLS and would let Monarch's plaintext attach time out) or that
+    cannot be reached. A plaintext worker drops the hello as a bad frame."""
+    with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
+        errors = [e for e in pool.map(lambda a: _speaks_tls(a, timeout_s), addresses) if e]
+    if errors:
+        raise WorkerRefused("; ".join(errors) + " (nothing was attached or spawned)")
+
+
+def _speaks_tls(address: str, timeout_s: float) -> str | None:
+    host, _, port = address.split("://", 1)[1].rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only the first reply counts
+    hello = ssl.MemoryBIO()
+    tls = ctx.wrap_bio(ssl.MemoryBIO(), hello, server_hostname=host)
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass  # the ClientHello is in ``hello`` now
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+            raw.sendall(hello.read())
+            raw.settimeout(PROBE_WAIT_S)
+            try:
+                reply = raw.recv(3)
+            except (socket.timeout, TimeoutError, ConnectionResetError):
+                return None  # a plaintext Monarch worker waits for the rest of a frame, or drops it
+    except OSError as e:
+        return f"worker {address} is unreachable ({e})"
+    # A TLS server answers with a handshake record (0x16) of TLS 1.x (0x03, minor).
+    if len(reply) >= 2 and reply[0] == 0x16 and reply[1] == 0x03:
+        return (f"worker {address} runs mutual TLS and does not accept an --insecure "
+                f"controller: give this controller the cluster's TLS files (--tls-dir, or "
+                f"--tls-ca/--tls-cert/--tls-key) and tls:// addresses, or start that worker "
+                f"with --insecure")
+    return None
 
 
 def parse_addresses(text: str) -> list[str]:

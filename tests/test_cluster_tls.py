@@ -7,12 +7,14 @@ certificate by the controller, each with a clear error, in bounded time, and wit
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from controller.cluster import (CONTROLLER_ADDRESS, NS_PREFIX, EmulatedCluster, certs_command,
                                 host_address, unavailable_reason)
+from controller.launch import ATTACH_TIMEOUT_S
 from controller.security import Credentials
 from linkcapture import LinkCapture
 
@@ -37,11 +39,13 @@ def _certs(folder: Path, hosts: int) -> Path:
 
 def _controller(cluster: EmulatedCluster, creds: Credentials | None, *extra: str,
                 updates: int = 1) -> subprocess.CompletedProcess:
-    """``python -m controller --attach-*`` on the cluster (host 0: trainer; 1, 2: rollouts)."""
-    addrs = cluster.addresses
+    """``python -m controller --attach-*`` on the cluster (host 0: trainer; 1, 2: rollouts);
+    ``creds`` None: ``--insecure``, dialling tcp:// whatever the workers run."""
+    plain = (lambda a: "tcp://" + a.split("://", 1)[1]) if creds is None else (lambda a: a)
+    addrs = [plain(a) for a in cluster.addresses]
     tls = ["--insecure"] if creds is None else ["--tls-ca", creds.ca, "--tls-cert", creds.cert,
                                                  "--tls-key", creds.key]
-    env = dict(os.environ, HYPERACTOR_MESH_DEFAULT_TRANSPORT=cluster.controller_transport)
+    env = dict(os.environ, HYPERACTOR_MESH_DEFAULT_TRANSPORT=plain(cluster.controller_transport))
     return subprocess.run(
         [sys.executable, "-m", "controller", *SPECS, "--updates", str(updates),
          "--attach-trainers", addrs[0], "--attach-rollouts", ",".join(addrs[1:3]), *tls,
@@ -112,6 +116,25 @@ def test_insecure_run_still_works_on_the_emulation_and_its_links_carry_plaintext
     report = capture.report()
     print(report)
     assert report.plaintext_flows
+
+
+@pytest.mark.mesh
+def test_an_insecure_controller_is_refused_by_tls_workers_at_once(tmp_path):
+    certs = _certs(tmp_path / "certs", 3)
+    with EmulatedCluster(3, link_mbit=200, tls_dir=str(certs)) as cluster:
+        before = _pids(3)
+        start = time.monotonic()
+        done = _controller(cluster, None)
+        took = time.monotonic() - start
+        assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+        for address in cluster.addresses:
+            plain = "tcp://" + address.split("://", 1)[1]
+            assert (f"worker {plain} runs mutual TLS and does not accept an --insecure "
+                    f"controller") in done.stderr
+        assert "nothing was attached or spawned" in done.stderr
+        # Named by the probe, not after Monarch's attach timed out (60 s: ATTACH_TIMEOUT_S).
+        assert took < ATTACH_TIMEOUT_S / 2, took
+        assert _pids(3) == before
 
 
 @pytest.mark.mesh
