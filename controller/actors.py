@@ -11,6 +11,7 @@ from __future__ import annotations
 from monarch.actor import this_host
 
 from controller.ranks import actor_at
+from weightbridge import WeightBridgeError
 from weightbridge.driver import (RolloutSpec, TrainerSpec, configure_transport,
                                  disown_faults, drop_all, own_faults)
 
@@ -31,8 +32,13 @@ class ClosingContext:
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.close()
+        except WeightBridgeError as failed:  # a streamed version's failure close() found
+            if exc is None:
+                raise
+            exc.add_note(f"(on leaving the block, close() also found: {failed!r})")
 
 
 class WorkerMeshes:

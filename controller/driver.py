@@ -164,13 +164,23 @@ class MeshTransfer(ClosingContext, Membership):
 
     def close(self) -> None:
         """Stop the actors and agents, and the procs if this object spawned them (a transfer
-        still streaming is waited for first, at most its deadline). Safe to call twice."""
+        still streaming is waited for first, at most its deadline). Safe to call twice.
+
+        Raises:
+            WeightBridgeError: (the error itself: `WorkersLost`, `ChecksumMismatch`, ...) the
+                last transfer streaming on the controller (SS, async) failed and no call
+                collected it: that version did not arrive whole. Raised once everything is
+                stopped; on leaving a ``with`` block on an error of its own, added to that
+                error as a note instead.
+            RuntimeError: stopping the meshes failed (leftover processes).
+        """
         self.closed = True
-        errors = []
+        streamed = None
         try:
             self._streaming.join(self._deadline())
-        except Exception as e:  # noqa: BLE001  (closing: it is reported, the meshes still stop)
-            errors.append(e)
+        except Exception as e:  # noqa: BLE001  (raised once the meshes are stopped)
+            streamed = e
+        errors = []
         if self.group is not None and self.meshes.foreign:
             # Procs outlive this object: release the workers so the procs free their buffers.
             try:
@@ -183,7 +193,12 @@ class MeshTransfer(ClosingContext, Membership):
         errors += self.meshes.stop()
         if errors:
             raise RuntimeError(f"stopping the meshes failed: {errors}; look for leftover "
-                               f"bootstrap_main processes with ps") from errors[0]
+                               f"bootstrap_main processes with ps") from (streamed or errors[0])
+        if streamed is not None:
+            streamed.add_note("(raised by close(): the last transfer streaming on the "
+                              "controller failed and no wait() collected it; the meshes are "
+                              "stopped)")
+            raise streamed
 
     @property
     def trainers(self):

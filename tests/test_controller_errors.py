@@ -94,3 +94,44 @@ def test_a_streaming_transfer_past_its_deadline_raises_transfer_failed():
     finally:
         release.set()
     assert streaming.join(10) is True  # (what the call returned, once it ended)
+
+
+def test_close_raises_an_uncollected_streamed_failure_as_itself_after_stopping():
+    """Was RuntimeError("stopping the meshes failed: [ChecksumMismatch(...)]") from close(),
+    though every mesh stopped: the last SS/async version's failure, named as a stop failure."""
+    from controller.driver import MeshTransfer
+    from weightbridge import ChecksumMismatch
+    from weightbridge.specs import RolloutSpec, TrainerSpec
+
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny")
+    failure = ChecksumMismatch("rollout0: MISMATCH in 1 of 21 parameters")
+
+    def stream():
+        raise failure
+
+    mt._streaming.start(stream)  # (what update() starts in SS and async, failing)
+    with pytest.raises(ChecksumMismatch) as raised:
+        mt.close()
+    assert raised.value is failure
+    assert any("raised by close()" in n for n in raised.value.__notes__)
+    assert mt.closed and mt.group is None
+    mt.close()  # raised once: a second close is quiet
+
+
+def test_leaving_a_block_on_an_error_keeps_that_error_and_notes_the_streamed_failure():
+    from controller.driver import MeshTransfer
+    from weightbridge import ChecksumMismatch
+    from weightbridge.specs import RolloutSpec, TrainerSpec
+
+    mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
+                      RolloutSpec.parse("engines=1,nodes=1,gpus=1"), "tiny")
+
+    def stream():
+        raise ChecksumMismatch("rollout0: MISMATCH in 1 of 21 parameters")
+
+    mt._streaming.start(stream)
+    bug = KeyError("the user's own bug")
+    mt.__exit__(KeyError, bug, None)  # (a `with` block left on it; nothing was spawned)
+    assert any("close() also found: ChecksumMismatch" in n for n in bug.__notes__)
+    assert mt.closed
