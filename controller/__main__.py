@@ -24,7 +24,8 @@ of a Megatron-like trainer (TP2 x EP2) and the four ranks of two TP2 rollout eng
 Bad input (a flag out of range, a spec that does not fit, a flag the chosen run would ignore)
 is refused by `controller.cli.validate` before anything spawns: one ``error: ...`` line on stderr,
 exit 2.
-Exit 1 means the weights did not match.
+Exit 1 means the weights did not match; 3 that workers were lost mid-run (each loss is printed,
+and the remaining updates went to the surviving engines, verified).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ import time
 
 import torch
 
-from controller.cli import BAD_INPUT, Run, build_parser, refuse, validate
+from controller.cli import BAD_INPUT, WORKERS_LOST, Run, build_parser, refuse, validate
 from controller.security import insecure_warning
 from meshes.qwen3_moe import SIZES, RolloutShard, TrainerShard, checkpoint_spec
 from weightbridge import (ConfigMismatch, CpuCopyKernels, LayoutError, Placement, TransferConfig,
-                          correspond, extract_source_map, plan_transfer, run_plan_locally)
+                          WorkersLost, correspond, extract_source_map, plan_transfer,
+                          run_plan_locally)
 from weightbridge.driver import surfaced
 
 
@@ -79,7 +81,7 @@ def mesh_run(args, run: Run) -> int:
             return BAD_INPUT
     print(f"workers {workers}: trainer [{args.trainer}] {trainer.num_workers} procs, rollout "
           f"[{args.rollout}] {rollout.num_workers} procs; {config}", flush=True)
-    failed = False
+    failed = lost = False
     t_stop = None
     rate = args.link_mbit * 1e6 / 8 if getattr(args, "link_mbit", None) else None
     mt = MeshTransfer(trainer, rollout, workers, config=config, procs=procs, link_rate=rate)
@@ -96,19 +98,16 @@ def mesh_run(args, run: Run) -> int:
             print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
                   f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
             print(mt.summary(), flush=True)
+            report = None
             for version in range(1, args.updates + 1):
-                with surfaced():
-                    report = mt.update(version)
-                print(report.line(), flush=True)
-                if mt.mode.sender_staging:  # the rounds streamed while update() had returned
-                    report = mt.wait()
-                    print(f"  streamed: {report.line()}", flush=True)
-                failed |= bool(report.mismatched)
-                installed = mt.poll_requests()  # (between generation steps)
-                if installed is not None and mt.mode.receiver_staging:
-                    print(f"  {installed.line()}", flush=True)
-                    failed |= bool(installed.mismatched)
-            if args.trace and args.updates > 0:
+                try:
+                    report, bad = one_update(mt, version)
+                except WorkersLost as e:  # left out; the group goes on with the others
+                    print(f"update {version}: {e}", file=sys.stderr, flush=True)
+                    report, bad = after_loss(mt)
+                    lost = True
+                failed |= bad
+            if args.trace and report is not None:
                 write_trace(args.trace, report.timing, label=f"update {report.version}")
                 print(f"wrote the trace of update {report.version} to {args.trace}")
             t_stop = time.perf_counter()
@@ -117,7 +116,40 @@ def mesh_run(args, run: Run) -> int:
             mesh.stop().get(timeout=60)
         if t_stop is not None:
             print(f"stopped meshes in {time.perf_counter() - t_stop:.2f}s")
-    return 1 if failed else 0
+    return 1 if failed else WORKERS_LOST if lost else 0
+
+
+def one_update(mt, version: int):
+    """Update ``version`` as a generation loop would take it; (its last report, mismatched)."""
+    with surfaced():
+        report = mt.update(version)
+    print(report.line(), flush=True)
+    if mt.mode.sender_staging:  # the rounds streamed while update() had returned
+        report = mt.wait()
+        print(f"  streamed: {report.line()}", flush=True)
+    bad = bool(report.mismatched)
+    installed = mt.poll_requests()  # (between generation steps)
+    if installed is not None and mt.mode.receiver_staging:
+        print(f"  {installed.line()}", flush=True)
+        bad |= bool(installed.mismatched)
+    return report, bad
+
+
+def after_loss(mt):
+    """After a `WorkersLost`: the re-send of that version to the surviving engines (sync, RS;
+    RS: installed here), or nothing (SS, async: the next update reaches them);
+    (its report or None, mismatched)."""
+    report = mt.wait()
+    if report is None:
+        return None, False
+    print(f"  re-sent: {report.line()}", flush=True)
+    bad = bool(report.mismatched)
+    if mt.mode.receiver_staging:
+        installed = mt.poll_requests()
+        if installed is not None:
+            print(f"  {installed.line()}", flush=True)
+            bad |= bool(installed.mismatched)
+    return report, bad
 
 
 def cluster_run(args, run: Run) -> int:

@@ -31,6 +31,8 @@ DEFAULT_ROLLOUT = "engines=2,nodes=1,gpus=2,tp=2"
 """The default specs are also the fixed layouts of ``--local``."""
 BAD_INPUT = 2
 """Exit status of refused input (argparse's too); 1 is reserved for weights that do not match."""
+WORKERS_LOST = 3
+"""Exit status of a mesh run that lost workers and finished its updates on the others."""
 
 
 class Run(NamedTuple):

@@ -96,3 +96,36 @@ def test_faults_of_owned_meshes_are_recorded_and_others_go_to_the_hook_before(mo
     hook(_Failure("rollout-abc"))
     hook(_Failure("logger-xyz"))
     assert [f.mesh_name for f in before] == ["my-trainers-123", "rollout-abc", "logger-xyz"]
+
+
+CLI_LOSS = """
+import sys
+import controller.driver as driver
+from controller.__main__ import main
+from faults import DiesInRound1Rollout
+real = driver.MeshTransfer
+driver.MeshTransfer = lambda *a, **k: real(*a, rollout_actor=DiesInRound1Rollout, **k)
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.mesh
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_the_controller_command_reports_a_lost_engine_and_finishes_on_the_others(mode):
+    """Before: `python -m controller` ended in a WorkersLost traceback at update 1 (exit 1)."""
+    args = ["--trainer", "nodes=1,gpus=1", "--rollout", "engines=2,nodes=1,gpus=1",
+            "--updates", "3", "--round-kib", "64", "--timeout", "5", "--mode", mode]
+    done = subprocess.run([sys.executable, "-c", CLI_LOSS, *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=280,
+                          env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out[-3000:]  # (cli.WORKERS_LOST)
+    assert "Traceback" not in done.stderr, out[-3000:]
+    assert "update 1: " in done.stderr and "engine [1] excluded" in done.stderr, out[-3000:]
+    if mode == "sync":  # re-sent to engine 0 from the trainers' parameters
+        assert "re-sent: update 1" in done.stdout, out[-3000:]
+    for version in (2, 3):  # the next updates reach engine 0 whole
+        line = next(l for l in done.stdout.splitlines()
+                    if l.startswith(("update ", "  streamed: update ")) and f"update {version}"
+                    in l and "bit-identical" in l)
+        assert "MISMATCH" not in line, line
