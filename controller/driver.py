@@ -49,7 +49,7 @@ from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
                                WorkerMeshes)  # (ClosingContext re-exported)
-from controller.membership import Lost, Membership, serialized
+from controller.membership import RESTART, Lost, Membership, serialized
 from controller.ranks import by_rank
 from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
                                mismatches)  # (re-exported)
@@ -60,8 +60,8 @@ from meshes.actors import RolloutActor, TrainerActor
 from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
 from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
-                                 TrainerSpec, TransferGroup, backend, describe, eq1,
-                                 run_update, scaled_tensor, surfaced, unanswered)
+                                 Loss, TrainerSpec, TransferGroup, backend, describe, eq1, lose,
+                                 one_line, run_update, scaled_tensor, surfaced, unanswered)
 
 
 
@@ -422,31 +422,26 @@ class MeshTransfer(ClosingContext, Membership):
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
         if lost is not None:
-            raise WorkersLost(f"{lost}; the other engines installed it ({report.line()}): go "
-                              f"on with them", frozenset(self.leader.out_engines),
-                              frozenset(self.leader.out_trainers))
+            raise lost.lost(f"The other engines installed version {version} ({report.line()}): "
+                            f"go on with them.")
         return report
 
-    def _fence_install(self, version: int, failed: list) -> str:
+    def _fence_install(self, version: int, failed: list) -> Loss:
         """Workers that did not install ``version`` (stalled past the peer timeout, dead):
-        their engines' other ranks did, so each may run two versions. Leave them out (their
-        workers told why, their polls raise), re-plan over the others; returns what
-        happened, for the `WorkersLost` raised once the others are verified.
+        their engines' other ranks did, so each may run two versions. Leave them out
+        (`weightbridge.coordination.loss.lose`: their workers told why, their polls raise;
+        the others planned again); the `Loss`, raised once the others are verified.
 
         Raises:
             TransferFailed: no engine is left.
         """
-        size = self.control.engine_size
-        engines = sorted({w.index // size for w, _ in failed})
-        what = (f"{', '.join(str(w) for w, _ in failed)} did not install version {version} "
-                f"({describe(failed[0][1])}): engines {engines} may run two versions across "
-                f"their ranks and are out of the group: restart them and add_engine()")
-        self.leader.exclude(engines, (), why=what, unreachable=[w for w, _ in failed])
-        if not self.leader.live_engines():
-            raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
-        self.leader.replan()
+        cause = (f"{one_line(describe(failed[0][1]))}; so it did not install version "
+                 f"{version} and its engine, whose other ranks did, may run two versions")
+        loss = lose(self.leader, [w.index for w, _ in failed], [],
+                    during=f"the install of version {version}", cause=cause,
+                    rejoin="add_engine()", restart=RESTART)
         self._use()
-        return what
+        return loss
 
     def _check_whole(self) -> None:
         """SS: a transfer into the parameters that failed part-way left them holding no whole

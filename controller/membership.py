@@ -19,13 +19,15 @@ import dataclasses
 import functools
 import time
 
-from controller.report import JoinReport, WorkersLost
+from controller.report import JoinReport
 # The package first: `from weightbridge import` waits for its __init__ when another thread of
 # an actor process is running it; importing a submodule first would not, and a half-built
 # package then fails the other thread's imports.
 from weightbridge import (CatchUpRefused, GroupClosed, TransferFailed, TransferPlan,
                           WeightBridgeError)
-from weightbridge.driver import PeerCall, describe, library_error, surfaced
+from weightbridge.driver import PeerCall, describe, library_error, lose, one_line, surfaced
+
+RESTART = "close this MeshTransfer and start again"
 
 
 def serialized(method):
@@ -273,35 +275,23 @@ class Membership:
         return self.plan
 
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:
-        """Leave the ``lost`` trainers and the engines of the lost rollout workers out and
-        re-plan over the others from the source maps of connect (no probe; a lost trainer's
-        regions then come from its replicas); raise `WorkersLost` at once, within timeout_s
-        of the loss. Where the trainers' parameters still hold ``version`` (no sender
-        staging) it is re-sent afterwards, on the streaming thread (`_resend`): `wait`
-        returns its report, and every later call waits for it first. If no trainer holds what
-        the rollouts need, no engine is left, or the re-plan fails, raise `TransferFailed`."""
-        size = self.control.engine_size
-        engines = sorted({w.index // size for w in lost if w.side == "rollout"})
-        trainers_ = sorted(w.index for w in lost if w.side == "trainer")
-        survivors = sorted(set(self.leader.live_engines()) - set(engines))
-        what = cause + "".join(
-            f"\n{name}{'s' if len(ids) > 1 else ''} {sorted(ids)} excluded"
-            for name, ids in (("trainer", self.leader.out_trainers | set(trainers_)),
-                              ("engine", self.leader.out_engines | set(engines))) if ids)
-        self.leader.exclude(engines, trainers_, why=what, unreachable=lost)
-        if not survivors:
-            raise TransferFailed(f"{what}; no engine is left: close this MeshTransfer")
+        """Leave the ``lost`` workers out (`weightbridge.coordination.loss.lose`: their
+        engines and the lost trainers excluded, the others planned again from the source maps
+        of connect, a lost trainer's regions from its replicas) and raise `WorkersLost` at
+        once, within timeout_s of the loss. Where the trainers' parameters still hold
+        ``version`` (`Mode.resends_after_loss`) it is re-sent afterwards, on the streaming
+        thread (`_resend`): `wait` returns its report, and every later call waits for it
+        first. If no engine is left or the re-plan fails (no trainer holds what a lost
+        trainer held), raise `TransferFailed`."""
+        loss = lose(self.leader, [w.index for w in lost if w.side == "rollout"],
+                    [w.index for w in lost if w.side == "trainer"],
+                    during=f"the transfer of version {version}", cause=one_line(cause),
+                    rejoin="add_engine()", restart=RESTART)
+        self._use()
         for _, mesh in self._live("trainer") + self._live("rollout"):
             mesh.timings.call().get()  # drop the failed attempt's spans
-        try:
-            self.leader.replan()
-            self._use()
-        except Exception as e:  # noqa: BLE001  (a second failure: give up, say both)
-            raise TransferFailed(f"{what}; planning the surviving engines {survivors} again "
-                                 f"failed too ({type(e).__name__}: {e}): close this "
-                                 f"MeshTransfer and start again") from e
-        out = (frozenset(self.leader.out_engines), frozenset(self.leader.out_trainers))
-        if self.mode.sender_staging:
+        survivors = list(loss.survivors)
+        if not loss.resend:
             if not self.mode.receiver_staging:
                 with self._book_lock:
                     self.book.torn()  # (survivors' parameters may hold part of it)
@@ -309,19 +299,19 @@ class Membership:
                      if self.mode.receiver_staging else
                      "their parameters may hold part of it: run no generation step on them "
                      "until the next update() reached them (it carries every tensor)")
-            raise WorkersLost(f"{what}; version {version} was not re-sent to the surviving "
-                              f"engines {survivors} (the staged copy was laid out for the "
-                              f"old plan): {state}", *out)
+            raise loss.lost(f"Version {version} was not re-sent to the surviving engines "
+                            f"{survivors} (the staged copy was laid out for the old plan): "
+                            f"{state}.")
         # The trainers' parameters still hold it: re-sent after this raise (every later call
         # joins it first; update() before its train step, which would change what it reads).
-        self._streaming.start(self._resend, version, train_step_s, what, survivors)
+        self._streaming.start(self._resend, version, train_step_s, loss.what, survivors)
         where = ("hold it whole" if not self.mode.receiver_staging else
                  "have it in staging (the next poll_requests() installs it)")
-        raise WorkersLost(f"{what}; version {version} is being re-sent over a new plan to the "
-                          f"surviving engines {survivors}, which then {where}: wait() returns "
-                          f"its verified report; every later call waits for it first (run no "
-                          f"train step of your own on the trainers before wait() returned); "
-                          f"the next update() goes to them", *out)
+        raise loss.lost(f"Version {version} is being re-sent over a new plan to the surviving "
+                        f"engines {survivors}, which then {where}: wait() returns its verified "
+                        f"report; every later call waits for it first (run no train step of "
+                        f"your own on the trainers before wait() returned); the next update() "
+                        f"goes to them.")
 
     def _resend(self, version: int, train_step_s: float, what: str, survivors: list[int]):
         """`_recover`'s re-send of ``version`` over the new plan, on the streaming thread;

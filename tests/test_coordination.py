@@ -237,13 +237,13 @@ def test_a_trainer_waits_for_its_version_and_hears_how_it_went():
     tv.enter(1)
     assert tv.waiting() == 1 and tv.outcome(1) is None
     tv.transferred(1)
-    assert tv.outcome(1) == ("done", "") and tv.waiting() is None  # (not offered again)
+    assert tv.outcome(1) == ("done", "", None) and tv.waiting() is None  # (not offered again)
     tv.leave()
     with pytest.raises(ValueError, match="after version 1: versions must increase"):
         tv.enter(1)
     tv.enter(3)
     tv.failed(3, "transfer", "rollout 2 lost")
-    assert tv.outcome(3) == ("transfer", "rollout 2 lost") and tv.waiting() is None
+    assert tv.outcome(3) == ("transfer", "rollout 2 lost", None) and tv.waiting() is None
     tv.leave()
     assert tv.outcome(3) is None and tv.done == 1  # failed: not done, and forgotten
 

@@ -208,7 +208,7 @@ def test_a_step_failure_names_the_workers_own_error_not_monarchs_wrapper():
     (ValueError("x"), "input"), (TimeoutError("x"), "timeout"), (TransferFailed("x"), "transfer"),
     (ReplicaMismatch("x"), "replica"), (ChecksumMismatch("x"), "transfer"),
     (LayoutError("x"), "layout"), (ConfigMismatch("x"), "config"), (KeyError("x"), "transfer"),
-    (WorkersLost("x"), "transfer")])
+    (WorkersLost("x"), "lost")])
 def test_failures_told_to_peers_come_back_as_the_same_class(error, kind):
     assert failure_kind(error) == kind
     back = from_kind(kind, "trainer 0: it failed")
@@ -216,6 +216,14 @@ def test_failures_told_to_peers_come_back_as_the_same_class(error, kind):
     assert type(back) is (type(error) if kind != "transfer" else TransferFailed)
     assert failure_kind(_actor_error(error)) == kind
     assert type(from_kind("unknown", "m")) is TransferFailed
+
+
+def test_workers_lost_told_to_peers_keeps_who_is_out():
+    """Trainer 0 tells the other trainers of a loss: each raises WorkersLost, as trainer 0
+    and the controller do, naming the same engines and trainers (they raised TransferFailed)."""
+    back = from_kind("lost", "worker R1 (engine 1) failed", ((1,), (3,)))
+    assert type(back) is WorkersLost and isinstance(back, TransferFailed)
+    assert back.lost_engines == {1} and back.lost_trainers == {3}
 
 
 def test_a_peer_calls_error_is_raised_as_the_library_error_chained_to_the_wrapper():

@@ -121,11 +121,11 @@ def test_the_controller_command_reports_a_lost_engine_and_finishes_on_the_others
     out = done.stdout + done.stderr
     assert done.returncode == 3, out[-3000:]  # (cli.WORKERS_LOST)
     assert "Traceback" not in done.stderr, out[-3000:]
-    assert "update 1: " in done.stderr and "engine [1] excluded" in done.stderr, out[-3000:]
+    assert "update 1: " in done.stderr and "Engine [1] is excluded" in done.stderr, out[-3000:]
     if mode == "sync":  # re-sent to engine 0 from the trainers' parameters
         assert "re-sent: update 1" in done.stdout, out[-3000:]
     for version in (2, 3):  # the next updates reach engine 0 whole
-        line = next(l for l in done.stdout.splitlines()
-                    if l.startswith(("update ", "  streamed: update ")) and f"update {version}"
-                    in l and "bit-identical" in l)
+        line = next(text for text in done.stdout.splitlines()
+                    if text.startswith(("update ", "  streamed: update "))
+                    and f"update {version}" in text and "bit-identical" in text)
         assert "MISMATCH" not in line, line

@@ -344,7 +344,7 @@ def test_a_dead_rollout_leaves_its_engine_out_and_the_others_end_whole_and_go_on
         second = mt.update(2)
     message = str(lost)
     assert "update 1 failed" in message and "R1 did not answer a ping" in message, message
-    assert "engine [1] excluded" in message and "surviving engines [0]" in message, message
+    assert "Engine [1] is excluded" in message and "surviving engines [0]" in message, message
     assert lost.lost_engines == {1} and not resent.mismatched
     assert resent.num_params > 0 and second.num_params == resent.num_params
     assert not second.mismatched, second.line()
@@ -383,7 +383,7 @@ def test_a_lost_trainer_is_rerouted_from_its_replica_or_fails_closed(trainer, lo
                 mt.update(1)
             lost = failure.value
             assert lost.lost_trainers == {1} and not lost.lost_engines
-            assert "T1 did not answer a ping" in str(lost) and "trainer [1] excluded" in \
+            assert "T1 did not answer a ping" in str(lost) and "Trainer [1] is excluded" in \
                 str(lost) and "surviving engines [0, 1]" in str(lost), str(lost)
             resent = mt.wait()  # (version 1, re-sent after the raise)
             assert not resent.mismatched and resent.num_params > 0, resent.line()
@@ -395,7 +395,7 @@ def test_a_lost_trainer_is_rerouted_from_its_replica_or_fails_closed(trainer, lo
                 mt.update(1)
             message = str(failure.value)
             assert not isinstance(failure.value, WorkersLost), message
-            assert "trainer [1] excluded" in message and "no trainer holds" in message, message
+            assert "Trainer [1] is excluded" in message and "no trainer holds" in message, message
     assert bootstrap_children() - before == set()
 
 

@@ -82,6 +82,13 @@ class Mode(enum.Enum):
         return "landed" if self.receiver_staging else "installed"
 
     @property
+    def resends_after_loss(self) -> bool:
+        """Whether a version that lost workers part-way is re-sent to the surviving engines:
+        the trainers' parameters still hold it without sender staging; with it, the staged
+        copy was laid out for the plan that lost them, and the next version reaches them."""
+        return not self.sender_staging
+
+    @property
     def rollout_blocks_for_transfer(self) -> bool:
         """Whether a rollout's poll that takes an update waits for the bytes to move (True) or
         only copies already staged bytes into its parameters (False)."""

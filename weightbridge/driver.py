@@ -13,11 +13,12 @@ plans, runs updates round by round, and handles joins, leaves and losses::
     run_update(control, group, version=1)        # after the trainers' step
 
 Sections: control planes and calls; connect, plan and run an update (`weightbridge.coordination
-.session`) and the group's one owner (`GroupLeader`); membership; the worker; errors across
-processes; mesh specs; plan values and the views a custom data plane copies through (the
-baselines'); and, imported on first use because they need Monarch, the mesh control plane
-and RDMA transport (`MeshControl`, `TransferGroup`, `TransferAgent`, `configure_transport`,
-`register_ranges`, `write`, `write_batch`, `wait_all`, `drop_all`, `backend`).
+.session`) and the group's one owner (`GroupLeader`); membership and losses (`lose`); the
+worker; errors across processes; mesh specs; plan values and the views a custom data plane
+copies through (the baselines'); and, imported on first use because they need Monarch, the
+mesh control plane and RDMA transport (`MeshControl`, `TransferGroup`, `TransferAgent`,
+`configure_transport`, `register_ranges`, `write`, `write_batch`, `wait_all`, `drop_all`,
+`backend`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from weightbridge.coordination.delta import check_changed
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
+from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.version import check_version
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
                                                connect_group, plan_group, probe_group,
@@ -79,8 +81,8 @@ __all__ = [
     "ConnectedGroup", "GroupLeader", "GroupMaps", "check_changed", "check_configs",
     "check_version",
     "connect_group", "plan_group", "probe_group", "run_update", "unanswered",
-    # membership
-    "check_removable", "join_group", "leave_group",
+    # membership, and a loss
+    "Loss", "check_removable", "join_group", "leave_group", "lose", "one_line",
     # the worker, its kernels, the config
     "CopyKernels", "DEFAULT_DEPTH", "Mode", "TransferConfig", "TransferWorker",
     "default_kernels",

@@ -185,7 +185,7 @@ def describe(exc: BaseException) -> str:
 
 
 KINDS: dict[str, type[Exception]] = {
-    "input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed,
+    "input": ValueError, "timeout": TimeoutError, "transfer": TransferFailed, "lost": WorkersLost,
     "replica": ReplicaMismatch, "layout": LayoutError, "config": ConfigMismatch,
 }
 """The wire names of the errors one worker tells others of (``PeerCall.FAILED``): the class
@@ -198,12 +198,16 @@ def failure_kind(exc: BaseException) -> str:
     """The `KINDS` name of ``exc`` (after `library_error`): the most specific class it is an
     instance of; "transfer" for anything else."""
     inner = library_error(exc)
-    for name in ("replica", "layout", "config", "transfer", "timeout", "input"):
+    for name in ("replica", "layout", "config", "lost", "transfer", "timeout", "input"):
         if isinstance(inner, KINDS[name]):
             return name
     return "transfer"
 
 
-def from_kind(kind: str, message: str) -> Exception:
-    """The exception to raise for a failure told as (``kind``, ``message``)."""
+def from_kind(kind: str, message: str, lost: tuple | None = None) -> Exception:
+    """The exception to raise for a failure told as (``kind``, ``message``); ``lost``: the
+    (engines, trainers) out, for "lost"."""
+    if kind == "lost":
+        engines, trainers = lost or ((), ())
+        return WorkersLost(message, frozenset(engines), frozenset(trainers))
     return KINDS.get(kind, TransferFailed)(message)

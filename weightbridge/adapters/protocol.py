@@ -220,7 +220,7 @@ class TrainerVersions:
         """Newest version send_weights waited with."""
         self.sending: int | None = None
         """The version send_weights waits with now (None: not inside it)."""
-        self._failure: tuple[int, str, str] | None = None
+        self._failure: tuple[int, str, str, tuple | None] | None = None
         """(version, kind, message) trainer 0 reported for ``sending``."""
 
     def enter(self, version: int) -> None:
@@ -247,18 +247,19 @@ class TrainerVersions:
     def transferred(self, version: int) -> None:
         self.done = max(self.done, version)
 
-    def failed(self, version: int, kind: str, message: str) -> None:
+    def failed(self, version: int, kind: str, message: str, lost: tuple | None = None) -> None:
         """Trainer 0 could not move ``version``: ``kind`` names the error class
-        (`weightbridge.errors.KINDS`). Dropped unless a call waits for ``version``."""
+        (`weightbridge.errors.KINDS`; ``lost``: the engines and trainers out, for
+        `WorkersLost`). Dropped unless a call waits for ``version``."""
         if version == self.sending:
-            self._failure = (version, kind, message)
+            self._failure = (version, kind, message, lost)
 
-    def outcome(self, version: int) -> tuple[str, str] | None:
-        """None while ``version`` is open; ("done", "") once transferred; (kind, message)
-        once failed."""
+    def outcome(self, version: int) -> tuple[str, str, tuple | None] | None:
+        """None while ``version`` is open; ("done", "", None) once transferred; (kind,
+        message, lost) once failed (`weightbridge.errors.from_kind` makes the error)."""
         if self._failure is not None and self._failure[0] == version:
             return self._failure[1:]
-        return ("done", "") if self.done >= version else None
+        return ("done", "", None) if self.done >= version else None
 
     def leave(self) -> None:
         self.sending, self._failure = None, None

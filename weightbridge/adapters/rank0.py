@@ -185,9 +185,13 @@ class GroupSequencer:
         # stalled one hears it once it goes on; its engine's rank 0 may be the dead one).
         self.leader.retell()
 
-    def tell_trainers(self, version: int, message: str, kind: str = "transfer") -> None:
+    def tell_trainers(self, version: int, message: str, kind: str = "transfer",
+                      lost: tuple | None = None) -> None:
+        """Every other live trainer's send_weights(version) raises what ``kind`` names
+        (`weightbridge.errors.from_kind`; ``lost``: (engines, trainers) out, for "lost")."""
         others = self.live_trainers()[1:]
-        self.control.call(others, PeerCall.FAILED, version, message, kind, return_errors=True)
+        self.control.call(others, PeerCall.FAILED, version, message, kind, lost,
+                          return_errors=True)
 
     # -- the SS drain ---------------------------------------------------------------------------
 

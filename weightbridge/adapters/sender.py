@@ -195,9 +195,9 @@ class SenderAdapter(AdapterWorker):
             with self.cond:
                 if self._broken is not None and self.versions.outcome(version) is None:
                     raise TransferFailed(f"{self.worker}: {self._broken}")
-                kind, message = self.versions.outcome(version)
+                kind, message, lost = self.versions.outcome(version)
                 if kind != "done":
-                    raise from_kind(kind, message)
+                    raise from_kind(kind, message, lost)
         finally:
             with self.cond:
                 self.versions.leave()
@@ -358,11 +358,13 @@ class SenderAdapter(AdapterWorker):
             self.stage.finish()
             self.cond.notify_all()
 
-    def on_failed(self, version: int, message: str, kind: str = "transfer") -> None:
+    def on_failed(self, version: int, message: str, kind: str = "transfer",
+                  lost: tuple | None = None) -> None:
         """Rank 0 could not move ``version``: send_weights raises what ``kind`` names in
-        `weightbridge.errors.KINDS` (`TransferFailed` for a lost rollout worker)."""
+        `weightbridge.errors.KINDS` (`WorkersLost` for lost workers, ``lost`` naming every
+        engine and trainer out)."""
         with self.cond:
-            self.versions.failed(version, kind, message)
+            self.versions.failed(version, kind, message, lost)
             self.cond.notify_all()
 
     def on_fail(self, message: str) -> None:
