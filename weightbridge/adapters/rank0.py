@@ -60,8 +60,6 @@ class GroupSequencer:
         """One transfer or membership change at a time."""
         self.broken: str | None = None
         """Why the group can send no more (None while it can)."""
-        self.param_tensors: dict[int, dict[str, frozenset[str]]] | None = None
-        """Per trainer, parameter -> the checkpoint tensors it loads (``changed="auto"``)."""
         self.thread: threading.Thread | None = None  # the SS drain
         self._kick_lock = threading.Lock()
         self.error: BaseException | None = None
@@ -184,6 +182,15 @@ class GroupSequencer:
         # Nothing more is sent, so no transfer will tell the untold again: do it now (a
         # stalled one hears it once it goes on; its engine's rank 0 may be the dead one).
         self.leader.retell()
+
+    def rejoin(self, moved: bool) -> None:
+        """After a loss, RS off: the surviving rollouts that had joined the failed transfer
+        still wait in poll_requests() for a version; count them in for the next transfer."""
+        if self.config.receiver_staging or not moved:
+            return  # before the bytes moved, ``joined`` still holds who joined
+        live = set(self.live())
+        with self.cond:
+            self.joined = self.joined | (self.session_joined & live)
 
     def tell_trainers(self, version: int, message: str, kind: str = "transfer",
                       lost: tuple | None = None) -> None:

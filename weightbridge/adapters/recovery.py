@@ -7,17 +7,22 @@ the routine the controller uses too. See docs/failures.md, for the guarantees.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from weightbridge.adapters.base import TransferFailed
 from weightbridge.coordination.control import engine_workers
 from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.session import unanswered
 from weightbridge.errors import describe, failure_kind
 
+if TYPE_CHECKING:  # (rank0 imports this module)
+    from weightbridge.adapters.rank0 import GroupSequencer
+
 REJOIN = "TransferGroup.add_engines, then add_engines() on every trainer"
 RESTART = "build a new group (new adapters, connect()) to go on"
 
 
-def recover(seq, version: int, error: Exception, moved: bool) -> None:
+def recover(seq: GroupSequencer, version: int, error: Exception, moved: bool) -> None:
     """A session call failed: find the workers that are gone (rollouts and trainers) and
     leave them out (`weightbridge.coordination.loss.lose`: excluded, the others planned
     again), re-send ``version`` where the trainers still hold it, tell every trainer; raise
@@ -43,7 +48,7 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
     loss = _lose(seq, gone, gone_t, f"the transfer of version {version}", error, version)
     survivors = list(loss.survivors)
     try:
-        _rejoin(seq, moved)
+        seq.rejoin(moved)
         if loss.resend:  # the trainers' parameters still hold this version
             seq.session(version, [False], release=False)
     except Exception as e2:  # noqa: BLE001
@@ -64,7 +69,7 @@ def recover(seq, version: int, error: Exception, moved: bool) -> None:
     raise lost from error
 
 
-def exclude_lost(seq, during: str, error: Exception | None = None) -> str | None:
+def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = None) -> str | None:
     """Between transfers (a membership change, ``during`` names it): find the live workers
     that do not answer a ping and leave them out (`weightbridge.coordination.loss.lose`);
     what was excluded (the message their workers were told), or None when every worker
@@ -80,7 +85,7 @@ def exclude_lost(seq, during: str, error: Exception | None = None) -> str | None
     return _lose(seq, gone, gone_t, during, error).what
 
 
-def find_lost(seq) -> tuple[list[int], list[int]]:
+def find_lost(seq: GroupSequencer) -> tuple[list[int], list[int]]:
     """(rollout, trainer) indices of the live workers that do not answer a ping (dead,
     stalled or cut off); trainer 0, which asks, is not asked."""
     control = seq.control
@@ -90,8 +95,8 @@ def find_lost(seq) -> tuple[list[int], list[int]]:
             [t.index for t in unanswered(control, seq.live_trainers()[1:])])
 
 
-def _lose(seq, gone: list[int], gone_t: list[int], during: str, error: Exception | None,
-          version: int | None = None) -> Loss:
+def _lose(seq: GroupSequencer, gone: list[int], gone_t: list[int], during: str,
+          error: Exception | None, version: int | None = None) -> Loss:
     """`lose` on trainer 0's leader; when the group cannot go on (no engine left, the re-plan
     failed) it is closed, every trainer told, and `TransferFailed` raised."""
     try:
@@ -102,7 +107,8 @@ def _lose(seq, gone: list[int], gone_t: list[int], during: str, error: Exception
         _group_ends(seq, str(e), error, version)
 
 
-def _group_ends(seq, why: str, error: BaseException | None, version: int | None) -> None:
+def _group_ends(seq: GroupSequencer, why: str, error: BaseException | None,
+                version: int | None) -> None:
     """The group cannot go on: close it (every rollout told ``why``; no engine gets another
     version, each learns it at its next poll), tell the trainers waiting for ``version``;
     raise `TransferFailed`."""
@@ -110,13 +116,3 @@ def _group_ends(seq, why: str, error: BaseException | None, version: int | None)
     if version is not None:
         seq.tell_trainers(version, seq.broken)
     raise TransferFailed(seq.broken) from error
-
-
-def _rejoin(seq, moved: bool) -> None:
-    """RS off: the surviving rollouts that had joined the failed transfer still wait in
-    poll_requests() for a version; count them in for the next transfer."""
-    if seq.config.receiver_staging or not moved:
-        return  # before the bytes moved, ``seq.joined`` still holds who joined
-    live = set(seq.live())
-    with seq.cond:
-        seq.joined = seq.joined | (seq.session_joined & live)

@@ -27,10 +27,12 @@ a later re-plan could not read (docs/delta-elastic.md, "Delta updates").
 
 from __future__ import annotations
 
-from typing import Collection
+from typing import TYPE_CHECKING, Collection
 
 from weightbridge.coordination.control import PeerCall
-from weightbridge.coordination.delta import DeltaLog
+
+if TYPE_CHECKING:  # (rank0 imports this module)
+    from weightbridge.adapters.rank0 import GroupSequencer
 
 AUTO = "auto"
 
@@ -142,7 +144,7 @@ def _undeclared(smap, changed: frozenset[str], names: frozenset[str]) -> tuple[s
     return tuple(sorted(n for n in changed if n in loads and not loads[n] & names))
 
 
-def plan_delta(seq, ts: list, version: int) -> None:
+def plan_delta(seq: GroupSequencer, ts: list, version: int) -> None:
     """Every trainer in ``ts`` is inside send_weights(version): agree on what changed,
     record it, and put in force a plan of the tensors the rollouts need.
 
@@ -176,15 +178,10 @@ def plan_delta(seq, ts: list, version: int) -> None:
         changed = _auto_tensors(seq, ts, answers)
     else:
         changed = None
-    leader = seq.leader
-    if leader.delta_log is None:
-        leader.delta_log = DeltaLog(p.region.tensor for m, _ in
-                                    leader.maps.trainers + leader.maps.rollouts
-                                    for p in m.pieces)
-    leader.delta_log.record(version, [prev for _, prev, _, _ in answers], changed)
-    leader.restrict(leader.delta_log.needed(_delta_base(seq)))
+    seq.leader.record_delta(version, [prev for _, prev, _, _ in answers], changed)
+    seq.leader.restrict(seq.leader.delta_log.needed(_delta_base(seq)))
 
-def check_unchanged(seq, ts: list, version: int) -> None:
+def check_unchanged(seq: GroupSequencer, ts: list, version: int) -> None:
     """After the rounds of ``version`` (sync, RS; checksums on): every trainer's parameters
     still hold what send_weights(``version``) was called with. If not (an optimizer step
     overlapped the send), what the rollouts received mixes two states: with receiver
@@ -214,7 +211,7 @@ def check_unchanged(seq, ts: list, version: int) -> None:
               f"raise); build a new group (new adapters, connect()) to go on")
     raise ChangedDuringSend(seq.broken)
 
-def _delta_base(seq) -> int:
+def _delta_base(seq: GroupSequencer) -> int:
     """The version every live rollout's parameters hold when it installs this transfer,
     or an older one (never newer: then a change would be missed)."""
     if not seq.config.receiver_staging:
@@ -223,19 +220,13 @@ def _delta_base(seq) -> int:
         return 0 if joined is not None and seq.done() <= joined else seq.done()
     return min(seq.leader.claimed().values())
 
-def _auto_tensors(seq, ts: list, answers: list) -> frozenset[str]:
+def _auto_tensors(seq: GroupSequencer, ts: list, answers: list) -> frozenset[str]:
     """The checkpoint tensors any of the trainers' changed parameters load from."""
-    if seq.param_tensors is None:
-        seq.param_tensors = {}
-        for i, (smap, _) in enumerate(seq.leader.maps.trainers):
-            by_param: dict[str, set] = {}
-            for p in smap.pieces:
-                by_param.setdefault(p.param, set()).add(p.region.tensor)
-            seq.param_tensors[i] = {n: frozenset(s) for n, s in by_param.items()}
     out: set[str] = set()
     for t, (*_, params) in zip(ts, answers):
-        for n in params:
-            out |= seq.param_tensors[t.index].get(n, frozenset())
+        smap, _ = seq.leader.maps.trainers[t.index]
+        params = set(params)
+        out |= {p.region.tensor for p in smap.pieces if p.param in params}
     return frozenset(out)
 
 

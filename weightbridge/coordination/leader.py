@@ -295,6 +295,18 @@ class GroupLeader:
         else:
             self.group = shrunk
 
+    # -- delta updates --------------------------------------------------------------------------
+
+    def record_delta(self, version: int, prevs: list[int], changed: frozenset[str] | None
+                     ) -> None:
+        """The trainers agreed that ``changed`` (None: everything) changed in ``version``
+        since their previous versions ``prevs`` (`DeltaLog.record`; the log is made at the
+        first record, over every tensor some worker reads)."""
+        if self.delta_log is None:
+            self.delta_log = DeltaLog(p.region.tensor for m, _ in
+                                      self.maps.trainers + self.maps.rollouts for p in m.pieces)
+        self.delta_log.record(version, prevs, changed)
+
     # -- the staging-slot ledger (receiver staging) ---------------------------------------------
 
     def begin_landing(self, version: int) -> dict[int, int]:
