@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/fuzz_protocol.py --only 19 --verbose    # one seed, every detail
     .venv/bin/python benchmarks/fuzz_protocol.py --path controller --seeds 100
 
-Each seed is a small adapter group in one process (`weightbridge.testing.fuzz`: one or two
+Each seed is a small adapter group in one process (`tests/fuzz_adapters.py`: one or two
 trainers, one to three engines of one or two ranks, a three-tensor model) in the mode
 ``seed % 4`` (sync, SS, RS, async), running eight random operations (full and delta updates,
 joins, leaves, kills, stalls, pauses; in 30% of seeds a train step that rebinds a parameter's
@@ -13,10 +13,11 @@ storage, which every send must refuse) and then full updates until one goes thro
 one line per violation kind with the number of seeds showing it (per mode), the first seeds
 that do and one example; then a summary line. Exit status 1 when any seed violates.
 
-``--path controller`` fuzzes the controller's path instead (`controller.fuzz`: a long-lived
-`MeshTransfer` per mode on real local Monarch meshes; joins after a train step, membership
-changes from another thread, padded parameters, storage rebinding; ``--ops`` operations per
-seed, each followed by a bit-exact check of every live engine), in this process.
+``--path controller`` fuzzes the controller's path instead (`tests/fuzz_controller.py`: a
+long-lived `MeshTransfer` per mode on real local Monarch meshes; joins after a train step,
+membership changes from another thread, padded parameters, storage rebinding; ``--ops``
+operations per seed, each followed by a bit-exact check of every live engine), in this
+process.
 """
 
 from __future__ import annotations
@@ -24,21 +25,26 @@ from __future__ import annotations
 import argparse
 import collections
 import multiprocessing
+import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+# The harnesses live with the tests; Monarch's children (the controller's path) find them, and
+# their actor classes, through PYTHONPATH.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
 
-from weightbridge.testing.fuzz import KINDS  # noqa: E402
-from weightbridge.testing.fuzz_plan import MODES  # noqa: E402
+from fuzz_adapters import KINDS  # noqa: E402
+from fuzz_plan import MODES  # noqa: E402
 
 
 def _one(args: tuple[int, int, float]):
     seed, num_ops, timeout_s = args
     import torch
 
-    from weightbridge.testing.fuzz import run_seed
+    from fuzz_adapters import run_seed
 
     torch.set_num_threads(1)
     r = run_seed(seed, num_ops=num_ops, timeout_s=timeout_s)
@@ -110,8 +116,8 @@ def main() -> int:
 
 
 def _controller(seeds, args) -> int:
-    """The controller's path: `controller.fuzz.run_seeds`, in this process."""
-    from controller import fuzz
+    """The controller's path: `fuzz_controller.run_seeds`, in this process."""
+    import fuzz_controller as fuzz
 
     t0 = time.monotonic()
     results = fuzz.run_seeds(seeds, num_ops=args.ops, timeout_s=args.timeout_s)

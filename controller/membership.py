@@ -263,7 +263,9 @@ class Membership:
         retire it); no byte is sent to or through it afterwards. An engine nothing depends on
         (one mirrored in by `add_engine`) just loses its rows: only the rollouts that
         forwarded to it take new writes. Otherwise the others are planned again from the
-        source maps of connect (no probe). Returns the plan in force.
+        source maps of connect (no probe). Returns the plan in force. Its procs keep running
+        until `close` (with the procs `add_engine` spawned for it: a long-lived group that
+        adds and removes many engines holds each one's processes until then).
 
         Raises:
             ValueError: no such engine, it is already out, or it is the last one.

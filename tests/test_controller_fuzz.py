@@ -1,4 +1,4 @@
-"""The controller's protocol fuzz (`controller.fuzz`) on real Monarch meshes: a seed of each
+"""The controller's protocol fuzz (tests/fuzz_controller.py) on real Monarch meshes: a seed of each
 mode shows no violation, and the fuzz's check sees an engine that does not hold what it must
 (so a clean run means something). `benchmarks/fuzz_protocol.py --path controller` runs many
 seeds. Each `MeshTransfer` is closed even when a test fails (`run_seeds`, ``finally``).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.fuzz import MODES, _Group, run_seeds
+from fuzz_controller import MODES, _Group, run_seeds
 
 pytestmark = pytest.mark.mesh
 

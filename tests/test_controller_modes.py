@@ -386,7 +386,7 @@ def test_an_update_refused_for_a_rebound_storage_leaves_no_copy_table_on_it(proc
     storage, which the storage check does not look at, so update(4) shipped step 3's bytes
     under the label 4 (async: a MISMATCH in every parameter at its install). The copy tables
     read the registered storage, whatever a re-plan finds: update(4) arrives bit-exact."""
-    from controller.fuzz import RebindingTrainer as Rebinds
+    from fuzz_controller import RebindingTrainer as Rebinds
 
     with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs,
                       trainer_actor=Rebinds) as mt:

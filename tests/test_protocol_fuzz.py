@@ -1,4 +1,4 @@
-"""The protocol fuzz (`weightbridge.testing.fuzz`) on a few seeds, and a minimal reproduction of
+"""The protocol fuzz (`tests/fuzz_adapters.py`) on a few seeds, and a minimal reproduction of
 each kind of violation it found (issue 23).
 
 The seeds here ran clean (three runs each) on the code they were picked on: a violation is a
@@ -17,8 +17,8 @@ from tinygroup import build, checkpoint, connect, in_threads
 
 from weightbridge import ReceiverAdapter, SenderAdapter, TransferConfig, TransferFailed
 from weightbridge.coordination.local_control import WorkerGone
-from weightbridge.testing.fuzz import run_seed
-from weightbridge.testing.fuzz_plan import scenario_of
+from fuzz_adapters import run_seed
+from fuzz_plan import scenario_of
 from weightbridge.types import WorkerId
 
 FAULTLESS_SEEDS = [0, 1, 6, 27]

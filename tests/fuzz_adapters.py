@@ -1,7 +1,7 @@
 """A protocol fuzz of the adapters in one process: updates, deltas, joins, leaves, kills and
 stalls in every sync mode, with the version protocol's promises checked after every poll.
 
-Each seed is a `weightbridge.testing.fuzz_plan.Scenario` run on a `LocalControl`: every
+Each seed is a `fuzz_plan.Scenario` (tests/fuzz_plan.py) run on a `LocalControl`: every
 rollout rank polls on a thread of its own (the ranks of an engine in lockstep, as an engine's
 collectives keep them), the script runs the scenario's operations on the trainers, then sends
 full updates until one goes through and lets every rank poll until it holds that version or
@@ -48,7 +48,7 @@ from weightbridge.coordination.local_control import LocalControl
 from weightbridge.adapters.receiver import ReceiverAdapter
 from weightbridge.adapters.sender import SenderAdapter
 from weightbridge.errors import ParameterRebound
-from weightbridge.testing.fuzz_plan import (SHAPES, Model, Op, Scenario, same_bytes,
+from fuzz_plan import (SHAPES, Model, Op, Scenario, same_bytes,
                                              scenario_of, value)
 from weightbridge.types import CheckpointSpec, WorkerId
 
