@@ -114,28 +114,6 @@ def test_mesh_specs_are_public_in_the_library():
     assert driver.TrainerSpec is specs.TrainerSpec and driver.RolloutSpec is specs.RolloutSpec
 
 
-
-def test_controller_and_baselines_import_only_the_two_faces():
-    """controller/ and controller/baselines/ import ``weightbridge`` or
-    ``weightbridge.driver`` only (and the test support, ``weightbridge.testing``: the
-    controller's fuzz shares the adapters' fuzz's report type)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1] / "controller"
-    bad = []
-    for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("weightbridge"):
-                if node.module not in ("weightbridge", "weightbridge.driver") and \
-                        not node.module.startswith("weightbridge.testing."):
-                    bad.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.module}")
-            if isinstance(node, ast.Import):
-                bad += [f"{path.relative_to(root.parent)}:{node.lineno} {a.name}"
-                        for a in node.names if a.name.startswith("weightbridge.")]
-    assert not bad, bad
-
-
 # -- across processes ---------------------------------------------------------------------------
 
 def _actor_error(inner: BaseException, call: str = "TrainerActor.send"):
