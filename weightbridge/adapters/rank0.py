@@ -94,7 +94,7 @@ class GroupSequencer:
 
     def run(self, version: int, *, release: bool = True) -> None:
         """Move ``version`` end to end. A failure goes to `recovery.recover`, which raises
-        `TransferFailed` when a worker was lost (after re-planning without it) and re-raises
+        `WorkersLost` when a worker was lost (after re-planning without it) and re-raises
         anything else."""
         with self.session_lock:
             if self.broken is not None:  # (a transfer staged before the group ended)
@@ -313,7 +313,7 @@ class GroupSequencer:
 
         Workers lost since the last transfer (they do not answer a ping) are excluded first
         (`recovery.exclude_lost`), so the change goes on without them; one lost during the
-        change is excluded after it, and `TransferFailed` says what was made."""
+        change is excluded after it, and `WorkersLost` says what was made."""
         others = self.live_trainers()[1:]
         failure = None
         try:
@@ -332,11 +332,10 @@ class GroupSequencer:
                 try:
                     change()
                 except Exception as e:
-                    lost = recovery.exclude_lost(self, name, e)
-                    if lost is None:
+                    loss = recovery.exclude_lost(self, name, e)
+                    if loss is None:
                         raise
-                    raise TransferFailed(f"{self.worker}: {lost} {_made(what, self.leader)}"
-                                         ) from e
+                    raise loss.lost(_made(what, self.leader)) from e
         except Exception as e:
             failure = f"{type(e).__name__}: {e}"
             raise
@@ -382,7 +381,7 @@ class GroupSequencer:
 
 
 def _made(what: tuple, leader: GroupLeader) -> str:
-    """What a membership change that met a lost worker made, for its `TransferFailed`."""
+    """What a membership change that met a lost worker made, for its `WorkersLost`."""
     goes_on = f"the group goes on with engines {leader.live_engines()} over a new plan."
     if what[0] == "remove":
         made = "was made" if what[1] in leader.out_engines else "was not made"

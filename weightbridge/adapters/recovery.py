@@ -69,11 +69,11 @@ def recover(seq: GroupSequencer, version: int, error: Exception, moved: bool) ->
     raise lost from error
 
 
-def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = None) -> str | None:
+def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = None
+                 ) -> Loss | None:
     """Between transfers (a membership change, ``during`` names it): find the live workers
     that do not answer a ping and leave them out (`weightbridge.coordination.loss.lose`);
-    what was excluded (the message their workers were told), or None when every worker
-    answers.
+    the `Loss`, or None when every worker answers.
 
     Raises:
         TransferFailed: no engine is left, or the re-plan failed: the group is closed
@@ -82,7 +82,7 @@ def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = Non
     gone, gone_t = find_lost(seq)
     if not gone and not gone_t:
         return None
-    return _lose(seq, gone, gone_t, during, error).what
+    return _lose(seq, gone, gone_t, during, error)
 
 
 def find_lost(seq: GroupSequencer) -> tuple[list[int], list[int]]:
