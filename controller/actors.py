@@ -57,6 +57,8 @@ class WorkerMeshes:
         """Actor meshes on procs this object did not spawn (stopped one by one)."""
         self.rollout_meshes: list[tuple[int, object]] = []
         self.trainers = self.rollouts = None
+        self.joined: dict[int, tuple[object, object]] = {}
+        """First flat rank -> (actors, procs) of each engine `spawn_engine` added."""
 
     def spawn(self):
         """Procs (unless given) and both sides' actors; returns (trainer procs, rollout
@@ -100,13 +102,22 @@ class WorkerMeshes:
             self.foreign.append(actors)
         self.actors.append(actors)
         self.rollout_meshes.append((first, actors))
+        self.joined[first] = (actors, procs)
         return procs, actors
+
+    def retire_engine(self, first: int) -> list[Exception]:
+        """A joined engine (flat ranks from ``first``) out of the group for good: forget it
+        and stop its actors, or its procs if they were spawned here (their memory freed now,
+        not at `stop`); returns what failed to stop."""
+        actors, procs = self.joined.pop(first)
+        return self.drop_engine(actors, procs)
 
     def drop_engine(self, actors, procs) -> list[Exception]:
         """Undo `spawn_engine` (a join whose set-up failed): forget the engine's ``actors``
         and stop them, or its ``procs`` if they were spawned here; returns what failed to
         stop (a proc that died)."""
         self.rollout_meshes = [(f, m) for f, m in self.rollout_meshes if m is not actors]
+        self.joined = {f: (a, p) for f, (a, p) in self.joined.items() if a is not actors}
         self.actors = [m for m in self.actors if m is not actors]
         owned = any(p is procs for p in self.owned)
         self.owned = [p for p in self.owned if p is not procs]
@@ -129,7 +140,7 @@ class WorkerMeshes:
             except Exception as e:  # keep stopping the others; the caller raises
                 errors.append(e)
         disown_faults(*self.actors)
-        self.owned, self.actors, self.foreign = [], [], []
+        self.owned, self.actors, self.foreign, self.joined = [], [], [], {}
         return errors
 
     def live(self, side: str, lost: set[int], engine_size: int) -> list[tuple[int, object]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 
 from controller.report import JoinReport
@@ -28,6 +29,7 @@ from weightbridge import (CatchUpRefused, GroupClosed, TransferFailed, TransferP
 from weightbridge.driver import PeerCall, describe, library_error, lose, one_line, surfaced
 
 RESTART = "close this MeshTransfer and start again"
+log = logging.getLogger(__name__)
 
 
 def serialized(method):
@@ -263,9 +265,12 @@ class Membership:
         retire it); no byte is sent to or through it afterwards. An engine nothing depends on
         (one mirrored in by `add_engine`) just loses its rows: only the rollouts that
         forwarded to it take new writes. Otherwise the others are planned again from the
-        source maps of connect (no probe). Returns the plan in force. Its procs keep running
-        until `close` (with the procs `add_engine` spawned for it: a long-lived group that
-        adds and removes many engines holds each one's processes until then).
+        source maps of connect (no probe). Returns the plan in force.
+
+        An engine `add_engine` added is retired with it: its transfer agents and actors are
+        stopped, and its procs if `add_engine` spawned them, so a long-lived group that adds
+        and removes engines does not keep their processes and memory. An engine of the first
+        rollout mesh shares its procs with the others: they run until `close`.
 
         Raises:
             ValueError: no such engine, it is already out, or it is the last one.
@@ -274,6 +279,15 @@ class Membership:
         self._between_updates()
         self.leader.leave(engine)
         self._use()
+        first = engine * self.rollout_spec.workers_per_engine
+        if first in self.meshes.joined:
+            self.group, errors = self.group.retire_engine(engine)
+            self.control.use(self.group)
+            errors += self.meshes.retire_engine(first)
+            for error in errors:  # (the engine is out either way; only its processes linger)
+                log.warning("remove_engine(%d): stopping its agents or procs failed (%s); look "
+                            "for leftover bootstrap_main processes with ps", engine,
+                            describe(error))
         return self.plan
 
     def _recover(self, version: int, lost: list, cause: str, train_step_s: float) -> None:

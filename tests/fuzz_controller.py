@@ -52,10 +52,9 @@ OPS = ("update", "delta", "join_after_step", "join_from_thread", "remove_from_th
        "replan", "rebind")
 MAX_ENGINES = 3
 """A join when this many engines are live removes one instead (the group stays small)."""
-SEEDS_PER_GROUP = 5
-"""Seeds one `MeshTransfer` runs before a new one starts (a removed engine's procs are
-stopped only with its `MeshTransfer`: they would pile up; at 20, the four modes' groups held
-about 100 procs, over 20 GB, after 60 seeds)."""
+SEEDS_PER_GROUP = 20
+"""Seeds one `MeshTransfer` runs before a new one starts (long-lived groups: the state of
+many joins, removals and re-plans piles up in each)."""
 DELTA = ("model.norm.weight", "lm_head.weight")
 """The tensors a delta update changes (one of them; lm_head is a padded one)."""
 

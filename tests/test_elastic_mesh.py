@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 from monarch.actor import this_host
@@ -18,6 +19,7 @@ from monarch.actor import this_host
 from controller.driver import MeshTransfer, WorkersLost
 from controller.ranks import by_rank
 from controller.report import mismatches
+from meshprocs import bootstrap_children
 from meshes.actors import RolloutActor
 from weightbridge.specs import RolloutSpec, TrainerSpec
 from weightbridge import CatchUpRefused, TransferConfig, TransferFailed
@@ -33,6 +35,14 @@ def _trainer_egress(plan) -> int:
     return int(sent[:len(plan.trainers), 0].sum())
 
 
+def _gone(pids: set[int], within_s: float = 30) -> bool:
+    """Every process of ``pids`` exited within ``within_s`` (a proc exits once stopped)."""
+    end = time.monotonic() + within_s
+    while bootstrap_children() & pids and time.monotonic() < end:
+        time.sleep(0.1)
+    return not bootstrap_children() & pids
+
+
 def _transfer(rollout: str) -> MeshTransfer:
     """Trainer TP2 to the ``rollout`` spec's engines, tiny model, meshes spawned on enter."""
     return MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"), RolloutSpec.parse(rollout),
@@ -43,8 +53,13 @@ def test_engines_join_and_leave_between_updates_and_every_install_is_bit_exact()
     with _transfer("engines=2,nodes=1,gpus=1") as mt:
         mt.connect()
         first = mt.update(1)
+        with pytest.raises(ValueError, match="not one add_engines"):
+            mt.group.retire_engine(0)  # (the first rollout mesh's agents serve engine 1 too)
         handles, rounds = mt.num_handles, mt.plan.num_rounds
+        procs = bootstrap_children()
         joined = mt.add_engine()
+        spawned = bootstrap_children() - procs
+        assert len(spawned) == 1, spawned  # its proc (one worker per engine)
         assert joined.engine == 2 and not joined.mismatched, joined.line()
         assert joined.num_params * 2 == first.num_params  # its own parameters, verified
         # A replica: mirrored on engine 0, no round added; the catch-up is a whole update.
@@ -55,6 +70,9 @@ def test_engines_join_and_leave_between_updates_and_every_install_is_bit_exact()
         assert not three.mismatched and three.num_params * 2 == first.num_params * 3, three.line()
         mt.remove_engine(2)  # nothing depends on a mirrored engine: its rows just go
         assert mt.num_handles == handles
+        # Its proc, spawned by add_engine, is stopped with it: a long-lived group that adds
+        # and removes engines does not keep every retired engine's process (it did, to close).
+        assert _gone(spawned), bootstrap_children() & spawned
         two = mt.update(3)
         assert not two.mismatched and two.num_params == first.num_params, two.line()
         assert two.rdma_bytes == first.rdma_bytes

@@ -71,9 +71,13 @@ class MeshControl:
         self.num_trainers, self.num_engines = group.num_trainers, group.num_engines
         # A group shrunk back (a join rolled back, `TransferGroup.undo_add_engines`): the
         # agents cached for ranks beyond it are gone; a later join's ranks are others'.
+        # An engine retired (`TransferGroup.retire_engine`): its agents are stopped.
         end = group.num_engines * group.engine_size
+        retired = [(first, first + group.engine_size) for first, agents in group.joined
+                   if agents is None]
         for cache in (self._agents, self._inboxes):
-            for key in [k for k in cache if _rank_of(k) >= end]:
+            for key in [k for k in cache if _rank_of(k) >= end or
+                        any(a <= _rank_of(k) < b for a, b in retired)]:
                 del cache[key]
         self._segments = {"trainer": ((0, group.trainer_agents),),
                           "rollout": ((0, group.rollout_agents),) + group.joined}
@@ -82,6 +86,7 @@ class MeshControl:
         """(first rank, agent mesh) of the segment of ``peer``'s side holding it."""
         for first, mesh in reversed(self._segments[peer.side]):
             if peer.index >= first:
+                assert mesh is not None, f"{peer}: its engine was retired (nothing calls it)"
                 return first, mesh
         raise AssertionError(peer)
 

@@ -83,7 +83,8 @@ class TransferGroup:
     of the group)."""
     joined: tuple = ()
     """(first flat rollout rank, flattened agents) of each run of engines `add_engines`
-    added, after ``rollout_agents``' ranks."""
+    added, after ``rollout_agents``' ranks; the agents are None once `retire_engine` stopped
+    them (the ranks stay taken)."""
     rollout_base: int = 0
     """Flat rollout rank of the first proc of the mesh this handle's rollout actors run on:
     the handle `add_engines` returns builds the joining engines' workers."""
@@ -165,6 +166,39 @@ class TransferGroup:
             _collect(errors, lambda: agents.stop().get(timeout=CLOSE_TIMEOUT_S))
         disown_faults(*added)
         return errors
+
+    def retire_engine(self, engine: int) -> tuple["TransferGroup", list[Exception]]:
+        """An engine `add_engines` added on its own, out of the group for good
+        (`controller.MeshTransfer.remove_engine`): release and stop its agents and forget
+        them, so its procs may stop (their memory freed while the group goes on) and the
+        handles made from now on, pickled to joining actors, no longer name them. Its ranks
+        and engine number stay taken; nothing may call its workers afterwards. Returns (the
+        handle to use instead, what failed to stop: the agents of a proc that died).
+
+        Raises:
+            ValueError: ``engine`` is not a segment of its own (the engines of the first
+                rollout mesh, and engines added together, share one agent mesh), or it was
+                retired already.
+        """
+        first = engine * self.engine_size
+        at = [i for i, (f, agents) in enumerate(self.joined) if f == first and agents is not None]
+        if not at or mesh_size(self.joined[at[0]][1]) != self.engine_size:
+            raise ValueError(f"engine {engine} is not one add_engines() added on its own (or it "
+                             f"was retired already): its agents share a mesh with other engines "
+                             f"and stop with the group (close())")
+        i = at[0]
+        spawned = self.spawned[2 + i]  # (the trainers', the rollouts', then one per add)
+        with self._life.lock:
+            self._life.spawned = [a for a in self._life.spawned if a is not spawned]
+        why = f"engine {engine} was retired from transfer group {self.name} (remove_engine)"
+        errors: list[Exception] = []
+        _collect(errors, lambda: spawned.release.call(self.name, why).get(
+            timeout=CLOSE_TIMEOUT_S))
+        _collect(errors, lambda: spawned.stop().get(timeout=CLOSE_TIMEOUT_S))
+        disown_faults(spawned)
+        joined = self.joined[:i] + ((first, None),) + self.joined[i + 1:]
+        spawned_all = self.spawned[:2 + i] + (None,) + self.spawned[3 + i:]
+        return dataclasses.replace(self, joined=joined, spawned=spawned_all), errors
 
     def close(self) -> None:
         """Release every worker of the group (RDMA buffers, references to parameters) and
