@@ -414,15 +414,15 @@ class MeshTransfer(ClosingContext, Membership):
         with self._book_lock:
             holds = self.book.installed(version)
         failed = [(w, a) for w, a in zip(live, answers) if isinstance(a, BaseException)]
-        lost = self._fence_install(version, failed) if failed else None
+        loss = self._fence_install(version, failed) if failed else None
         count, bad = self._verify(self._live("rollout"), holds)
         report = InstallReport(version=version, install_s=t1 - t0,
                                verify_s=time.perf_counter() - t1, num_params=count,
                                mismatched=bad)
         if bad:
             raise TransferFailed(f"{report.line()}: {list(bad[:4])}")
-        if lost is not None:
-            raise lost.lost(f"The other engines installed version {version} ({report.line()}): "
+        if loss is not None:
+            raise loss.lost(f"The other engines installed version {version} ({report.line()}): "
                             f"go on with them.")
         return report
 
