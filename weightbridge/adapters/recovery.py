@@ -7,22 +7,19 @@ the routine the controller uses too. See docs/failures.md, for the guarantees.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from weightbridge.adapters.base import TransferFailed
+from weightbridge.adapters.sequencing import Sequencing
 from weightbridge.coordination.control import engine_workers
 from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.session import unanswered
 from weightbridge.errors import describe, failure_kind
 
-if TYPE_CHECKING:  # (rank0 imports this module)
-    from weightbridge.adapters.rank0 import GroupSequencer
 
 REJOIN = "TransferGroup.add_engines, then add_engines() on every trainer"
 RESTART = "build a new group (new adapters, connect()) to go on"
 
 
-def recover(seq: GroupSequencer, version: int, error: Exception, moved: bool) -> None:
+def recover(seq: Sequencing, version: int, error: Exception, moved: bool) -> None:
     """A session call failed: find the workers that are gone (rollouts and trainers) and
     leave them out (`weightbridge.coordination.loss.lose`: excluded, the others planned
     again), re-send ``version`` where the trainers still hold it, tell every trainer; raise
@@ -69,7 +66,7 @@ def recover(seq: GroupSequencer, version: int, error: Exception, moved: bool) ->
     raise lost from error
 
 
-def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = None
+def exclude_lost(seq: Sequencing, during: str, error: Exception | None = None
                  ) -> Loss | None:
     """Between transfers (a membership change, ``during`` names it): find the live workers
     that do not answer a ping and leave them out (`weightbridge.coordination.loss.lose`);
@@ -85,7 +82,7 @@ def exclude_lost(seq: GroupSequencer, during: str, error: Exception | None = Non
     return _lose(seq, gone, gone_t, during, error)
 
 
-def find_lost(seq: GroupSequencer) -> tuple[list[int], list[int]]:
+def find_lost(seq: Sequencing) -> tuple[list[int], list[int]]:
     """(rollout, trainer) indices of the live workers that do not answer a ping (dead,
     stalled or cut off); trainer 0, which asks, is not asked."""
     control = seq.control
@@ -95,7 +92,7 @@ def find_lost(seq: GroupSequencer) -> tuple[list[int], list[int]]:
             [t.index for t in unanswered(control, seq.live_trainers()[1:])])
 
 
-def _lose(seq: GroupSequencer, gone: list[int], gone_t: list[int], during: str,
+def _lose(seq: Sequencing, gone: list[int], gone_t: list[int], during: str,
           error: Exception | None, version: int | None = None) -> Loss:
     """`lose` on trainer 0's leader; when the group cannot go on (no engine left, the re-plan
     failed) it is closed, every trainer told, and `TransferFailed` raised."""
@@ -107,7 +104,7 @@ def _lose(seq: GroupSequencer, gone: list[int], gone_t: list[int], during: str,
         _group_ends(seq, str(e), error, version)
 
 
-def _group_ends(seq: GroupSequencer, why: str, error: BaseException | None,
+def _group_ends(seq: Sequencing, why: str, error: BaseException | None,
                 version: int | None) -> None:
     """The group cannot go on: close it (every rollout told ``why``; no engine gets another
     version, each learns it at its next poll), tell the trainers waiting for ``version``;

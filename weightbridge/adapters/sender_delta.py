@@ -27,12 +27,11 @@ a later re-plan could not read (docs/delta-elastic.md, "Delta updates").
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection
+from typing import Collection
 
+from weightbridge.adapters.sequencing import Sequencing
 from weightbridge.coordination.control import PeerCall
 
-if TYPE_CHECKING:  # (rank0 imports this module)
-    from weightbridge.adapters.rank0 import GroupSequencer
 
 AUTO = "auto"
 
@@ -144,7 +143,7 @@ def _undeclared(smap, changed: frozenset[str], names: frozenset[str]) -> tuple[s
     return tuple(sorted(n for n in changed if n in loads and not loads[n] & names))
 
 
-def plan_delta(seq: GroupSequencer, ts: list, version: int) -> None:
+def plan_delta(seq: Sequencing, ts: list, version: int) -> None:
     """Every trainer in ``ts`` is inside send_weights(version): agree on what changed,
     record it, and put in force a plan of the tensors the rollouts need.
 
@@ -181,7 +180,7 @@ def plan_delta(seq: GroupSequencer, ts: list, version: int) -> None:
     seq.leader.record_delta(version, [prev for _, prev, _, _ in answers], changed)
     seq.leader.restrict(seq.leader.delta_log.needed(_delta_base(seq)))
 
-def check_unchanged(seq: GroupSequencer, ts: list, version: int) -> None:
+def check_unchanged(seq: Sequencing, ts: list, version: int) -> None:
     """After the rounds of ``version`` (sync, RS; checksums on): every trainer's parameters
     still hold what send_weights(``version``) was called with. If not (an optimizer step
     overlapped the send), what the rollouts received mixes two states: with receiver
@@ -211,7 +210,7 @@ def check_unchanged(seq: GroupSequencer, ts: list, version: int) -> None:
               f"raise); build a new group (new adapters, connect()) to go on")
     raise ChangedDuringSend(seq.broken)
 
-def _delta_base(seq: GroupSequencer) -> int:
+def _delta_base(seq: Sequencing) -> int:
     """The version every live rollout's parameters hold when it installs this transfer,
     or an older one (never newer: then a change would be missed)."""
     if not seq.config.receiver_staging:
@@ -220,7 +219,7 @@ def _delta_base(seq: GroupSequencer) -> int:
         return 0 if joined is not None and seq.done() <= joined else seq.done()
     return min(seq.leader.claimed().values())
 
-def _auto_tensors(seq: GroupSequencer, ts: list, answers: list) -> frozenset[str]:
+def _auto_tensors(seq: Sequencing, ts: list, answers: list) -> frozenset[str]:
     """The checkpoint tensors any of the trainers' changed parameters load from."""
     out: set[str] = set()
     for t, (*_, params) in zip(ts, answers):
