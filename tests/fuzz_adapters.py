@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.adapters.base import TransferFailed
+from weightbridge.errors import TransferFailed
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.adapters.receiver import ReceiverAdapter
 from weightbridge.adapters.sender import SenderAdapter

@@ -44,7 +44,6 @@ OLD_PATHS = [  # (module, name, the class it must be)
     ("weightbridge", "ReplicaMismatch", ReplicaMismatch),
     ("weightbridge", "LayoutError", LayoutError),
     ("weightbridge.adapters", "TransferFailed", TransferFailed),
-    ("weightbridge.adapters.base", "TransferFailed", TransferFailed),
     ("weightbridge.coordination.worker", "ChecksumMismatch", ChecksumMismatch),
     ("weightbridge.coordination.worker", "ReplicaMismatch", ReplicaMismatch),
     ("weightbridge.coordination.sequencer", "StepFailed", StepFailed),

@@ -37,7 +37,7 @@ itself is `protocol`.
 Typical usage: see docs/integration.md and tests/test_adapters.py.
 """
 
-from weightbridge.adapters.base import TransferFailed
+from weightbridge.errors import TransferFailed
 from weightbridge.adapters.receiver import ReceiverAdapter
 from weightbridge.adapters.sender import SenderAdapter
 

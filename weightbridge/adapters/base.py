@@ -11,10 +11,7 @@ import time
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, WorkerId
-from weightbridge.coordination.staging import host_buffer  # noqa: F401 (its old home)
 from weightbridge.coordination.worker import TransferWorker
-# Defined in weightbridge.errors (one hierarchy); importable from here as before.
-from weightbridge.errors import TransferFailed  # noqa: F401
 
 POLL_BACKOFF = 10
 """`AdapterWorker._poll_until`'s longest interval, in units of the first."""

@@ -26,10 +26,11 @@ from typing import Callable
 
 from weightbridge.config import TransferConfig
 from weightbridge.adapters import recovery, sender_delta
-from weightbridge.adapters.base import TransferFailed, poll_until
+from weightbridge.adapters.base import poll_until
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.session import check_replicas, run_update, unanswered
+from weightbridge.errors import TransferFailed
 from weightbridge.types import WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)

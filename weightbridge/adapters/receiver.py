@@ -11,11 +11,12 @@ import time
 
 
 from weightbridge.config import TransferConfig
-from weightbridge.adapters.base import AdapterWorker, TransferFailed
+from weightbridge.adapters.base import AdapterWorker
 from weightbridge.coordination.control import PeerCall, engine_workers
 from weightbridge.adapters.protocol import EngineCoordinator, Relay, WorkerVersions
 from weightbridge.coordination.version import check_version
 from weightbridge.coordination.session import unanswered
+from weightbridge.errors import TransferFailed
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 

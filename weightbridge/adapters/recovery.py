@@ -7,12 +7,11 @@ the routine the controller uses too. See docs/failures.md, for the guarantees.
 
 from __future__ import annotations
 
-from weightbridge.adapters.base import TransferFailed
 from weightbridge.adapters.sequencing import Sequencing
 from weightbridge.coordination.control import engine_workers
 from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.session import unanswered
-from weightbridge.errors import describe, failure_kind
+from weightbridge.errors import TransferFailed, describe, failure_kind
 
 
 REJOIN = "TransferGroup.add_engines, then add_engines() on every trainer"

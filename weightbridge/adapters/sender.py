@@ -10,14 +10,14 @@ import threading
 
 
 from weightbridge.config import WAIT_TIMEOUTS, TransferConfig
-from weightbridge.adapters.base import AdapterWorker, TransferFailed
+from weightbridge.adapters.base import AdapterWorker
 from weightbridge.coordination.control import PeerCall, rollouts, trainers
 from weightbridge.adapters.protocol import SenderStage, TrainerVersions
 from weightbridge.coordination.version import check_version
 from weightbridge.adapters.rank0 import TRAINER_0, GroupSequencer
 from weightbridge.adapters.sender_delta import TrainerDelta
 from weightbridge.adapters.sender_membership import TrainerMembership, call_name
-from weightbridge.errors import from_kind
+from weightbridge.errors import TransferFailed, from_kind
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.types import Placement, WorkerId
 
