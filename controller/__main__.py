@@ -127,12 +127,17 @@ def one_update(mt, version: int):
     if mt.mode.sender_staging:  # the rounds streamed while update() had returned
         report = mt.wait()
         print(f"  streamed: {report.line()}", flush=True)
-    bad = bool(report.mismatched)
-    installed = mt.poll_requests()  # (between generation steps)
-    if installed is not None and mt.mode.receiver_staging:
-        print(f"  {installed.line()}", flush=True)
-        bad |= bool(installed.mismatched)
-    return report, bad
+    return report, bool(report.mismatched) | _install(mt)
+
+
+def _install(mt) -> bool:
+    """`poll_requests` between generation steps (RS, async: it installs; its line printed);
+    whether anything installed mismatched."""
+    installed = mt.poll_requests()
+    if installed is None or not mt.mode.receiver_staging:
+        return False
+    print(f"  {installed.line()}", flush=True)
+    return bool(installed.mismatched)
 
 
 def after_loss(mt):
@@ -143,13 +148,7 @@ def after_loss(mt):
     if report is None:
         return None, False
     print(f"  re-sent: {report.line()}", flush=True)
-    bad = bool(report.mismatched)
-    if mt.mode.receiver_staging:
-        installed = mt.poll_requests()
-        if installed is not None:
-            print(f"  {installed.line()}", flush=True)
-            bad |= bool(installed.mismatched)
-    return report, bad
+    return report, bool(report.mismatched) | (mt.mode.receiver_staging and _install(mt))
 
 
 def cluster_run(args, run: Run) -> int:

@@ -106,19 +106,16 @@ def probe_workers(addresses: list[str], creds: Credentials,
                   timeout_s: float = 10.0) -> None:
     """One mutual-TLS handshake per worker, in parallel; `WorkerRefused` naming every worker
     that refused us or that we refuse, and why."""
-    with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
-        errors = [e for e in pool.map(lambda a: _probe(a, creds, timeout_s), addresses) if e]
-    if errors:
-        raise WorkerRefused("; ".join(errors) + " (nothing was attached or spawned)")
+    _each(addresses, lambda a: _probe(a, creds, timeout_s))
 
 
 def _probe(address: str, creds: Credentials, timeout_s: float) -> str | None:
-    host, _, port = address.split("://", 1)[1].rpartition(":")
+    host, port = _host_port(address)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the worker's cert and host name
     ctx.load_verify_locations(creds.ca)
     ctx.load_cert_chain(creds.cert, creds.key)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
             with ctx.wrap_socket(raw, server_hostname=host) as s:
                 s.settimeout(PROBE_WAIT_S)
                 try:
@@ -143,14 +140,24 @@ def probe_plaintext(addresses: list[str], timeout_s: float = 10.0) -> None:
     """An ``--insecure`` controller's check: `WorkerRefused` naming every worker that answers a
     TLS hello (it runs mutual TLS and would let Monarch's plaintext attach time out) or that
     cannot be reached. A plaintext worker drops the hello as a bad frame."""
+    _each(addresses, lambda a: _speaks_tls(a, timeout_s))
+
+
+def _each(addresses: list[str], check) -> None:
+    """``check`` every worker address in parallel; `WorkerRefused` with every refusal."""
     with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
-        errors = [e for e in pool.map(lambda a: _speaks_tls(a, timeout_s), addresses) if e]
+        errors = [e for e in pool.map(check, addresses) if e]
     if errors:
         raise WorkerRefused("; ".join(errors) + " (nothing was attached or spawned)")
 
 
-def _speaks_tls(address: str, timeout_s: float) -> str | None:
+def _host_port(address: str) -> tuple[str, int]:
     host, _, port = address.split("://", 1)[1].rpartition(":")
+    return host, int(port)
+
+
+def _speaks_tls(address: str, timeout_s: float) -> str | None:
+    host, port = _host_port(address)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only the first reply counts
     hello = ssl.MemoryBIO()
@@ -160,7 +167,7 @@ def _speaks_tls(address: str, timeout_s: float) -> str | None:
     except ssl.SSLWantReadError:
         pass  # the ClientHello is in ``hello`` now
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as raw:
+        with socket.create_connection((host, port), timeout=timeout_s) as raw:
             raw.sendall(hello.read())
             raw.settimeout(PROBE_WAIT_S)
             try:
