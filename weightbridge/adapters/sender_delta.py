@@ -223,9 +223,9 @@ def _auto_tensors(seq: Sequencing, ts: list, answers: list) -> frozenset[str]:
     """The checkpoint tensors any of the trainers' changed parameters load from."""
     out: set[str] = set()
     for t, (*_, params) in zip(ts, answers):
-        smap, _ = seq.leader.maps.trainers[t.index]
-        params = set(params)
-        out |= {p.region.tensor for p in smap.pieces if p.param in params}
+        tensors = seq.leader.tensors_of(t.index)
+        for n in params:
+            out |= tensors.get(n, frozenset())
     return frozenset(out)
 
 

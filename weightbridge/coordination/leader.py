@@ -92,6 +92,8 @@ class GroupLeader:
         mirrored join; later: the rounds appended for them alone)."""
         self._ledger = threading.Lock()
         self._retelling = False
+        self._tensors_of: tuple = (None, {})
+        """(the maps it was built from, trainer -> parameter -> tensors): `tensors_of`."""
 
     @property
     def plan(self):
@@ -306,6 +308,19 @@ class GroupLeader:
             self.delta_log = DeltaLog(p.region.tensor for m, _ in
                                       self.maps.trainers + self.maps.rollouts for p in m.pieces)
         self.delta_log.record(version, prevs, changed)
+
+    def tensors_of(self, trainer: int) -> dict[str, frozenset[str]]:
+        """Per parameter of ``trainer``, the checkpoint tensors it loads (its source map;
+        built once per maps: ``changed="auto"`` asks at every update)."""
+        if self._tensors_of[0] is not self.maps:
+            self._tensors_of = (self.maps, {})
+        by_trainer = self._tensors_of[1]
+        if trainer not in by_trainer:
+            by_param: dict[str, set[str]] = {}
+            for p in self.maps.trainers[trainer][0].pieces:
+                by_param.setdefault(p.param, set()).add(p.region.tensor)
+            by_trainer[trainer] = {n: frozenset(s) for n, s in by_param.items()}
+        return by_trainer[trainer]
 
     # -- the staging-slot ledger (receiver staging) ---------------------------------------------
 
