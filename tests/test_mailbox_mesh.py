@@ -80,6 +80,15 @@ class Host(Actor):
     def alive(self) -> bool:
         return True
 
+    @endpoint
+    def ping_error(self, peer) -> str:
+        """The error of a ping to ``peer`` (its type and message), or "answered"."""
+        try:
+            self.control.call([peer], PeerCall.PING)
+        except Exception as e:  # noqa: BLE001  (a lost peer's error, whichever it is)
+            return f"{type(e).__name__}: {e}"
+        return "answered"
+
 
 @pytest.fixture
 def hosts():
@@ -91,7 +100,7 @@ def hosts():
             trainer, rollouts = tp.spawn("host_t", Host), rp.spawn("host_r", Host)
             trainer.setup.call(group, "trainer").get(timeout=60)
             rollouts.setup.call(group, "rollout").get(timeout=60)
-            yield group, trainer, stopped
+            yield group, trainer, rollouts, stopped
         finally:
             try:
                 group.close()
@@ -103,7 +112,7 @@ def hosts():
 
 
 def test_bounded_calls_answer_through_the_mailboxes_and_keep_nothing(hosts):
-    _, trainer, _ = hosts
+    _, trainer, _, _ = hosts
     peers = [PEER, WorkerId("rollout", 1)]
     assert trainer.ping.call_one(peers).get(timeout=60) == [True, True]
     for r in range(20):  # in order, each peer's own answer in its place
@@ -114,7 +123,7 @@ def test_bounded_calls_answer_through_the_mailboxes_and_keep_nothing(hosts):
 
 
 def test_a_peer_whose_agent_stopped_times_out_and_the_caller_lives_on(hosts):
-    group, trainer, stopped = hosts
+    group, trainer, _, stopped = hosts
     assert trainer.ping.call_one([PEER]).get(timeout=60) == [True]  # its inbox is known
     stopped.append(group.spawned[1])
     group.spawned[1].stop().get(timeout=60)  # the rollouts' agents: messages to them are lost
@@ -124,3 +133,18 @@ def test_a_peer_whose_agent_stopped_times_out_and_the_caller_lives_on(hosts):
     # without return, so the user's actor still answers, and the call given up on is gone.
     assert trainer.alive.call_one().get(timeout=60) is True
     assert trainer.pending.call_one().get(timeout=60) == 0
+
+
+def test_a_first_call_to_a_peer_as_its_agent_stops_does_not_fail_the_caller(hosts):
+    # CI of stop 47: a rollout's first call to trainer 0 raced `TransferGroup.close()`; its
+    # ask for the inbox of an agent that was stopping came back undeliverable to the
+    # rollout's own actor, which Monarch failed (the user saw "undeliverable message for
+    # ...inbox()" instead of the group's close). The caller hears a lost peer; its actor
+    # lives on.
+    group, trainer, _, stopped = hosts
+    stopped.append(group.spawned[1])
+    stopping = group.spawned[1].stop()
+    said = trainer.ping_error.call_one(PEER).get(timeout=60)  # its first call to R0
+    stopping.get(timeout=60)
+    assert "did not answer" in said or "stopped" in said, said
+    assert trainer.alive.call_one().get(timeout=60) is True

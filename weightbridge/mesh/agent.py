@@ -76,6 +76,13 @@ class TransferAgent(Actor):
         for group in groups:
             registry.shutdown(group)
 
+    def _handle_undeliverable_message(self, message) -> bool:
+        """A message this agent sent for a worker of its process (`Mailbox.as_owner`) to a
+        peer that stopped: dropped. The worker's call fails by itself (Monarch's supervision
+        error, or its bounded wait), and the transfer reports the lost peer; left to Monarch,
+        this agent, and every later call of its process, would fail."""
+        return True
+
     def __cleanup__(self, exc) -> None:
         self._shutdown()  # stopped without release (an actor that failed)
 

@@ -8,6 +8,10 @@ agent (to a run of consecutive ranks, one message); a worker's calls on itself r
 process without a message. Monarch keeps state for every reply port it opens
 (docs/failures.md, "Memory over many updates").
 
+A worker sends every message as its process's agent (`Mailbox.as_owner`): one that cannot be
+delivered (a peer's agent that stopped) comes back to the agent, which drops it, not to the
+user's actor, which Monarch would fail.
+
 The Monarch integration's modules, by job:
 
     registry    the workers of this process, by group (what an agent serves)
@@ -161,7 +165,8 @@ class MeshControl:
             except Exception as e:  # noqa: BLE001  (raised where its answer would be)
                 return Pending.failed(e, call)
         calls["sent", call.value] += 1
-        return self._agent(peer).serve.call_one(self.group.name, call, *args)
+        return self._mailbox().as_owner(self._agent(peer).serve.call_one, self.group.name,
+                                        call, *args)
 
     def _mailbox(self) -> Mailbox:
         """This process's mailbox of the group: its agent's (asked for once; the calls it
@@ -185,11 +190,14 @@ class MeshControl:
         port = self._inboxes.get(peer)
         if port is None:  # a race only asks twice; either port serves
             calls["sent", "inbox"] += 1
-            port = self._agent(peer).inbox.call_one(self.group.name).get(
-                timeout=self.group.config.peer_timeout_s)
+            port = self._mailbox().as_owner(self._ask_inbox, peer)
             port.return_undeliverable = False  # (module docstring of weightbridge.mesh.mailbox)
             self._inboxes[peer] = port
         return port
+
+    def _ask_inbox(self, peer: WorkerId):
+        return self._agent(peer).inbox.call_one(self.group.name).get(
+            timeout=self.group.config.peer_timeout_s)
 
     def close(self) -> None:
         """End the threads of this object's own mailbox (a controller's); a worker's is its
@@ -201,7 +209,7 @@ class MeshControl:
     def _issue_run(self, mesh, call: PeerCall, args: tuple):
         """``call`` to every agent of ``mesh`` (`_run`), one message."""
         calls["sent", call.value] += 1
-        return mesh.serve.call(self.group.name, call, *args)
+        return self._mailbox().as_owner(mesh.serve.call, self.group.name, call, *args)
 
     def call_each(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
                   *, return_errors: bool = False) -> list:

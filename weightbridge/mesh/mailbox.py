@@ -48,6 +48,7 @@ class Mailbox:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
         self._ports = [self._reply]
         _start(f"weightbridge-replies-{group}", self._read_replies, replies)
@@ -57,6 +58,15 @@ class Mailbox:
             _start(f"weightbridge-inbox-{group}", self._serve, requests)
 
     # -- calling ------------------------------------------------------------------------------
+
+    def as_owner(self, fn, *args):
+        """``fn(*args)`` as the actor that owns this mailbox (its process's agent): a message
+        it sends comes back to that actor if it cannot be delivered. Monarch 0.7 fails the
+        sending actor on an undeliverable message, so a peer's agent stopping as a user's
+        actor called it (a group closed during a poll) failed the user's actor; the agent
+        drops such messages (`TransferAgent._handle_undeliverable_message`) and the caller's
+        wait reports the lost peer."""
+        return self._owner.copy().run(fn, *args)
 
     def send(self, inbox, call: PeerCall, args: tuple) -> "Pending":
         """Send ``call`` to the peer whose mailbox's inbox is ``inbox``; its answer arrives on
