@@ -49,12 +49,16 @@ shift || true
 case "$cmd" in
   setup) setup ;;
   run)   setup; exec "$PY" -m controller "$@" ;;
+  # Tests run on WB_TEST_WORKERS pytest-xdist workers (default 2; -n 0 in ARGS runs them in
+  # this process). Most of a mesh test's time is waiting (procs starting, timeouts it
+  # provokes), so two workers halve the suite on two cores.
   test)  setup
+          xdist=(-n "${WB_TEST_WORKERS:-2}" --dist worksteal)
           if [ "${1:-}" = fast ]; then
             shift
-            exec "$PY" -m pytest -m "not mesh and not slow" "$@"
+            exec "$PY" -m pytest "${xdist[@]}" -m "not mesh and not slow" "$@"
           fi
-          exec "$PY" -m pytest "$@" ;;
+          exec "$PY" -m pytest "${xdist[@]}" "$@" ;;
   engines) engines ;;
   engines-test) engines; exec "$PY" -m pytest -m engines tests/engines "$@" ;;
   grpo) engines; exec "$PY" -m examples.grpo "$@" ;;

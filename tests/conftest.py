@@ -7,6 +7,7 @@ would die with KeyboardInterrupt); the hook here records it instead, and mesh te
 their own assertions and errors.
 """
 
+import fcntl
 import os
 import sys
 
@@ -28,6 +29,34 @@ def _mesh_faults(request):
     yield
     if MESH_FAULTS:
         request.node.add_report_section("call", "mesh faults", "\n".join(MESH_FAULTS))
+
+
+CLUSTER_LOCK = "/tmp/weightbridge-emulated-cluster.lock"
+
+
+@pytest.fixture(autouse=True)
+def _one_emulated_cluster(request):
+    """A test marked ``emulated_cluster`` holds a host-wide lock while it runs: the emulated
+    cluster's namespaces and bridge have fixed names (`controller.cluster`), so two of these
+    tests at once (two xdist workers, or two test runs) would tear each other's hosts down."""
+    if request.node.get_closest_marker("emulated_cluster") is None:
+        yield
+        return
+    with open(CLUSTER_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        yield
+
+
+def pytest_collection_modifyitems(items):
+    """The long tests first (the emulated cluster's, then the other mesh and slow ones), each
+    group in its own order: on xdist workers the many short tests then fill the end of the
+    run, instead of one worker finishing a mesh test long after the other ran out of work."""
+    def weight(item) -> int:
+        for rank, mark in enumerate(("emulated_cluster", "mesh", "slow")):
+            if item.get_closest_marker(mark) is not None:
+                return rank
+        return 3
+    items.sort(key=weight)  # (stable)
 
 
 def pytest_ignore_collect(collection_path, config):

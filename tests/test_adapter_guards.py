@@ -101,10 +101,13 @@ def test_a_timed_out_poll_takes_no_bytes_until_it_polls_again():
     assert "nothing was written" in str(got[2]), got[2]
     assert r0.version == 0 and r0_model.unchanged()
 
+    r1_joined = threading.Event()
+    r1.before_update_hook = lambda version: r1_joined.set()
+
     def r0_polls_later():
-        time.sleep(0.3)  # R1 polls and the trainers send meanwhile
+        assert r1_joined.wait(30)  # R1 is in the transfer of version 2; R0 has not polled
         untouched = r0_model.unchanged() and r0.version == 0
-        return untouched, r0.poll_requests()
+        return untouched, r0.wait_for_version(2)
 
     # Version 2: R1 polls at once, R0 only later: no byte may enter R0's parameters before.
     got = in_threads(lambda: in_threads(*send(trainers, 2, ss=False),

@@ -16,8 +16,9 @@ from controller.cluster import (SUBNET, EmulatedCluster, certs_command, existing
 
 REPO = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None,
-                                reason=f"no emulated cluster here: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None,
+                                 reason=f"no emulated cluster here: {REASON}"),
+              pytest.mark.emulated_cluster]
 
 
 def _our_processes() -> list[str]:

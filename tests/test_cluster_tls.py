@@ -20,8 +20,9 @@ from linkcapture import LinkCapture
 
 REPO = Path(__file__).resolve().parents[1]
 REASON = unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None,
-                                reason=f"no emulated cluster here: {REASON}")
+pytestmark = [pytest.mark.skipif(REASON is not None,
+                                 reason=f"no emulated cluster here: {REASON}"),
+              pytest.mark.emulated_cluster]
 SPECS = ["--trainer", "nodes=1,gpus=2,tp=2", "--rollout", "engines=2,nodes=1,gpus=1"]
 BIT_EXACT = "bit-identical to their own load_weights"
 RDMA_MB = 4.57

@@ -3,6 +3,7 @@ input refused with one line and exit 2 before any proc spawns."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,14 +102,61 @@ BAD_INPUT = {
 }
 
 
-@pytest.mark.parametrize("args,message", list(BAD_INPUT.values()), ids=list(BAD_INPUT))
+REFUSALS = """
+import contextlib, io, json, sys
+from controller.__main__ import main
+out = {}
+for case, argv in json.loads(sys.argv[1]).items():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    out[case] = [code, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
+"""Runs `controller.__main__.main` on each case's arguments in one interpreter: one start-up
+(torch and Monarch imports, 2-3 s) for all of them instead of one each."""
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict:
+    """Each `BAD_INPUT` case's (exit status, stdout, stderr), and the procs spawned meanwhile."""
+    before = bootstrap_children()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    cases = {case: list(args) for case, (args, _) in BAD_INPUT.items()}
+    run = subprocess.run([sys.executable, "-c", REFUSALS, json.dumps(cases)], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return {"cases": json.loads(run.stdout.splitlines()[-1]),
+            "spawned": bootstrap_children() - before}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_exits_2_with_one_line_before_anything_spawns(refusals, case):
+    code, stdout, stderr = refusals["cases"][case]
+    assert code == 2, stdout + stderr
+    lines = stderr.splitlines()
+    message = BAD_INPUT[case][1]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert stdout == ""  # nothing ran: no emulated cluster, no "spawned meshes" line
+    assert refusals["spawned"] == set()
+
+
+@pytest.mark.parametrize("case", ["round-kib 0", "cluster 5", "no module"])
 @pytest.mark.slow
-def test_bad_input_exits_2_with_one_line_before_anything_spawns(args, message):
+def test_bad_input_to_python_m_controller_exits_2_with_one_line(case):
+    # A few cases as a user types them, through `python -m controller` (the rest run in one
+    # interpreter, `refusals`).
+    args, message = BAD_INPUT[case]
     before = bootstrap_children()
     run = _controller(*args, timeout=60)
     assert run.returncode == 2, run.stdout + run.stderr
     lines = run.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], run.stderr
-    assert "Traceback" not in run.stderr
-    assert run.stdout == ""  # nothing ran: no emulated cluster, no "spawned meshes" line
+    assert "Traceback" not in run.stderr and run.stdout == ""
     assert bootstrap_children() - before == set()

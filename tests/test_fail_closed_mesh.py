@@ -32,9 +32,11 @@ TRAINER_TP, ENGINES, ENGINE_TP = 2, 2, 2
 VICTIM, LAST, TIMEOUT_S = 1, 3, 10.0
 
 
-STALL_ENV = "WB_TEST_STALL_PIDS"
-"""A folder the stalling victim writes its pid into before it stops itself (so the test can
-kill it afterwards: a stopped process does not end when its mesh is stopped)."""
+FAULT_ENV = "WB_TEST_FAULT_DIR"
+"""A folder where the victim writes when its fault happens (``fault_at``: the fault is timed
+from there, one monotonic clock for all procs) and the stalling one its pid before it stops
+itself (so the test can kill it afterwards: a stopped process does not end when its mesh is
+stopped)."""
 
 
 class DiesInSecondTransfer(ReceiverAdapter):
@@ -50,6 +52,7 @@ class DiesInSecondTransfer(ReceiverAdapter):
         super().on_forward(r, stage)
 
     def fault(self) -> None:
+        _fault_at()
         os._exit(1)
 
 
@@ -57,8 +60,13 @@ class StallsInSecondTransfer(DiesInSecondTransfer):
     """Rollout worker VICTIM's process stops (SIGSTOP) at the same point: alive, silent."""
 
     def fault(self) -> None:
-        (Path(os.environ[STALL_ENV]) / str(os.getpid())).write_text(str(time.monotonic()))
+        _fault_at()
+        (Path(os.environ[FAULT_ENV]) / str(os.getpid())).write_text("")
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _fault_at() -> None:
+    (Path(os.environ[FAULT_ENV]) / "fault_at").write_text(str(time.monotonic()))
 
 
 class FaultyRollout(RLRollout):
@@ -80,7 +88,7 @@ def test_a_rollout_proc_lost_mid_transfer_fails_closed_and_the_survivors_go_on(
     ss = rs = mode == "async"
     config = TransferConfig(sender_staging=ss, receiver_staging=rs, timeout_s=TIMEOUT_S,
                             round_bytes=64 << 10)
-    monkeypatch.setenv(STALL_ENV, str(tmp_path))  # the procs inherit it
+    monkeypatch.setenv(FAULT_ENV, str(tmp_path))  # the procs inherit it
     rollout_cls = FaultyRollout if fault == "killed" else StallingRollout
     before = bootstrap_children()
     try:
@@ -95,9 +103,8 @@ def test_a_rollout_proc_lost_mid_transfer_fails_closed_and_the_survivors_go_on(
                 f.get(timeout=120)
             trainers.connect.call().get(timeout=300)
             run = _drive(trainers, rollouts, ss)
-            stalled = [float(f.read_text()) for f in tmp_path.iterdir()]
             _kill_stopped(tmp_path)
-            _check(run, ss, stalled_at=stalled[0] if stalled else None)
+            _check(run, ss, fault_at=float((tmp_path / "fault_at").read_text()))
     finally:
         _kill_stopped(tmp_path)
     assert bootstrap_children() - before == set()
@@ -105,6 +112,8 @@ def test_a_rollout_proc_lost_mid_transfer_fails_closed_and_the_survivors_go_on(
 
 def _kill_stopped(folder: Path) -> None:
     for f in folder.iterdir():
+        if not f.name.isdigit():
+            continue
         try:
             os.kill(int(f.name), signal.SIGKILL)
         except ProcessLookupError:
@@ -115,7 +124,7 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
     """Versions 1..LAST from the trainers while both engines step on their own threads."""
     records: list[dict] = []
     engine_errors: dict[int, BaseException] = {}
-    failures: list[tuple[int, str, float]] = []
+    failures: list[tuple[int, str, float]] = []  # (version, error, when raised)
     stop = threading.Event()
 
     def generate(engine: int):
@@ -137,13 +146,12 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
         t.start()
     try:
         for v in range(1, LAST + 1):
-            start = time.monotonic()
             try:
                 trainers.train_and_send.call(v).get(timeout=6 * TIMEOUT_S)
                 if ss:  # one transfer at a time: the second one carries version 2
                     trainers.finish.call().get(timeout=6 * TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  (the error under test)
-                failures.append((v, str(e), start, time.monotonic()))
+                failures.append((v, str(e), time.monotonic()))
         for t in threads:
             t.join(timeout=6 * TIMEOUT_S)
     finally:
@@ -154,11 +162,11 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
     return {"records": records, "engine_errors": engine_errors, "failures": failures}
 
 
-def _check(run: dict, ss: bool, stalled_at: float | None) -> None:
+def _check(run: dict, ss: bool, fault_at: float) -> None:
     failures = run["failures"]
     assert [v for v, *_ in failures] == [2], [(v, m[-800:]) for v, m, *_ in failures]
-    _, message, start, end = failures[0]
-    elapsed = end - (start if stalled_at is None else stalled_at)  # one clock for all procs
+    _, message, end = failures[0]
+    elapsed = end - fault_at  # (one monotonic clock for all procs)
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
     # The step that meets the dead worker first names it: a trainer's send, a forward of
     # either stage (a peer writing into it, or it writing on), or its land.
