@@ -15,7 +15,8 @@ import torch
 from tinygroup import MODES, SHAPES, SPEC, Model, build, checkpoint, connect, in_threads
 
 from weightbridge import (CheckpointSpec, LayoutError, ReceiverAdapter, TransferConfig,
-                          TransferFailed)
+                          TransferFailed, WorkersLost)
+from weightbridge.coordination.local_control import WorkerGone
 
 
 class Partial(Model):
@@ -35,9 +36,17 @@ def plan_rollouts(plan):
                  and plan.rollout_maps[w.index].pieces)
 
 
-def _add_receiver(control, config, rank: int, model=Model):
+class DiesInItsProbe(ReceiverAdapter):
+    """A joining rollout whose process dies as it is probed."""
+
+    def on_source_map(self, how: str = "probe"):
+        self.control.kill(self.worker)
+        raise WorkerGone(f"{self.worker} died")
+
+
+def _add_receiver(control, config, rank: int, model=Model, cls=ReceiverAdapter):
     m = model()
-    return m, control.add(ReceiverAdapter(
+    return m, control.add(cls(
         m.params, m.load_weights, SPEC, rank=rank, engine=rank, engine_rank=0, engine_size=1,
         control=control, transport=control.transport, config=config))
 
@@ -140,7 +149,10 @@ def test_an_engine_that_reads_another_checkpoint_is_refused_and_the_group_goes_o
         control=control, transport=control.transport, config=config))
     out = in_threads(*[a.add_engines for _, a in trainers])
     assert isinstance(out[0], LayoutError) and "load different checkpoints" in str(out[0]), out
-    assert isinstance(out[1], RuntimeError), out  # told by trainer 0: nothing changed for it
+    # Every trainer raises what trainer 0 raised, told by it (before, the others raised a
+    # RuntimeError saying nothing changed).
+    assert isinstance(out[1], LayoutError) and "load different checkpoints" in str(out[1]), out
+    assert "T1: trainer 0's add_engines() failed" in str(out[1]), out
     with pytest.raises(TransferFailed, match=r"engines \[2\] could not join"):
         stranger.poll_requests()
     assert in_threads(*tinygroup.send(trainers, 2, ss=False), *polls(2, rollouts))[2:] == [2, 2]
@@ -161,7 +173,7 @@ def test_membership_changes_are_refused_clearly():
     connect(trainers)
     nothing, other = in_threads(t0.add_engines, t1.add_engines)
     assert isinstance(nothing, ValueError) and "no rollout engine joined" in str(nothing)
-    assert isinstance(other, RuntimeError) and "no rollout engine joined" in str(other)
+    assert isinstance(other, ValueError) and "no rollout engine joined" in str(other)
     for bad, match in ((2, r"in \[0, 2\), got 2"), ("1", "got '1'")):
         out = in_threads(lambda: t0.remove_engine(bad), lambda: t1.remove_engine(bad))
         assert isinstance(out[0], ValueError) and re.search(match, str(out[0])), out
@@ -171,3 +183,20 @@ def test_membership_changes_are_refused_clearly():
     assert in_threads(*[lambda a=a: a.remove_engine(1) for _, a in trainers]) == [None, None]
     out = in_threads(lambda: t0.remove_engine(0), lambda: t1.remove_engine(0))
     assert isinstance(out[0], ValueError) and "last engine" in str(out[0]), out
+
+
+def test_a_joiner_lost_in_add_engines_gives_every_trainer_the_same_workers_lost():
+    # Before, trainer 0 raised `WorkersLost` and the others a RuntimeError saying nothing
+    # changed, though the joining engine was out for good.
+    config = TransferConfig(timeout_s=2)
+    control, trainers, rollouts = build(config)
+    connect(trainers)
+    _add_receiver(control, config, 2, cls=DiesInItsProbe)
+    out = in_threads(*[a.add_engines for _, a in trainers])
+    assert all(isinstance(e, WorkersLost) for e in out), out
+    assert all(e.lost_engines == {2} and e.lost_trainers == set() for e in out), out
+    assert "add_engines() was not made" in str(out[0]), out
+    assert "T1: trainer 0's add_engines() failed" in str(out[1]), out
+    assert "add_engines() was not made" in str(out[1]), out
+    polls = [lambda a=a: a.wait_for_version(1) for _, a in rollouts]
+    assert in_threads(*tinygroup.send(trainers, 1, ss=False), *polls)[2:] == [1, 1]

@@ -30,7 +30,8 @@ from weightbridge.adapters.base import poll_until
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.session import check_replicas, run_update, unanswered
-from weightbridge.errors import TransferFailed
+from weightbridge.errors import (TransferFailed, WorkersLost, describe, failure_kind,
+                                 library_error)
 from weightbridge.types import WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)
@@ -330,15 +331,24 @@ class GroupSequencer:
                 self.wait_idle()
             with self.session_lock:
                 recovery.exclude_lost(self, f"the time before {name}")
+                out_before = set(self.leader.out_engines)
                 try:
                     change()
                 except Exception as e:
                     loss = recovery.exclude_lost(self, name, e)
-                    if loss is None:
+                    if loss is not None:
+                        raise loss.lost(_made(what, self.leader)) from e
+                    lost = self.leader.out_engines - out_before
+                    if (what[0] != "add" or not lost
+                            or failure_kind(e) in ("input", "layout", "config")):
                         raise
-                    raise loss.lost(_made(what, self.leader)) from e
+                    # Joining workers that died or stalled in their set-up: the join took
+                    # them out itself (`GroupLeader.join`); a loss like any other.
+                    raise WorkersLost(f"engines {sorted(lost)} could not join this transfer "
+                                      f"group ({describe(e)}); {_made(what, self.leader)}",
+                                      frozenset(lost), frozenset()) from e
         except Exception as e:
-            failure = f"{type(e).__name__}: {e}"
+            failure = _told(e)
             raise
         finally:
             self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
@@ -379,6 +389,15 @@ class GroupSequencer:
         """(version, slot) of the newest version landed for ``engine``, None, or why the
         engine is out of the group (a string)."""
         return self.leader.why_out(engine) or self.leader.claim(engine)
+
+
+def _told(error: Exception) -> tuple:
+    """``error`` as trainer 0 tells the other trainers of it (`PeerCall.CHANGED`): (kind,
+    message, lost) for `weightbridge.errors.from_kind`, so that each raises the same class."""
+    kind = failure_kind(error)
+    lost = ((tuple(sorted(error.lost_engines)), tuple(sorted(error.lost_trainers)))
+            if isinstance(error, WorkersLost) else None)
+    return kind, str(library_error(error)), lost
 
 
 def _made(what: tuple, leader: GroupLeader) -> str:

@@ -249,6 +249,9 @@ class SenderAdapter(AdapterWorker):
             ValueError: no engine was added, or a joining worker is in the wrong engine.
             LayoutError: a joining engine reads another checkpoint or needs what no trainer
                 holds (before any of its buffers exist; the group goes on without it).
+            WorkersLost: a joining worker died or stalled in its set-up, or a worker of the
+                group was lost during the join: they are out, the group goes on.
+            Every trainer raises the same class (the others' message says trainer 0 told them).
         """
         self._change(("add",), lambda: self._join(group), group)
 
@@ -264,6 +267,8 @@ class SenderAdapter(AdapterWorker):
 
         Raises:
             ValueError: no such engine, it is out already, or it is the last one.
+            WorkersLost: a worker was lost during the change (it is out; what was made is
+                said). Every trainer raises the same class.
         """
         self._change(("remove", engine), lambda: self._leave(engine))
 
@@ -393,7 +398,7 @@ class SenderAdapter(AdapterWorker):
     def on_changing(self) -> tuple | None:
         return self.membership.on_changing()
 
-    def on_changed(self, what: tuple, failure: str | None) -> None:
+    def on_changed(self, what: tuple, failure: tuple | None) -> None:
         self.membership.on_changed(what, failure)
 
     def on_join(self, worker: WorkerId) -> None:

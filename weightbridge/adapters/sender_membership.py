@@ -23,6 +23,7 @@ import threading
 from typing import Callable
 
 from weightbridge.config import WAIT_TIMEOUTS
+from weightbridge.errors import from_kind
 from weightbridge.types import WorkerId
 
 
@@ -34,8 +35,9 @@ class TrainerMembership:
         self.cond, self.timeout_s = cond, timeout_s
         self.changing: tuple | None = None
         """The change this trainer is inside (("add",), ("remove", engine)), None outside."""
-        self.changed: dict[tuple, str | None] = {}
-        """Change -> None (done) or why it failed, as trainer 0 told this trainer."""
+        self.changed: dict[tuple, tuple | None] = {}
+        """Change -> None (done) or how it failed, (kind, message, lost), as trainer 0 told
+        this trainer."""
 
     def run(self, worker: WorkerId, what: tuple, lead: Callable[[], None] | None) -> None:
         """Be inside ``what`` until it is done: on trainer 0 ``lead()`` makes it (once every
@@ -43,7 +45,8 @@ class TrainerMembership:
 
         Raises:
             TimeoutError: trainer 0 did not finish it within 3 x timeout_s.
-            RuntimeError: trainer 0's change failed (nothing changed).
+            Exception: trainer 0's change failed: what trainer 0 raised, of the same class
+                (`weightbridge.errors.from_kind`; `WorkersLost` names the same workers out).
         """
         with self.cond:
             self.changing = what
@@ -62,8 +65,9 @@ class TrainerMembership:
                                        f"every trainer must call it, trainer 0 included")
                 failure = self.changed.pop(what)
             if failure is not None:
-                raise RuntimeError(f"{worker}: trainer 0's membership change failed, "
-                                   f"nothing changed for this trainer: {failure}")
+                kind, message, lost = failure
+                raise from_kind(kind, f"{worker}: trainer 0's {call_name(what)} failed: "
+                                      f"{message}", lost)
         finally:
             with self.cond:
                 self.changing = None
@@ -72,7 +76,7 @@ class TrainerMembership:
         with self.cond:
             return self.changing
 
-    def on_changed(self, what: tuple, failure: str | None) -> None:
+    def on_changed(self, what: tuple, failure: tuple | None) -> None:
         with self.cond:
             self.changed[what] = failure
             self.cond.notify_all()
