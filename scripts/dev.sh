@@ -50,8 +50,8 @@ case "$cmd" in
   setup) setup ;;
   run)   setup; exec "$PY" -m controller "$@" ;;
   # Tests run on WB_TEST_WORKERS pytest-xdist workers (default 2; -n 0 in ARGS runs them in
-  # this process). Most of a mesh test's time is waiting (procs starting, timeouts it
-  # provokes), so two workers halve the suite on two cores.
+  # this process). Much of a mesh test's time is waiting (procs starting, the timeouts it
+  # provokes), so two workers help even on two cores (README, "The two commands").
   test)  setup
           xdist=(-n "${WB_TEST_WORKERS:-2}" --dist worksteal)
           if [ "${1:-}" = fast ]; then
