@@ -204,6 +204,16 @@ def failure_kind(exc: BaseException) -> str:
     return "transfer"
 
 
+def told(exc: BaseException) -> tuple[str, str, tuple | None]:
+    """``exc`` as one worker tells others of it: (kind, message, lost), what `from_kind`
+    turns back into an exception of the same class (``lost``: the (engines, trainers) out,
+    for a `WorkersLost`)."""
+    inner = library_error(exc)
+    lost = ((tuple(sorted(inner.lost_engines)), tuple(sorted(inner.lost_trainers)))
+            if isinstance(inner, WorkersLost) else None)
+    return failure_kind(inner), str(inner), lost
+
+
 def from_kind(kind: str, message: str, lost: tuple | None = None) -> Exception:
     """The exception to raise for a failure told as (``kind``, ``message``); ``lost``: the
     (engines, trainers) out, for "lost"."""

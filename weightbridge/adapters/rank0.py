@@ -30,8 +30,7 @@ from weightbridge.adapters.base import poll_until
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.session import check_replicas, run_update, unanswered
-from weightbridge.errors import (TransferFailed, WorkersLost, describe, failure_kind,
-                                 library_error)
+from weightbridge.errors import TransferFailed, WorkersLost, describe, failure_kind, told
 from weightbridge.types import WorkerId
 
 TRAINER_0 = WorkerId("trainer", 0)
@@ -348,7 +347,7 @@ class GroupSequencer:
                                       f"group ({describe(e)}); {_made(what, self.leader)}",
                                       frozenset(lost), frozenset()) from e
         except Exception as e:
-            failure = _told(e)
+            failure = told(e)  # (each other trainer raises the same class)
             raise
         finally:
             self.control.call(others, PeerCall.CHANGED, what, failure, return_errors=True)
@@ -389,15 +388,6 @@ class GroupSequencer:
         """(version, slot) of the newest version landed for ``engine``, None, or why the
         engine is out of the group (a string)."""
         return self.leader.why_out(engine) or self.leader.claim(engine)
-
-
-def _told(error: Exception) -> tuple:
-    """``error`` as trainer 0 tells the other trainers of it (`PeerCall.CHANGED`): (kind,
-    message, lost) for `weightbridge.errors.from_kind`, so that each raises the same class."""
-    kind = failure_kind(error)
-    lost = ((tuple(sorted(error.lost_engines)), tuple(sorted(error.lost_trainers)))
-            if isinstance(error, WorkersLost) else None)
-    return kind, str(library_error(error)), lost
 
 
 def _made(what: tuple, leader: GroupLeader) -> str:

@@ -11,7 +11,7 @@ from weightbridge.adapters.sequencing import Sequencing
 from weightbridge.coordination.control import engine_workers
 from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.session import unanswered
-from weightbridge.errors import TransferFailed, describe, failure_kind
+from weightbridge.errors import TransferFailed, describe, failure_kind, told
 
 
 REJOIN = "TransferGroup.add_engines, then add_engines() on every trainer"
@@ -61,7 +61,8 @@ def recover(seq: Sequencing, version: int, error: Exception, moved: bool) -> Non
                     "their poll_requests() wait (no inference step runs on a partial "
                     "update) for the next version you send, within 3 x timeout_s."))
     lost = loss.lost(f"{state} send_weights() goes on with the surviving workers.")
-    seq.tell_trainers(version, str(lost), "lost", (loss.out_engines, loss.out_trainers))
+    kind, message, out = told(lost)
+    seq.tell_trainers(version, message, kind, out)
     raise lost from error
 
 

@@ -51,11 +51,11 @@ class Mailbox:
         self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
         self._ports = [self._reply]
-        _start(f"weightbridge-replies-{group}", self._read_replies, replies)
+        self._start(f"weightbridge-replies-{group}", self._read_replies, replies)
         if serve:
             self.inbox, requests = Channel.open()
             self._ports.append(self.inbox)
-            _start(f"weightbridge-inbox-{group}", self._serve, requests)
+            self._start(f"weightbridge-inbox-{group}", self._serve, requests)
 
     # -- calling ------------------------------------------------------------------------------
 
@@ -67,6 +67,11 @@ class Mailbox:
         drops such messages (`TransferAgent._handle_undeliverable_message`) and the caller's
         wait reports the lost peer."""
         return self._owner.copy().run(fn, *args)
+
+    def _start(self, name: str, target, *args) -> None:
+        """A thread reading one of the ports, as their owner (Monarch's current actor)."""
+        threading.Thread(target=self.as_owner, args=(target, *args), name=name,
+                         daemon=True).start()
 
     def send(self, inbox, call: PeerCall, args: tuple) -> "Pending":
         """Send ``call`` to the peer whose mailbox's inbox is ``inbox``; its answer arrives on
@@ -149,11 +154,6 @@ class Pending:
         except TimeoutError:
             self.future.cancel()
             raise
-
-
-def _start(name: str, target, *args) -> None:
-    context = contextvars.copy_context()  # Monarch's current actor: the ports' owner
-    threading.Thread(target=context.run, args=(target, *args), name=name, daemon=True).start()
 
 
 def _serve_one(group: str, call: PeerCall, args: tuple):
