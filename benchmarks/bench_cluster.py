@@ -164,9 +164,8 @@ def _one_update(runner, version: int):
     install_s = installed.install_s if installed is not None else 0.0
     if installed is not None and installed.mismatched:
         raise SystemExit(f"{installed.line()}")
-    return report, report.timing.mode_agst_s(
-        sender_staging=config.sender_staging, receiver_staging=config.receiver_staging,
-        trainer_stall_s=stall, install_s=install_s)
+    return report, report.timing.mode_agst_s(config.mode, trainer_stall_s=stall,
+                                             install_s=install_s)
 
 
 def main() -> int:

@@ -124,7 +124,7 @@ def one_update(mt, version: int):
     with surfaced():
         report = mt.update(version)
     print(report.line(), flush=True)
-    if mt.mode.sender_staging:  # the rounds streamed while update() had returned
+    if mt.mode.sends_staged_copy:  # the rounds streamed while update() had returned
         report = mt.wait()
         print(f"  streamed: {report.line()}", flush=True)
     return report, bool(report.mismatched) | _install(mt)
@@ -134,7 +134,7 @@ def _install(mt) -> bool:
     """`poll_requests` between generation steps (RS, async: it installs; its line printed);
     whether anything installed mismatched."""
     installed = mt.poll_requests()
-    if installed is None or not mt.mode.receiver_staging:
+    if installed is None or not mt.mode.lands_in_staging:
         return False
     print(f"  {installed.line()}", flush=True)
     return bool(installed.mismatched)
@@ -148,7 +148,7 @@ def after_loss(mt):
     if report is None:
         return None, False
     print(f"  re-sent: {report.line()}", flush=True)
-    return report, bool(report.mismatched) | (mt.mode.receiver_staging and _install(mt))
+    return report, bool(report.mismatched) | (mt.mode.lands_in_staging and _install(mt))
 
 
 def cluster_run(args, run: Run) -> int:

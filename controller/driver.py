@@ -59,9 +59,10 @@ from controller.versions import VersionBook
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
-from weightbridge.driver import (GroupLeader, MeshControl, PeerCall, RolloutSpec, StepFailed,
-                                 Loss, TrainerSpec, TransferGroup, backend, describe, eq1, lose,
-                                 one_line, run_update, scaled_tensor, surfaced, unanswered)
+from weightbridge.driver import (AUTO, GroupLeader, MeshControl, PeerCall, RolloutSpec,
+                                 StepFailed, Loss, TrainerSpec, TransferGroup, backend,
+                                 changed_params, describe, eq1, lose, one_line, run_update,
+                                 scaled_tensor, surfaced, tensors_loaded_by, unanswered)
 
 
 
@@ -131,6 +132,9 @@ class MeshTransfer(ClosingContext, Membership):
         """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
         """``book``: the streaming thread lands versions while `poll_requests` installs."""
+        self._auto_digests: tuple[int, dict[int, tuple[int, ...]]] | None = None
+        """(version, per live trainer its parameters' checksums) at the last update with
+        ``changed="auto"``: what the next one compares with (`_auto_changed`)."""
 
     @property
     def backend(self) -> str:  # the RDMA backend ("tcp": Monarch's fallback, no RDMA NIC)
@@ -268,7 +272,7 @@ class MeshTransfer(ClosingContext, Membership):
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
     @serialized
-    def update(self, version: int, changed: Collection[str] | None = None, *,
+    def update(self, version: int, changed: Collection[str] | str | None = None, *,
                train: bool = True) -> UpdateReport:
         """Train step, then move ``version`` as the sync mode says; returns once the trainers
         may take their next step (the report's ``stall_s`` is how long that took after the
@@ -287,6 +291,9 @@ class MeshTransfer(ClosingContext, Membership):
         ``changed``: a delta update: the checkpoint tensors whose values change in this
         version (the others keep the version they hold). Only what the rollouts lack moves
         (a version landed but never installed rides along), over a plan restricted to it.
+        ``"auto"``: after the train step every trainer's parameters are checksummed and
+        compared with the previous update's (if that one was "auto" too; else this one is
+        full), and the tensors the changed parameters load from are sent.
 
         Raises:
             ValueError: a version not newer than the last one; ``changed`` names tensors the
@@ -299,13 +306,17 @@ class MeshTransfer(ClosingContext, Membership):
         """
         self._connected("update")
         versions = self.book.next(version, changed)
-        if not self.mode.sender_staging:  # (a re-send after a loss reads the parameters)
+        if self.mode.resends_after_loss:  # (a re-send after a loss reads the parameters)
             self._streaming.join(self._deadline())
         t0 = time.perf_counter()
-        trained = version if changed is None else versions
+        auto = changed == AUTO
+        trained = version if changed is None or auto else versions
         for f in ([mesh.train_step.call(trained) for _, mesh in self._live("trainer")]
                   if train else []):
             f.get()
+        versions = self.book.next(version, self._auto_changed(version)) if auto else versions
+        if not auto:
+            self._auto_digests = None  # (the next "auto" has no call of its own to compare)
         t1 = time.perf_counter()
         self._streaming.join(self._deadline())  # (the previous version's rounds; its failure)
         with self._book_lock:
@@ -317,7 +328,7 @@ class MeshTransfer(ClosingContext, Membership):
             return self._report(version, t1 - t0, t1, moved=False)
         self.leader.restrict(needed)
         self._use()
-        if self.mode.sender_staging:
+        if self.mode.sends_staged_copy:
             self.control.call(self.leader.live_trainers(), PeerCall.STAGE, version)
             self.staged_generation = self.leader.generation
             t2 = time.perf_counter()
@@ -340,9 +351,27 @@ class MeshTransfer(ClosingContext, Membership):
         except Lost as lost:
             self._recover(version, lost.workers, lost.cause, train_step_s)
 
+    def _auto_changed(self, version: int) -> frozenset[str] | None:
+        """``changed="auto"``: the tensors the live trainers' changed parameters load from,
+        by their checksums now against the previous update's (one checksum pass over each
+        trainer's parameters). None (full) when that update was not "auto", or not the last
+        one sent, or the live trainers differ: only a call's own predecessor tells what
+        changed since the rollouts got it (a parameter changed and changed back would look
+        unchanged against an older one)."""
+        ts = self.leader.live_trainers()
+        now = dict(zip((t.index for t in ts), self.control.call(ts, PeerCall.DIGEST, version,
+                                                                True, True)))
+        before, self._auto_digests = self._auto_digests, (version, now)
+        if before is None or before[0] != self.book.version or before[1].keys() != now.keys():
+            return None
+        names = self.leader.group.param_names
+        return frozenset().union(*(
+            tensors_loaded_by(changed_params(names[i], before[1][i], now[i]),
+                              self.leader.tensors_of(i)) for i in now))
+
     def _move(self, version: int) -> None:
         """The rounds of ``version`` into the parameters or staging; the books told."""
-        staging = self.mode.receiver_staging
+        staging = self.mode.lands_in_staging
         self._transfer(version, self.leader.begin_landing(version) if staging else None)
         with self._book_lock:
             if staging:
@@ -382,13 +411,13 @@ class MeshTransfer(ClosingContext, Membership):
                 update reached them.
         """
         self._connected("poll_requests")
-        if not self.mode.receiver_staging:
+        if not self.mode.lands_in_staging:
             report = self.wait()  # (SS: the streaming rounds; sync: a re-send after a loss)
             self._check_whole()
             return None if report is None else InstallReport(
                 version=report.version, install_s=0.0, verify_s=report.verify_s,
                 num_params=report.num_params, mismatched=report.mismatched)
-        if self.mode.sender_staging:
+        if self.mode.sends_staged_copy:
             self._streaming.raise_failure()  # (async: the rounds stream on; not waited for)
         else:
             self._streaming.join(self._deadline())  # (RS: a re-send after a loss)
@@ -473,7 +502,7 @@ class MeshTransfer(ClosingContext, Membership):
         live = {side: self._live(side) for side in ("trainer", "rollout")}
         span_f = [(side, first, mesh.timings.call()) for side, runs in live.items()
                   for first, mesh in runs]
-        installed = not self.mode.receiver_staging or not moved
+        installed = not self.mode.lands_in_staging or not moved
         holds = self.book.holds
         check_f = ([mesh.checksums.call(holds) for _, mesh in live["rollout"]]
                    if installed else [])

@@ -150,7 +150,7 @@ class Membership:
             # other engines' forwards, so the whole update runs again (start 0): the bytes
             # they hold already.
             try:
-                if self.mode.sender_staging and not self._staged_copy_kept():
+                if self.mode.sends_staged_copy and not self._staged_copy_kept():
                     # (checked above: the trainers' parameters hold it)
                     self.control.call(self.leader.live_trainers(), PeerCall.STAGE,
                                       self.book.held_version)
@@ -209,7 +209,7 @@ class Membership:
         """Sender staging, no re-plan since the trainers' staged copies were taken (a re-plan
         drops them: they were laid out for the old plan), and no delta plan in force (a
         join then plans everything again, and the copies hold only the delta's tensors)."""
-        return (self.mode.sender_staging and self.staged_generation == self.leader.generation
+        return (self.mode.sends_staged_copy and self.staged_generation == self.leader.generation
                 and self.leader.tensors is None)
 
     def _check_catch_up_source(self, engine: int) -> None:
@@ -243,7 +243,7 @@ class Membership:
         the newest version landed is installed, so every live engine holds the newest
         version sent, the one the trainers' parameters hold."""
         self._streaming.join(self._deadline())
-        if self.mode.receiver_staging:
+        if self.mode.lands_in_staging:
             self.poll_requests()
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
@@ -308,11 +308,11 @@ class Membership:
             mesh.timings.call().get()  # drop the failed attempt's spans
         survivors = list(loss.survivors)
         if not loss.resend:
-            if not self.mode.receiver_staging:
+            if not self.mode.lands_in_staging:
                 with self._book_lock:
                     self.book.torn()  # (survivors' parameters may hold part of it)
             state = ("they keep the version they hold; the next update() goes to them"
-                     if self.mode.receiver_staging else
+                     if self.mode.lands_in_staging else
                      "their parameters may hold part of it: run no generation step on them "
                      "until the next update() reached them (it carries every tensor)")
             raise loss.lost(f"Version {version} was not re-sent to the surviving engines "
@@ -321,7 +321,7 @@ class Membership:
         # The trainers' parameters still hold it: re-sent after this raise (every later call
         # joins it first; update() before its train step, which would change what it reads).
         self._streaming.start(self._resend, version, train_step_s, loss.what, survivors)
-        where = ("hold it whole" if not self.mode.receiver_staging else
+        where = ("hold it whole" if not self.mode.lands_in_staging else
                  "have it in staging (the next poll_requests() installs it)")
         raise loss.lost(f"Version {version} is being re-sent over a new plan to the surviving "
                         f"engines {survivors}, which then {where}: wait() returns its verified "

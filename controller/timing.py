@@ -34,6 +34,8 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from weightbridge.driver import Mode
+
 Span = tuple[str, int, int, int]
 """(stage, round, start_ns, end_ns) of one step an actor ran."""
 Worker = tuple[str, int]
@@ -72,8 +74,7 @@ class UpdateTiming:
             return 0.0
         return sum(e - s for s, e in self.stalls.values()) / len(self.stalls) / 1e9
 
-    def mode_agst_s(self, *, sender_staging: bool, receiver_staging: bool,
-                    trainer_stall_s: float, install_s: float) -> float:
+    def mode_agst_s(self, mode: Mode, *, trainer_stall_s: float, install_s: float) -> float:
         """AGST in a staging mode: a trainer with sender staging stalls for its staged copy
         (``trainer_stall_s``, not the rounds), a rollout with receiver staging for its
         install (``install_s``, not the rounds); the others as their stall windows say."""
@@ -81,9 +82,9 @@ class UpdateTiming:
             return 0.0
         total = 0.0
         for (side, _), (s, e) in self.stalls.items():
-            if side == "trainer" and sender_staging:
+            if side == "trainer" and mode.sends_staged_copy:
                 total += trainer_stall_s
-            elif side == "rollout" and receiver_staging:
+            elif side == "rollout" and mode.lands_in_staging:
                 total += install_s
             else:
                 total += (e - s) / 1e9

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Collection, Iterable
 
-from weightbridge.driver import check_changed, check_version
+from weightbridge.driver import AUTO, check_changed, check_version
 
 Versions = dict[str, int]
 """Checkpoint tensor -> the version it holds."""
@@ -53,17 +53,17 @@ class VersionBook:
 
         Raises:
             ValueError: a version that is not a positive int newer than the last one; a
-                ``changed`` that is a string, names tensors not in the checkpoint, or comes
-                before any full update (`delta.check_changed`).
+                ``changed`` that is a string other than "auto", names tensors not in the
+                checkpoint, or names some before any full update (`delta.check_changed`).
         """
         version = check_version(version, "update")
         if version <= self.version:
             raise ValueError(f"update({version}) after update({self.version}): versions must "
                              f"increase from one update to the next")
-        if changed is None:
-            return dict.fromkeys(self.tensors, version)
         changed = check_changed(changed, self.known, first=self.last_sent is None,
                                 call="update")
+        if changed is None or changed == AUTO:  # ("auto": full until the checksums tell)
+            return dict.fromkeys(self.tensors, version)
         return {t: version if t in changed else v for t, v in self.last_sent.items()}
 
     def sent(self, version: int, versions: Versions) -> None:

@@ -4,7 +4,7 @@ Two groups of the tiny MoE model (trainer TP2 -> two TP2 engines, `moegroup.grou
 the same trainer weights every version: group "delta" sends only what changed, group "full"
 sends everything. After every version each delta rollout must hold exactly the bytes of its
 full twin (``torch.equal`` on uint8 views), and the delta group must move fewer bytes.
-Checked in sync and RS modes (SS and async refuse ``changed``), with a tenth of the tensors
+Checked in sync and RS modes (with SS and async every tensor moves), with a tenth of the tensors
 changing, a set that changes, an empty set, ``changed="auto"``, an engine that skips versions
 (RS), every refusal before any byte moves, and a rollout or a trainer replica lost in the
 middle of a delta (the re-plan keeps the delta's tensors; the survivors stay bit-exact).
@@ -186,13 +186,16 @@ def test_an_engine_that_skips_a_delta_version_gets_its_changes_with_the_next_rs(
 
 
 @pytest.mark.parametrize("mode", ["ss", "async"])
-def test_sender_staging_refuses_changed_before_anything_moves(mode):
-    control, trainers, _ = group(_config(mode))
-    _connect(trainers)
-    out = _calls(*[lambda a=a: a.send_weights(1, changed=SHARE) for _, a in trainers])
-    assert all(isinstance(e, ValueError) and "not supported with sender_staging" in str(e)
-               and "sync or RS mode" in str(e) for e in out), out
-    assert control.transport.bytes_written == 0
+def test_with_sender_staging_changed_is_checked_and_every_tensor_moves(mode):
+    """Before: ``changed`` was refused with sender staging, while the controller's `update`
+    took it. Now both take it; here a staged copy packed for the plan in force moves every
+    tensor, and the rollouts end bit-identical to the full twin's."""
+    twins = Twins(mode)
+    _, full = twins.update(1, None)
+    named, full2 = twins.update(2, SHARE)
+    auto, full3 = twins.update(3, "auto")
+    nothing, full4 = twins.update(4, [])
+    assert full > 0 and (named, auto, nothing) == (full2, full3, full4) == (full, full, full)
 
 
 @pytest.mark.parametrize("changed, match", [
@@ -201,8 +204,9 @@ def test_sender_staging_refuses_changed_before_anything_moves(mode):
     (["nope"] + SHARE, r"not in the checkpoint: \['nope'\]"),
     (7, "must be None, \"auto\" or a collection"),
 ])
-def test_a_bad_changed_is_refused_on_every_trainer_before_anything_moves(changed, match):
-    control, trainers, _ = group(_config("sync"))
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_a_bad_changed_is_refused_on_every_trainer_before_anything_moves(mode, changed, match):
+    control, trainers, _ = group(_config(mode))
     _connect(trainers)
     out = _calls(*[lambda a=a: a.send_weights(1, changed=changed) for _, a in trainers])
     assert all(isinstance(e, ValueError) and re.search(match, str(e))

@@ -502,7 +502,7 @@ def test_a_delta_update_moves_only_the_changed_tensors_bit_exact(procs):
         changed = [t for t in tensors if ".mlp.experts.0." in t or t == "model.norm.weight"]
         with pytest.raises(ValueError, match=r"not in the checkpoint: \['nope'\]"):
             mt.update(2, changed=changed + ["nope"])
-        with pytest.raises(ValueError, match="got the string"):
+        with pytest.raises(ValueError, match=r"got 'model.norm.weight'; pass \['"):
             mt.update(2, changed="model.norm.weight")
         delta = mt.update(2, changed=changed)
         plan = mt.plan
@@ -510,10 +510,18 @@ def test_a_delta_update_moves_only_the_changed_tensors_bit_exact(procs):
         assert mt.plan is plan
         nothing = mt.update(4, changed=[])
         last = mt.update(5)
-    for r in (full, delta, again, nothing, last):
+        first_auto = mt.update(6, changed="auto")  # nothing to compare with: full
+        mine = ["model.norm.weight", "model.embed_tokens.weight"]  # (not fused: one tensor each)
+        for _, mesh in mt._live("trainer"):  # a train step of the caller's own
+            mesh.train_step.call({t: 7 if t in mine else 6 for t in tensors}).get()
+        auto = mt.update(7, changed="auto", train=False)
+        named = mt.update(8, changed=mine)
+    for r in (full, delta, again, nothing, last, first_auto, auto, named):
         assert not r.mismatched and r.num_params == full.num_params, r.line()
     assert 0 < delta.rdma_bytes == again.rdma_bytes < full.rdma_bytes / 4
     assert nothing.rdma_bytes == 0 and last.rdma_bytes == full.rdma_bytes
+    assert first_auto.rdma_bytes == full.rdma_bytes
+    assert 0 < auto.rdma_bytes == named.rdma_bytes < full.rdma_bytes, (auto.line(), named.line())
 
 
 def test_sessions_on_the_same_procs_leave_no_file_descriptors_behind():

@@ -106,13 +106,10 @@ def test_eq1_counts_what_each_rollout_node_needs():
 
 def test_staging_modes_count_the_staged_copy_and_the_install_not_the_rounds():
     from controller.timing import UpdateTiming
+    from weightbridge.config import Mode
 
     t = UpdateTiming(start_ns=0, spans={}, stalls={("trainer", 0): (0, 4_000_000_000),
                                                   ("rollout", 0): (0, 2_000_000_000)})
-    sync = t.mode_agst_s(sender_staging=False, receiver_staging=False, trainer_stall_s=0.5,
-                         install_s=0.25)
-    ss = t.mode_agst_s(sender_staging=True, receiver_staging=False, trainer_stall_s=0.5,
-                       install_s=0.25)
-    both = t.mode_agst_s(sender_staging=True, receiver_staging=True, trainer_stall_s=0.5,
-                         install_s=0.25)
+    sync, ss, both = (t.mode_agst_s(m, trainer_stall_s=0.5, install_s=0.25)
+                      for m in (Mode.SYNC, Mode.SS, Mode.ASYNC))
     assert (sync, ss, both) == (t.agst_s, (0.5 + 2) / 2, (0.5 + 0.25) / 2) == (3.0, 1.25, 0.375)

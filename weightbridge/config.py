@@ -65,6 +65,9 @@ class Mode(enum.Enum):
                 (False, True): cls.RS, (True, True): cls.ASYNC}[
                     (bool(sender_staging), bool(receiver_staging))]
 
+    # The two switches, for building a `TransferConfig` from a mode. Code that runs a
+    # transfer asks the policy questions below instead, so each answer has one owner.
+
     @property
     def sender_staging(self) -> bool:
         return self in (Mode.SS, Mode.ASYNC)
@@ -74,25 +77,47 @@ class Mode(enum.Enum):
         return self in (Mode.RS, Mode.ASYNC)
 
     @property
+    def sends_staged_copy(self) -> bool:
+        """Whether the rounds read each trainer's host copy, taken when it called
+        `send_weights` (or the controller's `update`) and packed for the plan in force then,
+        rather than its live parameters: the trainer may change its parameters once the call
+        returned, and nothing checks them against what was sent."""
+        return self.sender_staging
+
+    @property
+    def lands_in_staging(self) -> bool:
+        """Whether the rounds land in the rollouts' host staging slots, installed into the
+        parameters at a later poll (all of an engine's workers at the same one), rather than
+        in the parameters themselves."""
+        return self.receiver_staging
+
+    @property
     def trainer_returns_when(self) -> str:
         """What `send_weights` waits for: "staged" (its own host copy), "landed" (every byte in
         the rollouts' staging buffers) or "installed" (every rollout runs the new version)."""
-        if self.sender_staging:
+        if self.sends_staged_copy:
             return "staged"
-        return "landed" if self.receiver_staging else "installed"
+        return "landed" if self.lands_in_staging else "installed"
 
     @property
     def resends_after_loss(self) -> bool:
         """Whether a version that lost workers part-way is re-sent to the surviving engines:
         the trainers' parameters still hold it without sender staging; with it, the staged
         copy was laid out for the plan that lost them, and the next version reaches them."""
-        return not self.sender_staging
+        return not self.sends_staged_copy
 
     @property
     def rollout_blocks_for_transfer(self) -> bool:
         """Whether a rollout's poll that takes an update waits for the bytes to move (True) or
         only copies already staged bytes into its parameters (False)."""
-        return not self.receiver_staging
+        return not self.lands_in_staging
+
+    @property
+    def checks_params_unchanged(self) -> bool:
+        """Whether a trainer's parameters are hashed when the call starts and after the rounds
+        (with `TransferConfig.checksums`): the rounds read them live, so a change during the
+        send would mix two states in the rollouts."""
+        return not self.sends_staged_copy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

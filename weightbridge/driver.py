@@ -34,7 +34,8 @@ import weightbridge  # noqa: F401,I001
 from weightbridge.config import DEFAULT_DEPTH, Mode, TransferConfig
 from weightbridge.coordination.control import (ControlPlane, PeerCall, Transport, engine_workers,
                                                rollouts, trainers)
-from weightbridge.coordination.delta import check_changed
+from weightbridge.coordination.delta import (AUTO, changed_params, check_changed,
+                                             tensors_loaded_by)
 from weightbridge.coordination.elastic import check_removable, join_group, leave_group
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
@@ -78,8 +79,8 @@ __all__ = [
     "ControlPlane", "LocalControl", "MeshControl", "PeerCall", "Transport", "WorkerGone",
     "engine_workers", "rollouts", "trainers",
     # connect, plan, run an update; the group's owner
-    "ConnectedGroup", "GroupLeader", "GroupMaps", "check_changed", "check_configs",
-    "check_version",
+    "AUTO", "ConnectedGroup", "GroupLeader", "GroupMaps", "changed_params", "check_changed",
+    "check_configs", "check_version", "tensors_loaded_by",
     "connect_group", "plan_group", "probe_group", "run_update", "unanswered",
     # membership, and a loss
     "Loss", "check_removable", "join_group", "leave_group", "lose", "one_line",

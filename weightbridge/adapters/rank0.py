@@ -48,8 +48,8 @@ class GroupSequencer:
                  done: Callable[[], int], pending: Callable[[], int | None]):
         self.worker, self.control, self.config = worker, control, config
         self.leader = GroupLeader(control, config)
-        self.source = _Staged() if config.sender_staging else _LiveParams()
-        self.landing = _IntoStaging() if config.receiver_staging else _IntoParams()
+        self.source = _Staged() if config.mode.sends_staged_copy else _LiveParams()
+        self.landing = _IntoStaging() if config.mode.lands_in_staging else _IntoParams()
         self.done, self.pending = done, pending
         self.cond = threading.Condition()
         """Guards ``joined``; notified when a rollout joins or leaves."""
@@ -187,7 +187,7 @@ class GroupSequencer:
     def rejoin(self, moved: bool) -> None:
         """After a loss, RS off: the surviving rollouts that had joined the failed transfer
         still wait in poll_requests() for a version; count them in for the next transfer."""
-        if self.config.receiver_staging or not moved:
+        if self.config.mode.lands_in_staging or not moved:
             return  # before the bytes moved, ``joined`` still holds who joined
         live = set(self.live())
         with self.cond:
@@ -259,7 +259,7 @@ class GroupSequencer:
         trainer holds one staged version, pinned; that version (None: a trainer staged a
         newer one meanwhile, try again)."""
         ts = self.live_trainers()
-        if not self.config.receiver_staging:
+        if not self.config.mode.lands_in_staging:
             self.gather(first, deadline=False)
         # Every trainer stages each version (a newer one supersedes an older one): wait
         # until they hold the same one.
@@ -326,7 +326,7 @@ class GroupSequencer:
                 a == what or isinstance(a, Exception)
                 for a in self.control.call(others, PeerCall.CHANGING, return_errors=True)),
                 f"not every trainer called the same {name}")
-            if self.config.sender_staging:
+            if self.config.mode.sends_staged_copy:
                 self.wait_idle()
             with self.session_lock:
                 recovery.exclude_lost(self, f"the time before {name}")
@@ -426,7 +426,7 @@ class _IntoParams:
 
     def before(self, seq: GroupSequencer, version: int) -> dict:
         while True:  # a rollout may leave (its poll timed out) until the swap below
-            seq.gather(version, deadline=not seq.config.sender_staging)
+            seq.gather(version, deadline=not seq.config.mode.sends_staged_copy)
             with seq.cond:  # on_leave takes the same lock: out before, or in for good
                 if set(seq.live()) <= seq.joined:
                     seq.session_joined, seq.joined = seq.joined, set()

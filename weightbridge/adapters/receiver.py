@@ -116,7 +116,7 @@ class ReceiverAdapter(AdapterWorker):
         step, self.step = self.step, self.step + 1
         if self.coordinator is not None:
             self._check_in()
-            claim = self._claim if self.config.receiver_staging else None
+            claim = self._claim if self.config.mode.lands_in_staging else None
             try:
                 with self.cond:
                     relay = self.coordinator.decide(step, claim=claim)
@@ -255,7 +255,7 @@ class ReceiverAdapter(AdapterWorker):
 
     def on_land(self, r: int, slots: dict[int, int] | None = None,
                 expected: tuple[int, ...] | None = None) -> None:
-        if (self.config.receiver_staging and not self.beyond(r)
+        if (self.config.mode.lands_in_staging and not self.beyond(r)
                 and (slots or {}).get(self.engine) is None):
             # (Bytes enter the parameters only inside a poll: never straight from a round.)
             raise RuntimeError(f"{self.worker}: round {r} landed with no staging slot for "

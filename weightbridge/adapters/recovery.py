@@ -53,11 +53,11 @@ def recover(seq: Sequencing, version: int, error: Exception, moved: bool) -> Non
     if loss.resend:
         state = (f"Version {version} was re-sent to the surviving engines {survivors} over a "
                  f"new plan: they " + ("install it at their next poll_requests()."
-                                       if seq.config.receiver_staging else "installed it."))
+                                       if seq.config.mode.lands_in_staging else "installed it."))
     else:
         state = (f"The surviving engines {survivors} never saw version {version}: "
                  + ("they keep the version they run and install the next one you send."
-                    if seq.config.receiver_staging else
+                    if seq.config.mode.lands_in_staging else
                     "their poll_requests() wait (no inference step runs on a partial "
                     "update) for the next version you send, within 3 x timeout_s."))
     lost = loss.lost(f"{state} send_weights() goes on with the surviving workers.")

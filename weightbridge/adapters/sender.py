@@ -57,7 +57,7 @@ class SenderAdapter(AdapterWorker):
         # the parameters (SS, async: the staged copy, released once copied; sync, RS: the live
         # parameters, released when trainer 0 says the transfer finished).
         self._send, self._release = (
-            (self._send_staged, _nothing) if config.sender_staging else
+            (self._send_staged, _nothing) if config.mode.sends_staged_copy else
             (self._send_live, lambda v: self._log(("released", v))))
 
     # -- rank 0's view of the group (held by its `GroupLeader`) ---------------------------------
@@ -173,6 +173,8 @@ class SenderAdapter(AdapterWorker):
     def _send_staged(self, version: int, checked) -> None:
         """SS, async: copy into the staging buffer and return; trainer 0's drain sends it."""
         self._stage(version)
+        with self.cond:
+            self.changes.staged(version)
         if self.worker.index == 0:
             self.rank0.kick()
         self._log(("resume", version))

@@ -20,20 +20,18 @@ restricted rounds over their current parameters, so the tensors left out keep th
 The base (what the rollouts' parameters hold when they install this transfer): in sync mode
 the last version whose transfer finished (every live rollout took part in it); with receiver
 staging, per live engine the version of the staging slot it claimed last (it installs that
-one before any newer one), the oldest over the engines. Sender staging (SS, async) refuses
-``changed``: a staged copy is packed for the plan in force when send_weights is called, which
-a later re-plan could not read (docs/delta-elastic.md, "Delta updates").
+one before any newer one), the oldest over the engines. With sender staging (SS, async)
+``changed`` is checked as everywhere and every tensor moves: a staged copy is packed for the
+plan in force when send_weights is called, which a later re-plan could not read
+(docs/delta-elastic.md, "Delta updates").
 """
 
 from __future__ import annotations
 
-from typing import Collection
-
 from weightbridge.adapters.sequencing import Sequencing
 from weightbridge.coordination.control import PeerCall
-
-
-AUTO = "auto"
+from weightbridge.coordination.delta import (AUTO, changed_params, check_changed,
+                                             tensors_loaded_by)
 
 
 class TrainerDelta:
@@ -45,6 +43,7 @@ class TrainerDelta:
 
     def __init__(self, params, spec, config, digest):
         self.params, self.spec, self.config = params, spec, config
+        self.known = frozenset(t.name for t in spec.tensors)
         self.digest = digest
         """Per-parameter checksums of the parameters now, padding left out
         (`TransferWorker.digest`)."""
@@ -60,44 +59,32 @@ class TrainerDelta:
         or any call with checksums on: the contract checks)."""
 
     def check(self, changed) -> tuple:
-        """Check ``changed`` before anything moves; (kind, value) for `begin`: kind "full",
-        "set" or "auto".
+        """Check ``changed`` before anything moves (`delta.check_changed`, as the controller
+        does); (kind, value) for `begin`: kind "full", "set" or "auto". With sender staging
+        every call is full: the staged copy is packed for the plan in force when it is taken,
+        whatever a later re-plan would restrict to, so every tensor moves (`staged` keeps
+        the previous version for the next call's check).
 
         Raises:
-            ValueError: with sender staging; a string or a non-collection; names that are not
-                tensors of this trainer's checkpoint; a set before any full update.
+            ValueError: a string other than "auto" or a non-collection; names that are not
+                tensors of this trainer's checkpoint; names before any full update.
         """
-        if changed is None:
+        changed = check_changed(changed, self.known, first=self.prev == 0, call="send_weights")
+        if changed is None or self.config.mode.sends_staged_copy:
             return "full", self._entry_digest()
-        if self.config.sender_staging:
-            raise ValueError(
-                "send_weights(changed=...) is not supported with sender_staging (SS and async "
-                "modes): each send_weights packs its staged copy for the plan in force while an "
-                "earlier transfer may still be reading, so the plan cannot change under it. Use "
-                "sync or RS mode (sender_staging=False) for delta updates, or call "
-                "send_weights(version) without changed")
-        if isinstance(changed, str) and changed == AUTO:
+        if changed == AUTO:
             # Checksummed here, outside any lock: the parameters are this version's now.
             return "auto", self.digest()
-        if isinstance(changed, str) or not isinstance(changed, Collection):
-            raise ValueError(f"changed must be None, \"auto\" or a collection of checkpoint "
-                             f"tensor names, got {changed!r}"
-                             + (f"; pass [{changed!r}]" if isinstance(changed, str) else ""))
-        known = {t.name for t in self.spec.tensors}
-        unknown = sorted(str(n) for n in changed if n not in known)
-        if unknown:
-            raise ValueError(f"changed names {len(unknown)} tensors that are not in the "
-                             f"checkpoint: {unknown[:4]}{' and more' if len(unknown) > 4 else ''}"
-                             f"; name checkpoint tensors (e.g. {sorted(known)[:2]})")
-        if self.prev == 0:
-            raise ValueError("the first send_weights must be full (changed=None): the rollouts "
-                             "hold no version of the trainers' weights yet")
-        return "set", (frozenset(changed), self._entry_digest())
+        return "set", (changed, self._entry_digest())
+
+    def staged(self, version: int) -> None:
+        """Sender staging: ``version`` was staged (no `begin`: rank 0 asks nothing)."""
+        self.prev = version
 
     def _entry_digest(self) -> tuple[int, ...] | None:
         """With checksums on (sync, RS): per-parameter checksums of what this call sends, for
         the delta contract (`_undeclared`) and `unchanged`; None otherwise."""
-        if self.config.checksums and not self.config.sender_staging:
+        if self.config.checksums and self.config.mode.checks_params_unchanged:
             return self.digest()
         return None
 
@@ -110,8 +97,7 @@ class TrainerDelta:
         # changed back since an older one would look unchanged.
         last = self.digests if self.digests and self.digests[0] == self.prev else None
         changed = (None if last is None or digest is None else
-                   frozenset(n for n, a, b in zip(sorted(self.params), last[1], digest)
-                             if a != b))
+                   changed_params(sorted(self.params), last[1], digest))
         if digest is not None:
             self.digests = (version, digest)
         undeclared = ()
@@ -128,8 +114,7 @@ class TrainerDelta:
         last = self.digests
         if last is None or last[0] != version:
             return ()
-        now = self.digest()
-        return tuple(n for n, a, b in zip(sorted(self.params), last[1], now) if a != b)
+        return tuple(sorted(changed_params(sorted(self.params), last[1], self.digest())))
 
 
 def _undeclared(smap, changed: frozenset[str], names: frozenset[str]) -> tuple[str, ...]:
@@ -190,7 +175,7 @@ def check_unchanged(seq: Sequencing, ts: list, version: int) -> None:
     Raises:
         ChangedDuringSend: parameters changed (the message says which, and what to do).
     """
-    if seq.config.sender_staging or not seq.config.checksums:
+    if not (seq.config.checksums and seq.config.mode.checks_params_unchanged):
         return
     moved = [(t, names) for t, names in zip(ts, seq.control.call(
         ts, PeerCall.UNCHANGED, version)) if names]
@@ -201,7 +186,7 @@ def check_unchanged(seq: Sequencing, ts: list, version: int) -> None:
     what = (f"parameters changed while send_weights({version}) was sending them ({said}), "
             f"so what the rollouts received mixes two states of them. Change no parameter "
             f"until send_weights returns")
-    if seq.config.receiver_staging:
+    if seq.config.mode.lands_in_staging:
         raise ChangedDuringSend(
             f"{what}. Nothing of version {version} is installed (the engines keep the "
             f"version they run): send again, a full update (changed=None) or a delta "
@@ -213,7 +198,7 @@ def check_unchanged(seq: Sequencing, ts: list, version: int) -> None:
 def _delta_base(seq: Sequencing) -> int:
     """The version every live rollout's parameters hold when it installs this transfer,
     or an older one (never newer: then a change would be missed)."""
-    if not seq.config.receiver_staging:
+    if not seq.config.mode.lands_in_staging:
         # Sync: every live rollout took part in that transfer, unless it joined since.
         joined = seq.leader.joined_at
         return 0 if joined is not None and seq.done() <= joined else seq.done()
@@ -221,12 +206,8 @@ def _delta_base(seq: Sequencing) -> int:
 
 def _auto_tensors(seq: Sequencing, ts: list, answers: list) -> frozenset[str]:
     """The checkpoint tensors any of the trainers' changed parameters load from."""
-    out: set[str] = set()
-    for t, (*_, params) in zip(ts, answers):
-        tensors = seq.leader.tensors_of(t.index)
-        for n in params:
-            out |= tensors.get(n, frozenset())
-    return frozenset(out)
+    return frozenset().union(*(tensors_loaded_by(params, seq.leader.tensors_of(t.index))
+                               for t, (*_, params) in zip(ts, answers)))
 
 
 class ChangedDuringSend(ValueError):

@@ -65,17 +65,27 @@ class DeltaLog:
         return None if out == self.tensors else out
 
 
-def check_changed(changed, known: Collection[str], *, first: bool, call: str) -> frozenset[str]:
-    """A delta update's ``changed`` argument, checked before anything moves (every path: the
-    adapters' `send_weights` and the controller's `update`): the checkpoint tensors it names.
-    ``known``: the checkpoint's tensor names; ``first``: no full update went before.
+AUTO = "auto"
+"""``changed="auto"``: each trainer's parameters are compared with its previous call's
+(per-parameter checksums), and the tensors the changed ones load from are sent."""
+
+
+def check_changed(changed, known: Collection[str], *, first: bool, call: str
+                  ) -> frozenset[str] | str | None:
+    """A delta update's ``changed`` argument, checked before anything moves, the same on every
+    path (the adapters' `send_weights` and the controller's `update`): None (a full update),
+    `AUTO`, or the checkpoint tensors it names. ``known``: the checkpoint's tensor names;
+    ``first``: no full update went before (``"auto"`` is full then: nothing to compare with).
 
     Raises:
-        ValueError: a string or a non-collection; names not in ``known``; a delta first.
+        ValueError: a string other than "auto" or a non-collection; names not in ``known``;
+            names on the first call.
     """
+    if changed is None or (isinstance(changed, str) and changed == AUTO):
+        return changed
     if isinstance(changed, str) or not isinstance(changed, Collection):
-        raise ValueError(f"changed must be a collection of checkpoint tensor names, got "
-                         f"{'the string ' if isinstance(changed, str) else ''}{changed!r}"
+        raise ValueError(f"changed must be None, \"auto\" or a collection of checkpoint "
+                         f"tensor names, got {changed!r}"
                          + (f"; pass [{changed!r}]" if isinstance(changed, str) else ""))
     unknown = sorted(str(n) for n in changed if n not in known)
     if unknown:
@@ -86,3 +96,20 @@ def check_changed(changed, known: Collection[str], *, first: bool, call: str) ->
         raise ValueError(f"the first {call} must be full (changed=None): the rollouts hold no "
                          f"version of the trainers' weights yet")
     return frozenset(changed)
+
+
+def changed_params(names: Iterable[str], old: Iterable[int], new: Iterable[int]
+                   ) -> frozenset[str]:
+    """The parameters whose checksums differ between two calls (``names``: the parameters in
+    checksum order)."""
+    return frozenset(n for n, a, b in zip(names, old, new) if a != b)
+
+
+def tensors_loaded_by(params: Iterable[str], tensors_of: dict[str, frozenset[str]]
+                      ) -> frozenset[str]:
+    """``changed="auto"``: the checkpoint tensors some of ``params`` load from (``tensors_of``:
+    per parameter, from its source map; a fused parameter names all of its tensors)."""
+    out: set[str] = set()
+    for name in params:
+        out |= tensors_of.get(name, frozenset())
+    return frozenset(out)

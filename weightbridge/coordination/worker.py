@@ -283,12 +283,17 @@ class TransferWorker:
         """Asked who is still there after a transfer failed."""
         return True
 
-    def on_digest(self, version: int, digest: bool = True) -> tuple[int, ...]:
+    def on_digest(self, version: int, digest: bool = True, live: bool = False
+                  ) -> tuple[int, ...]:
         """Trainers, before the rounds of ``version``: if ``digest``, per-parameter checksums
         of what this trainer sends, compared with its data-parallel replicas': the
         parameters now (after the storage check, `check_storage`), or with sender staging
-        the staged copy's, taken with it (the parameters may be a train step further)."""
-        if self.config.sender_staging:  # the staged copy is sent: its digest, taken with it
+        the staged copy's, taken with it (the parameters may be a train step further).
+        ``live``: the parameters' checksums now in every mode (the controller's
+        ``changed="auto"``, before anything is staged)."""
+        if live:
+            return self.digest()
+        if self.config.mode.sends_staged_copy:  # the staged copy is sent: its digest, taken with it
             assert self.staged.version == version, (self.staged.version, version)
             return self.staged.digest if digest else ()
         self.check_storage()
@@ -309,7 +314,7 @@ class TransferWorker:
             return {}
         with self.cond:  # a re-plan: not while a trainer stages (SS)
             self._setup(plan)
-            if self.side == "rollout" and self.config.receiver_staging:
+            if self.side == "rollout" and self.config.mode.lands_in_staging:
                 self.slots.add(generation, self.executor)
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
@@ -348,7 +353,7 @@ class TransferWorker:
         copy instead (packed when it was taken)."""
         if self.beyond(r):
             return ()
-        if self.config.sender_staging:
+        if self.config.mode.sends_staged_copy:
             return self._write(r, Stage.RECEIVE, self.staged.view(r))
         if self.executor.plan.rounds[r].pack:
             self._timed("pack", r, self.executor.pack, r)
