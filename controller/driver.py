@@ -320,8 +320,11 @@ class MeshTransfer(ClosingContext, Membership):
         t1 = time.perf_counter()
         self._streaming.join(self._deadline())  # (the previous version's rounds; its failure)
         with self._book_lock:
-            self.book.sent(version, versions)
-            needed = self.book.needed()
+            # What moves is the leader's call, as on the adapters' path: the delta log over
+            # the version the rollouts' parameters hold (0: none whole).
+            previous = self.book.version
+            self.leader.record_delta(version, [previous], self.book.sent(version, versions))
+            needed = self.leader.delta_log.needed(self.book.held_version)
         if needed == frozenset():  # nothing the rollouts lack: nothing moves
             with self._book_lock:
                 self.book.installed(version)

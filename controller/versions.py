@@ -1,4 +1,5 @@
-"""The controller's version state, pure: what the trainers sent and what the rollouts hold.
+"""The controller's version labels, pure: which version each tensor of the trainers and of
+the rollouts holds, for the checks after an update.
 
 No Monarch, no torch. `MeshTransfer` asks it before an update moves anything (is the version
 new, is the delta well formed, what does each tensor hold afterwards) and tells it what
@@ -12,7 +13,10 @@ happened (sent, landed, installed)::
     book.holds -> {"a": 1, "b": 1} until book.installed(2)
 
 Per tensor and not per update: after delta updates the tensors of one version carry the
-versions they last changed in, and the verification loads exactly those.
+versions they last changed in, and the verification loads exactly those. What a transfer must
+carry is not decided here: `sent` says what changed, and the group leader's delta log
+(`weightbridge.coordination.delta.DeltaLog`, the adapters' too) answers from
+`held_version`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class VersionBook:
         self.holds: Versions | None = None
         """Per tensor, what the live rollouts' parameters hold (None: nothing yet)."""
         self.held_version = 0
-        """The version the live rollouts' parameters hold (0: none)."""
+        """The version the live rollouts' parameters hold whole (0: none, or torn): the base
+        of the next delta (`DeltaLog.needed`)."""
         self.partial: int | None = None
         """The version a transfer into the parameters failed part-way in (`torn`), until the
         next install: the parameters may hold part of it."""
@@ -66,17 +71,12 @@ class VersionBook:
             return dict.fromkeys(self.tensors, version)
         return {t: version if t in changed else v for t, v in self.last_sent.items()}
 
-    def sent(self, version: int, versions: Versions) -> None:
-        """The trainers hold ``version`` (``versions`` per tensor) and are sending it."""
+    def sent(self, version: int, versions: Versions) -> frozenset[str] | None:
+        """The trainers hold ``version`` (``versions`` per tensor) and are sending it; returns
+        the tensors that changed in it (None: all of them), for the delta log."""
         self.version, self.last_sent = version, dict(versions)
-
-    def needed(self) -> frozenset[str] | None:
-        """The tensors the transfer of the version just sent must carry for rollouts holding
-        `holds` (None: all of them)."""
-        if self.holds is None or self.last_sent is None:
-            return None
-        out = frozenset(t for t, v in self.last_sent.items() if self.holds.get(t) != v)
-        return None if out == frozenset(self.tensors) else out
+        changed = frozenset(t for t, v in versions.items() if v == version)
+        return None if changed == frozenset(self.tensors) else changed
 
     def landed(self, version: int) -> None:
         """Every byte of ``version`` is in the live engines' staging slots (which slots, and

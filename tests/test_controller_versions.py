@@ -10,41 +10,51 @@ from weightbridge import TransferFailed
 
 from controller.streaming import Streaming
 from controller.versions import VersionBook
+from weightbridge.coordination.delta import DeltaLog
+
+
+class Driver:
+    """The controller's books as `MeshTransfer.update` keeps them: the version labels
+    (`VersionBook`) and what a transfer carries (the leader's `DeltaLog`)."""
+
+    def __init__(self, tensors):
+        self.book, self.log = VersionBook(tensors), DeltaLog(tensors)
+
+    def send(self, version: int, changed) -> frozenset[str] | None:
+        """update(version, changed) up to the transfer: the tensors it carries."""
+        versions, previous = self.book.next(version, changed), self.book.version
+        self.log.record(version, [previous], self.book.sent(version, versions))
+        return self.log.needed(self.book.held_version)
 
 
 def test_a_full_update_then_deltas_hold_each_tensor_at_its_last_change():
-    book = VersionBook(["a", "b", "c"])
-    v1 = book.next(1, None)
-    assert v1 == {"a": 1, "b": 1, "c": 1}
-    book.sent(1, v1)
-    assert book.needed() is None  # nothing held yet: everything moves
-    book.installed(1)
-    v2 = book.next(2, ["a"])
-    assert v2 == {"a": 2, "b": 1, "c": 1}
-    book.sent(2, v2)
-    assert book.needed() == {"a"}
+    d = Driver(["a", "b", "c"])
+    assert d.book.next(1, None) == {"a": 1, "b": 1, "c": 1}
+    assert d.send(1, None) is None  # nothing held yet: everything moves
+    d.book.installed(1)
+    assert d.book.next(2, ["a"]) == {"a": 2, "b": 1, "c": 1}
+    assert d.send(2, ["a"]) == {"a"}
 
 
 def test_a_landed_version_never_installed_rides_on_the_next_delta():
-    book = VersionBook(["a", "b", "c"])
-    book.sent(1, book.next(1, None))
-    book.installed(1)
-    book.sent(2, book.next(2, ["a"]))
-    book.landed(2)
-    book.sent(3, book.next(3, ["b"]))
-    assert book.needed() == {"a", "b"}  # the rollouts hold 1
-    book.landed(3)
-    assert book.installed(3) == {"a": 2, "b": 3, "c": 1}
-    assert book.held_version == 3 and book.needed() == frozenset()
+    d = Driver(["a", "b", "c"])
+    d.send(1, None)
+    d.book.installed(1)
+    d.send(2, ["a"])
+    d.book.landed(2)
+    assert d.send(3, ["b"]) == {"a", "b"}  # the rollouts hold 1
+    d.book.landed(3)
+    assert d.book.installed(3) == {"a": 2, "b": 3, "c": 1}
+    assert d.book.held_version == 3 and d.send(4, []) == frozenset()
 
 
 def test_torn_parameters_make_the_next_transfer_full():
-    book = VersionBook(["a", "b"])
-    book.sent(1, book.next(1, None))
-    book.installed(1)
-    book.sent(2, book.next(2, ["a"]))
-    book.torn()
-    assert book.needed() is None and book.holds is None
+    d = Driver(["a", "b"])
+    d.send(1, None)
+    d.book.installed(1)
+    d.send(2, ["a"])
+    d.book.torn()
+    assert d.book.holds is None and d.send(3, ["b"]) is None
 
 
 @pytest.mark.parametrize("bad,match", [

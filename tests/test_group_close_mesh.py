@@ -12,7 +12,7 @@ import time
 from contextlib import contextmanager
 
 import pytest
-from monarch.actor import this_host
+from monarch.actor import endpoint, this_host
 
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshprocs import close_group, proc_pair
@@ -56,6 +56,13 @@ def test_close_is_idempotent_on_every_handle():
         joining.stop().get(timeout=60)
 
 
+class _Trainer(RLTrainer):
+    @endpoint
+    def waits_in(self, version: int) -> bool:
+        """Whether this trainer's send_weights(version) is waiting inside (it said "ready")."""
+        return any(e[1:] == ("ready", version) for e in self.adapter.events)
+
+
 @contextmanager
 def _connected(num_trainers: int, config: TransferConfig):
     """(group, trainers, rollouts): ``num_trainers`` TP trainers and one TP1 engine,
@@ -64,7 +71,7 @@ def _connected(num_trainers: int, config: TransferConfig):
         group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
         actors = []
         try:
-            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", num_trainers)
+            trainers = tprocs.spawn("trainer", _Trainer, "tiny", num_trainers)
             actors.append(trainers)
             rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
             actors.append(rollouts)
@@ -97,7 +104,10 @@ def test_close_releases_trainers_waiting_in_send_weights():
     with _connected(2, TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)) as (
             group, trainers, _):
         sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
-        time.sleep(2.0)  # (both inside send_weights by now; if not, they raise the same)
+        end = time.monotonic() + WAIT_S
+        while not all(trainers.waits_in.call(1).get(timeout=WAIT_S).values()):
+            assert time.monotonic() < end, "the trainers never waited inside send_weights(1)"
+            time.sleep(0.01)
         started = time.monotonic()
         group.close()
         for call in sending:

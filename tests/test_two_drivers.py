@@ -24,6 +24,7 @@ import pytest
 import tinygroup
 import torch
 from faults import STALLED, DiesInRound1Rollout, stalling_group
+from meshprocs import proc_pair
 from tinygroup import MODES, connect, in_threads
 
 from controller.driver import MeshTransfer
@@ -226,11 +227,17 @@ def _send(adapter, version: int, changed, ss: bool):
         adapter.wait_idle()
 
 
-def _controller_deltas(mode: str) -> list:
-    """`DELTAS` through `MeshTransfer`, as `_adapters_deltas`."""
+@pytest.fixture(scope="module")
+def procs():
+    with proc_pair(1, 2) as meshes:
+        yield meshes
+
+
+def _controller_deltas(mode: str, procs) -> list:
+    """`DELTAS` through `MeshTransfer` (its actors on ``procs``), as `_adapters_deltas`."""
     m = Mode(mode)
     mt = MeshTransfer(TrainerSpec.parse("nodes=1,gpus=1"),
-                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
+                      RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny", procs=procs,
                       config=TransferConfig(round_bytes=64 << 10, timeout_s=5,
                                             sender_staging=m.sender_staging,
                                             receiver_staging=m.receiver_staging))
@@ -261,10 +268,10 @@ def _controller_deltas(mode: str) -> list:
 
 @pytest.mark.mesh
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_deltas_give_one_outcome_on_both_drivers(mode):
+def test_deltas_give_one_outcome_on_both_drivers(mode, procs):
     """Before: the adapters refused changed= with sender staging and took "auto"; the
     controller took changed= with sender staging and refused "auto" (a string)."""
-    adapters, controller = _adapters_deltas(mode), _controller_deltas(mode)
+    adapters, controller = _adapters_deltas(mode), _controller_deltas(mode, procs)
     assert adapters == controller, list(zip(DELTAS, adapters, controller))
     assert [said for said, _ in adapters] == REFUSED, adapters
     assert all(whole for said, whole in adapters if said is None), adapters
