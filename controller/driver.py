@@ -49,9 +49,10 @@ from typing import Collection
 
 from controller.actors import (PROBE_BYTES, PROBE_REPEATS, ClosingContext,  # noqa: F401
                                WorkerMeshes)  # (ClosingContext re-exported)
-from controller.membership import RESTART, Lost, Membership, serialized
+from controller.calls import serialized
+from controller.membership import RESTART, Lost, Membership
 from controller.ranks import by_rank
-from controller.report import (InstallReport, UpdateReport, WorkersLost,  # noqa: F401
+from controller.report import (InstallReport, JoinReport, UpdateReport, WorkersLost,  # noqa: F401
                                mismatches)  # (re-exported)
 from controller.streaming import Streaming
 from controller.timing import update_timing, write_dests
@@ -66,7 +67,7 @@ from weightbridge.driver import (AUTO, GroupLeader, MeshControl, PeerCall, Rollo
 
 
 
-class MeshTransfer(ClosingContext, Membership):
+class MeshTransfer(ClosingContext):
     """Both meshes and the plan between them. A context manager: leaving it stops the meshes.
 
     Every sync mode runs here (docs/controller.md, "Sync modes"): `update` returns once the
@@ -131,6 +132,8 @@ class MeshTransfer(ClosingContext, Membership):
         self.calls = threading.RLock()
         """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
+        self.membership = Membership(self)
+        """Engines joining and leaving, and recovery after a loss (`add_engine`, ...)."""
         """``book``: the streaming thread lands versions while `poll_requests` installs."""
         self._auto_digests: tuple[int, dict[int, tuple[int, ...]]] | None = None
         """(version, per live trainer its parameters' checksums) at the last update with
@@ -268,6 +271,63 @@ class MeshTransfer(ClosingContext, Membership):
         if self.plan is None:
             raise RuntimeError(f"call connect() before {call}()")
 
+    # -- who is in (`Membership`) ---------------------------------------------------------------
+
+    @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
+    def add_engine(self, procs=None) -> JoinReport:
+        """Add a rollout engine to the running group, between updates, without a new group.
+
+        Spawns its procs on this host (or uses ``procs``: one engine's worth, e.g. on hosts
+        attached later), its actors and the transfer agents; probes only its workers; extends
+        the plan in force (`weightbridge.planning.extend`: a replica of a live engine is
+        mirrored on it, the trainers untouched and the rollouts that land segments forwarding
+        one more copy; another layout gets rounds of its own appended); sets up only it and
+        the workers whose part changed; then moves the version the other engines hold into
+        it and verifies it, so it holds a whole version before this returns (a mirrored join
+        re-sends that version to every engine: their bytes do not change). Its engine number
+        is the next one; later updates include it.
+
+        Raises:
+            ValueError: ``procs`` of another size than an engine.
+            CatchUpRefused: without sender staging, the trainers' parameters no longer hold
+                the version the engines hold (a train step ran since it was sent); before
+                anything spawns.
+            LayoutError: the engine loads another checkpoint or needs what no trainer holds
+                (before any of its buffers exist).
+            TransferFailed: setting the engine up failed (its process died, say: the join
+                is rolled back, its engine number is the next join's), the catch-up transfer
+                failed (the engine is taken out again) or did not verify.
+        """
+        return self.membership.add_engine(procs)
+
+    @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
+    def replan(self) -> TransferPlan:
+        """Plan the whole group again from the source maps of connect and joins (no probe):
+        one non-redundant plan over every live engine, where joins had appended theirs. Every
+        live worker is set up again. Returns the new plan."""
+        return self.membership.replan()
+
+    @surfaced()  # (a worker's library error reaches the caller as itself)
+    @serialized
+    def remove_engine(self, engine: int) -> TransferPlan:
+        """Take rollout engine ``engine`` out of the group between updates (to restart or
+        retire it); no byte is sent to or through it afterwards. An engine nothing depends on
+        (one mirrored in by `add_engine`) just loses its rows: only the rollouts that
+        forwarded to it take new writes. Otherwise the others are planned again from the
+        source maps of connect (no probe). Returns the plan in force.
+
+        An engine `add_engine` added is retired with it: its transfer agents and actors are
+        stopped, and its procs if `add_engine` spawned them, so a long-lived group that adds
+        and removes engines does not keep their processes and memory. An engine of the first
+        rollout mesh shares its procs with the others: they run until `close`.
+
+        Raises:
+            ValueError: no such engine, it is already out, or it is the last one.
+        """
+        return self.membership.remove_engine(engine)
+
     # -- one update -----------------------------------------------------------------------------
 
     @surfaced()  # (a worker's library error reaches the caller as itself)
@@ -348,11 +408,12 @@ class MeshTransfer(ClosingContext, Membership):
         return dataclasses.replace(self._report(version, train_step_s, t1), stall_s=stall_s)
 
     def _send(self, version: int, train_step_s: float) -> None:
-        """`_move` ``version``; a lost worker goes to `_recover` (which re-sends it there)."""
+        """`_move` ``version``; a lost worker goes to `Membership.recover` (which re-sends it
+        there)."""
         try:
             self._move(version)
         except Lost as lost:
-            self._recover(version, lost.workers, lost.cause, train_step_s)
+            self.membership.recover(version, lost.workers, lost.cause, train_step_s)
 
     def _auto_changed(self, version: int) -> frozenset[str] | None:
         """``changed="auto"``: the tensors the live trainers' changed parameters load from,
@@ -536,7 +597,7 @@ class MeshTransfer(ClosingContext, Membership):
         its last round (into ``slots``: engine -> staging slot, or the parameters).
 
         Raises:
-            Lost: some worker does not answer any more (`_recover` handles it).
+            Lost: some worker does not answer any more (`Membership.recover` handles it).
             TransferFailed: some worker failed or never finished and every worker answers.
         """
         group = self.leader.group

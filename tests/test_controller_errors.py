@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from controller.membership import serialized
+from controller.calls import serialized
 from controller.streaming import Streaming
 from weightbridge import (GroupClosed, LayoutError, TransferFailed, WeightBridgeError,
                           WorkersLost)
