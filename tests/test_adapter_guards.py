@@ -89,8 +89,11 @@ def test_a_timed_out_poll_takes_no_bytes_until_it_polls_again():
         m.mark()
     (r0_model, r0), (r1_model, r1) = rollouts
 
-    def r0_polls_late():
-        time.sleep(0.05)  # after the trainers began to wait for the rollouts
+    def r0_polls_late():  # after the trainers began to wait for the rollouts ("ready")
+        end = time.monotonic() + 30
+        while not all(any(e[1:] == ("ready", 1) for e in a.events) for _, a in trainers):
+            assert time.monotonic() < end, "the trainers never entered send_weights(1)"
+            time.sleep(0.001)
         return r0.wait_for_version(1)
 
     # Version 1: R0 polls, R1 does not. The trainers give up naming R1 only; R0's poll gives
