@@ -132,9 +132,9 @@ class MeshTransfer(ClosingContext):
         self.calls = threading.RLock()
         """Held by every public call (`serialized`): one runs at a time, whatever thread."""
         self._book_lock = threading.Lock()
+        """``book``: the streaming thread lands versions while `poll_requests` installs."""
         self.membership = Membership(self)
         """Engines joining and leaving, and recovery after a loss (`add_engine`, ...)."""
-        """``book``: the streaming thread lands versions while `poll_requests` installs."""
         self._auto_digests: tuple[int, dict[int, tuple[int, ...]]] | None = None
         """(version, per live trainer its parameters' checksums) at the last update with
         ``changed="auto"``: what the next one compares with (`_auto_changed`)."""
