@@ -8,13 +8,16 @@ when the group closes returns with `TransferFailed` saying so (long before its o
 stopped, even on failure.
 """
 
+import os
+import threading
 import time
 from contextlib import contextmanager
 
 import pytest
+import torch
 from monarch.actor import endpoint, this_host
 
-from meshes.adapter_actors import RLRollout, RLTrainer
+from meshes.adapter_actors import RLRollout, RLTrainer, checkpoint
 from meshprocs import close_group, proc_pair
 from weightbridge import GroupClosed, TransferConfig, TransferGroup
 
@@ -57,10 +60,25 @@ def test_close_is_idempotent_on_every_handle():
 
 
 class _Trainer(RLTrainer):
+    """Writes ``<where>/<trainer index>`` once its send_weights waits inside (its adapter logged
+    "ready"): the actor serves no call while its send blocks, so the test learns it from a
+    file a thread of the actor's process writes."""
+
     @endpoint
-    def waits_in(self, version: int) -> bool:
-        """Whether this trainer's send_weights(version) is waiting inside (it said "ready")."""
-        return any(e[1:] == ("ready", version) for e in self.adapter.events)
+    def train_and_send_telling(self, version: int, where: str) -> None:
+        ready = os.path.join(where, str(self.adapter.worker.index))
+        threading.Thread(target=self._tell_ready, args=(version, ready), daemon=True).start()
+        with torch.no_grad():
+            self.shard.load_weights(checkpoint(self.model, version).items())
+        self.adapter.send_weights(version)
+
+    def _tell_ready(self, version: int, ready: str) -> None:
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end:
+            if any(e[1:] == ("ready", version) for e in self.adapter.events):
+                open(ready, "w").close()
+                return
+            time.sleep(0.005)
 
 
 @contextmanager
@@ -97,15 +115,16 @@ def test_close_releases_a_rollout_waiting_for_a_version(rs):
             group.sender({}, None, None)
 
 
-def test_close_releases_trainers_waiting_in_send_weights():
+def test_close_releases_trainers_waiting_in_send_weights(tmp_path):
     # Sync, and no rollout polls: trainer 0 waits in send_weights(1) for the rollouts, trainer 1
     # for trainer 0. Before, close() released rollouts only, and the trainers waited out
     # their own timeout_s (and then the wait for a lost trainer 0).
     with _connected(2, TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)) as (
             group, trainers, _):
-        sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
+        sending = [trainers.slice(worker=t).train_and_send_telling.call_one(1, str(tmp_path))
+                   for t in range(2)]
         end = time.monotonic() + WAIT_S
-        while not all(trainers.waits_in.call(1).get(timeout=WAIT_S).values()):
+        while len(os.listdir(tmp_path)) < 2:
             assert time.monotonic() < end, "the trainers never waited inside send_weights(1)"
             time.sleep(0.01)
         started = time.monotonic()
