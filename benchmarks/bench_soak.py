@@ -286,6 +286,9 @@ def main() -> int:
                         help="with --modes: updates each endpoint call of the soak loop drives "
                              "(default --sample-every; 1: a call per update, as a training "
                              "loop makes, whose Monarch state then counts in the growth)")
+    parser.add_argument("--series", action="store_true",
+                        help="with --modes: print each process's RSS at every sample (a "
+                             "slope made of a few jumps reads differently from a steady one)")
     parser.add_argument("--trim", action="store_true",
                         help="malloc_trim(0) in each process before each memory sample")
     parser.add_argument("--trace", action="store_true",
@@ -454,7 +457,12 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                                  + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
             for who, grew in heap.items():
                 lines += [f"{'':>12}{who} heap: {g}" for g in grew]
-            print("\n".join(lines[-4 - sum(map(len, heap.values())) - 1:]), flush=True)
+            series = ([f"{'':>12}{k[0][0]}{k[1]} RSS MB at updates {xs[0]}-{xs[-1]}: "
+                       + " ".join(f"{s[k][0]:.1f}" for _, s in samples)
+                       for k in sorted(samples[0][1])] if args.series else [])
+            lines += series
+            print("\n".join(lines[-4 - sum(map(len, heap.values())) - len(series) - 1:]),
+                  flush=True)
     finally:
         rp.stop().get(timeout=60)
         tp.stop().get(timeout=60)
