@@ -29,8 +29,14 @@ rollouts' and the trainers', and the fds at the start and end of the mode; then,
 trainer and rollout rank 0 and 1 (of the first engine), the peer calls per update it sent
 (Monarch messages), served, and made on itself (no message), from
 `weightbridge.mesh.registry.calls`: Monarch keeps state for every message
-(benchmarks/message_memory.py measures how much). ``--trim`` runs ``malloc_trim(0)`` in every
-process before each sample (what stays is live memory); ``--trace`` runs tracemalloc
+(benchmarks/message_memory.py measures how much). The soak loop's own endpoint calls
+(each leaves such state in the procs it reaches, about 0.6 KB) drive ``--per-call`` updates
+each (default ``--sample-every``); ``--per-call 1`` makes one call per update on each side, as
+a training loop would, and its state then counts in the growth. Every version is transferred
+either way (under sender staging trainer 0 waits for each transfer before staging the next);
+under receiver staging a rollout driven several updates per call may install fewer of them
+(the newest landed when it polls). ``--trim`` runs ``malloc_trim(0)`` in every process before
+each sample (what stays is live memory); ``--trace`` runs tracemalloc
 in every process and prints the Python allocations that grew most in trainer 0 and rollout 0.
 """
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
+import gc
 import os
 import statistics
 import time
@@ -59,6 +66,17 @@ def checkpoint(model: str, version: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(9001 + version)
     return {t.name: torch.randn(t.shape, generator=gen).bfloat16()
             for t in checkpoint_spec(SIZES[model]).tensors}
+
+
+def update_of(names: tuple[str, ...], mode: str, version: int
+              ) -> tuple[int, list[str] | None]:
+    """(the checkpoint the trainers load for ``version``: one of a few, generated in every
+    actor; the tensors of ``names``, the checkpoint's, it changes, None: all). The delta modes
+    change a different third of the tensors each update (rotating: every update re-plans);
+    the first update is full."""
+    changed = (list(names[version % 3::3]) if mode.endswith("delta") and version > 1
+               else None)
+    return version % 7 + 1, changed
 
 
 def usage() -> tuple[float, int]:
@@ -87,17 +105,32 @@ class Probe:
 
     @endpoint
     def heap_mark(self) -> None:
-        self._mark = tracemalloc.take_snapshot() if tracemalloc.is_tracing() else None
+        self._mark = None
+        if tracemalloc.is_tracing():
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)  # (what the collections find is kept: counted below)
+            self._mark = tracemalloc.take_snapshot()
 
     @endpoint
     def heap_growth(self, top: int = 6) -> list[str]:
-        """The Python allocations that grew most since `heap_mark`, by traceback."""
+        """The Python allocations that grew most since `heap_mark`, by traceback (live ones:
+        after a full collection); first, the objects the collector found in reference
+        cycles since the mark, by type. Those are freed by the collector only, not when the
+        last reference goes: the ones that outlive a young collection stay resident until a
+        full one, which CPython runs rarely in a process holding many objects."""
         if getattr(self, "_mark", None) is None:
             return []
+        gc.collect()
+        kinds = collections.Counter(type(o).__qualname__ for o in gc.garbage)
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
         diff = tracemalloc.take_snapshot().compare_to(self._mark, "traceback")
-        return [f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at "
-                + " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}"
-                              for f in list(d.traceback)[::-1][:5]) for d in diff[:top]]
+        return [f"{sum(kinds.values())} objects in reference cycles since the mark, most: "
+                + ", ".join(f"{k} {n}" for k, n in kinds.most_common(8))] + [
+            f"{d.size_diff / 1024:+.1f} KB in {d.count_diff:+d} blocks at "
+            + " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}"
+                          for f in list(d.traceback)[::-1][:5]) for d in diff[:top]]
 
 
 class SoakTrainer(Actor, Probe):
@@ -105,6 +138,7 @@ class SoakTrainer(Actor, Probe):
         self._trace_start()
         torch.set_num_threads(1)
         self.model = model
+        self.names = tuple(t.name for t in checkpoint_spec(SIZES[model]).tensors)
         self.senders = {}
 
     @endpoint
@@ -123,6 +157,31 @@ class SoakTrainer(Actor, Probe):
              changed: list[str] | None = None) -> float:
         """Load ``weights_version`` (of the ``changed`` tensors only, if given) and send it as
         ``version``; seconds in send_weights."""
+        return self._send(name, version, weights_version, changed)
+
+    @endpoint
+    def send_range(self, name: str, mode: str, first: int, last: int) -> None:
+        """Send versions ``first`` to ``last``, each as `update_of` says, one after another.
+        Sender staging: every trainer waits until each was transferred before staging the
+        next (nothing superseded: every version is a transfer, as with a soak call per
+        update, where the soak loop waited for the rollouts)."""
+        sender = self.senders[name]
+        for v in range(first, last + 1):
+            self._send(name, v, *update_of(self.names, mode, v))
+            if not sender.config.sender_staging:
+                continue
+            if current_rank().rank == 0:
+                sender.wait_idle()  # (raises what the transfer failed with)
+                continue
+            end = time.monotonic() + 3 * sender.config.timeout_s
+            while sender.stage.sent < v:  # (trainer 0 ends each transfer with STAGE_FINISH)
+                if time.monotonic() > end:
+                    raise TimeoutError(f"version {v} was not transferred within "
+                                       f"{3 * sender.config.timeout_s:g}s")
+                time.sleep(0.0005)
+
+    def _send(self, name: str, version: int, weights_version: int,
+              changed: list[str] | None) -> float:
         weights = checkpoint(self.model, weights_version)
         with torch.no_grad():
             self.shard.load_weights((n, t) for n, t in weights.items()
@@ -150,7 +209,8 @@ class SoakRollout(Actor, Probe):
         self._trace_start()
         torch.set_num_threads(1)
         self.model = model
-        self.receivers, self.shards = {}, {}
+        self.names = tuple(t.name for t in checkpoint_spec(SIZES[model]).tensors)
+        self.receivers, self.shards, self.held = {}, {}, {}
 
     @endpoint
     def setup(self, name: str, group) -> None:
@@ -164,6 +224,22 @@ class SoakRollout(Actor, Probe):
         """Wait until ``version`` is installed; with ``check``, True iff every parameter is
         bit-identical to this rank's own load_weights of ``weights_version`` (an int, or
         tensor -> the version it holds after delta updates)."""
+        return self._receive(name, version, weights_version, check)
+
+    @endpoint
+    def receive_range(self, name: str, mode: str, first: int, last: int,
+                      check_every: int) -> int:
+        """`receive` versions ``first`` to ``last`` (each as `update_of` says), checking every
+        ``check_every``-th; how many checks found a parameter that is not bit-identical."""
+        held = self.held.setdefault(name, {})  # tensor -> the version it holds
+        bad = 0
+        for v in range(first, last + 1):
+            weights, changed = update_of(self.names, mode, v)
+            held.update(dict.fromkeys(changed or self.names, weights))
+            bad += not self._receive(name, v, dict(held), v % check_every == 0)
+        return bad
+
+    def _receive(self, name: str, version: int, weights_version, check: bool) -> bool:
         self.receivers[name].wait_for_version(version)
         if not check:
             return True
@@ -185,6 +261,7 @@ class SoakRollout(Actor, Probe):
     def drop(self, name: str) -> None:
         self.receivers.pop(name, None)
         self.shards.pop(name, None)
+        self.held.pop(name, None)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -205,6 +282,13 @@ def main() -> int:
     parser.add_argument("--writes", default="per-range",
                         help="with --modes: TransferConfig.rdma_writes, or 'per-range,batched' "
                              "to run each mode once per way")
+    parser.add_argument("--per-call", type=int,
+                        help="with --modes: updates each endpoint call of the soak loop drives "
+                             "(default --sample-every; 1: a call per update, as a training "
+                             "loop makes, whose Monarch state then counts in the growth)")
+    parser.add_argument("--series", action="store_true",
+                        help="with --modes: print each process's RSS at every sample (a "
+                             "slope made of a few jumps reads differently from a steady one)")
     parser.add_argument("--trim", action="store_true",
                         help="malloc_trim(0) in each process before each memory sample")
     parser.add_argument("--trace", action="store_true",
@@ -215,9 +299,13 @@ def main() -> int:
         os.environ["WB_SOAK_TRIM"] = "1"  # (the procs inherit it)
     if args.trace:
         os.environ["WB_SOAK_TRACE"] = "1"
-    if min(args.updates, args.sample_every, args.check_every) < 1 or args.warmup < 0 \
+    if args.per_call is None:
+        args.per_call = args.sample_every
+    if min(args.updates, args.sample_every, args.check_every, args.per_call) < 1 \
+            or args.warmup < 0 \
             or args.updates <= args.warmup:
-        parser.error("--updates > --warmup >= 0, and --sample-every, --check-every >= 1")
+        parser.error("--updates > --warmup >= 0, and --sample-every, --check-every, --per-call "
+                     ">= 1")
     if args.modes:
         modes = MODES if args.modes == "all" else tuple(args.modes.split(","))
         if not set(modes) <= set(MODES):
@@ -297,8 +385,6 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
     host = this_host()
     tp = host.spawn_procs(per_host={"gpus": TRAINER_TP}, name="trainer")
     rp = host.spawn_procs(per_host={"replica": ENGINES, "gpus": ENGINE_TP}, name="rollout")
-    names = [t.name for t in checkpoint_spec(SIZES[args.model]).tensors]
-    thirds = [names[k::3] for k in range(3)]
     lines, bad, worst = [], 0, {}
     try:
         trainers = tp.spawn("soak_trainer", SoakTrainer, args.model)
@@ -313,20 +399,24 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                 trainers.setup.call(name, group).get()
                 rollouts.setup.call(name, group).get()
                 trainers.connect.call(name).get()
-                held: dict[str, int] = {}
                 samples: list[tuple[int, dict]] = []
+                total = args.warmup + args.updates
+                sampled = [v for v in range(args.warmup + 1, total + 1)
+                           if (v - args.warmup) % args.sample_every == 0
+                           or v == args.warmup + 1]
+                # Each endpoint call drives a run of updates (at most --per-call, ending at
+                # every sample): Monarch keeps state for each call in the procs it reaches,
+                # which is the soak loop's, not the library's.
+                ends = sorted(set(sampled) | set(range(args.per_call, total + 1, args.per_call))
+                              | {total})
                 t0 = time.perf_counter()
-                for v in range(1, args.warmup + args.updates + 1):
-                    weights = v % 7 + 1
-                    changed = (thirds[v % 3] if mode.endswith("delta") and v > 1 else None)
-                    held.update(dict.fromkeys(changed or names, weights))
-                    check = v % args.check_every == 0
-                    received = rollouts.receive.call(name, v, dict(held), check)
-                    trainers.send.call(name, v, weights, changed).get()
-                    bad += sum(not ok for _, ok in received.get().items())
-                    if v > args.warmup and ((v - args.warmup) % args.sample_every == 0
-                                           or v == args.warmup + 1):
-                        samples.append((v, _usage(trainers, rollouts)))
+                for first, last in zip([1] + [e + 1 for e in ends[:-1]], ends):
+                    received = rollouts.receive_range.call(name, mode, first, last,
+                                                           args.check_every)
+                    trainers.send_range.call(name, mode, first, last).get()
+                    bad += sum(received.get().values())
+                    if last in sampled:
+                        samples.append((last, _usage(trainers, rollouts)))
                         if len(samples) == 1:
                             counted = _calls(trainers, rollouts)
                             trainers.heap_mark.call().get()
@@ -367,17 +457,23 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
                                  + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
             for who, grew in heap.items():
                 lines += [f"{'':>12}{who} heap: {g}" for g in grew]
-            print("\n".join(lines[-4 - sum(map(len, heap.values())) - 1:]), flush=True)
+            series = ([f"{'':>12}{k[0][0]}{k[1]} RSS MB at updates {xs[0]}-{xs[-1]}: "
+                       + " ".join(f"{s[k][0]:.1f}" for _, s in samples)
+                       for k in sorted(samples[0][1])] if args.series else [])
+            lines += series
+            print("\n".join(lines[-4 - sum(map(len, heap.values())) - len(series) - 1:]),
+                  flush=True)
     finally:
         rp.stop().get(timeout=60)
         tp.stop().get(timeout=60)
     print(f"{args.updates} updates per mode after {args.warmup} warm-up, tiny Qwen3-MoE "
-          f"TP{TRAINER_TP} -> {ENGINES} x TP{ENGINE_TP}, {args.round_kib} KiB rounds; "
+          f"TP{TRAINER_TP} -> {ENGINES} x TP{ENGINE_TP}, {args.round_kib} KiB rounds, up to "
+          f"{args.per_call} updates per soak call; "
           f"bit-exact checks every {args.check_every} versions: "
           + ("all bit-exact" if not bad else f"{bad} MISMATCHED"))
     print(f"largest growth: rollout {max(g for (m, s), g in worst.items() if s == 'rollout'):+.1f}"
           f" KB/update, trainer {max(g for (m, s), g in worst.items() if s == 'trainer'):+.1f}"
-          f" KB/update (issue 23's target: <= 20)")
+          f" KB/update (issue 43's target: <= 5)")
     return 1 if bad else 0
 
 

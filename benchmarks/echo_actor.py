@@ -51,6 +51,15 @@ class Echo(Actor):
         self._arena = torch.zeros(nbytes, dtype=torch.uint8)
         return RDMABuffer(self._arena)
 
+    @endpoint
+    def buffers(self, nbytes: int, k: int) -> list:
+        """``k`` registered RDMA buffers of ``nbytes`` each, for `Caller.run` "batch"."""
+        import torch
+        from monarch.rdma import RDMABuffer
+
+        self._arenas = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(k)]
+        return [RDMABuffer(a) for a in self._arenas]
+
 
 class Caller(Actor):
     """Calls an `Echo` from inside a proc (as one worker calls another), ``n`` times."""
@@ -79,6 +88,16 @@ class Caller(Actor):
             src = torch.ones(echo.size(), dtype=torch.uint8)
             for _ in range(n):
                 echo.write_from(src, timeout=60).get()
+        elif how == "batch":  # ``echo`` is a list of registered buffers (`Echo.buffers`)
+            import torch
+            from monarch.rdma import RDMAAction
+
+            srcs = [torch.ones(b.size(), dtype=torch.uint8) for b in echo]
+            for _ in range(n):  # one action (submission) writing every buffer
+                action = RDMAAction()
+                for b, src in zip(echo, srcs):
+                    action.write_remote(b, src)
+                action.submit(timeout=60).get()
         else:  # "port": fire-and-forget calls, answered through one port opened once
             if not hasattr(self, "_reply"):
                 self._reply = Channel.open()

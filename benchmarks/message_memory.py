@@ -14,7 +14,10 @@ calls one after another, ``--reps`` times, each way:
   one plain message to the callee's inbox, answered through the caller's reply port, both
   opened once), as `MeshControl` sends every bounded call;
 - ``write``: an RDMA write (``write_from``, 4 KiB) into a buffer the callee registered, as a
-  round's writes (over the TCP fallback where there is no RDMA NIC).
+  round's writes (over the TCP fallback where there is no RDMA NIC);
+- ``batch``: one `monarch.rdma.RDMAAction` of ``--ops`` 4 KiB writes into as many buffers the
+  callee registered, as `TransferConfig.rdma_writes` "batched" submits a step's writes (a
+  message here is one action: divide by ``--ops`` for the cost per write).
 
 Printed per way: each process's RSS growth per message (least squares over the reps, after
 one warm-up rep).
@@ -46,6 +49,7 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--ways", default="call,port,mailbox,write")
+    parser.add_argument("--ops", type=int, default=4, help='writes per action ("batch")')
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="a monarch.configure key for the procs (repeatable), e.g. "
                              "enable_otel_metrics=false")
@@ -66,6 +70,7 @@ def main() -> int:
             caller = procs[0].spawn("caller", Caller)
             echo = procs[1].spawn("echo", Echo)
             target = (echo.buffer.call_one(4096).get() if how == "write" else
+                      echo.buffers.call_one(4096, args.ops).get() if how == "batch" else
                       echo.mailbox.call_one().get() if how == "mailbox" else echo)
             caller.run.call_one(target, how, args.calls).get()  # warm-up
             xs, mine, theirs = [], [], []

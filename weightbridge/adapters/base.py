@@ -15,10 +15,12 @@ from weightbridge.coordination.worker import TransferWorker
 
 POLL_BACKOFF = 10
 """`AdapterWorker._poll_until`'s longest interval, in units of the first."""
-ADAPTER_SPANS = 1 << 12
+ADAPTER_SPANS = 128
 """Spans an adapter worker keeps (nothing reads them per update, as the controller does with
-`TransferWorker.take_spans`): the steps of the last few hundred updates, about 0.5 MB."""
-
+`TransferWorker.take_spans`): the steps of the last update or few (a round takes one to three
+per worker), about 20 KB. Full within the first updates, so the log stops growing the
+process early: 4,096 took hundreds of updates to fill, adding about 1.5 KB per update of
+the soak's trainers and rollouts (benchmarks/bench_soak.py --trace)."""
 
 class AdapterWorker(TransferWorker):
     """A `TransferWorker` that reaches its peers itself: the control plane, bounded waits."""

@@ -81,12 +81,20 @@ class PeerCall(enum.Enum):
 
     def serve(self, target: Any, *args) -> Any:
         """Run this call on the worker object ``target`` (its ``on_<value>`` handler)."""
-        handler = getattr(target, f"on_{self.value}", None)
+        handler = getattr(target, _HANDLERS[self], None)
         if handler is None:
             raise TypeError(f"{type(target).__name__} does not serve {self}: a transfer group "
                             f"mixes worker kinds (trainer calls sent to a rollout, or a "
                             f"controller worker in an adapter group)")
         return handler(*args)
+
+
+_HANDLERS = {call: f"on_{call.value}" for call in PeerCall}
+"""Each call's handler name, made once: CPython's method cache keeps a reference to the name
+of every attribute it looks up (4,096 slots, by the name object's address), so a name made
+anew for every call left a string behind in a fresh slot at each call, until every slot
+held one: a process that serves calls grew by about 60 bytes per call for thousands of
+calls (tests/test_memory.py)."""
 
 
 class ControlPlane(Protocol):

@@ -49,9 +49,10 @@ Checkpoint = Callable[..., Iterable[tuple[str, torch.Tensor]]]
 SIDES = ("trainer", "rollout")
 MAX_SPANS = 1 << 16
 """Spans kept for `take_spans` (older ones are dropped: a group nobody reads must not grow)."""
-MAX_EVENTS = 1 << 12
-"""Events kept in `TransferWorker.events` (the newest; about 1,300 updates of a trainer): a
-worker that runs for days must not grow with every update."""
+MAX_EVENTS = 128
+"""Events kept in `TransferWorker.events` (the newest: a worker logs 2-3 per update, so about
+the last 50 updates). Nothing reads them but tests and a debugger; a log that takes thousands
+of updates to fill (4,096 did) grows the process by every update until then."""
 Checksums = tuple[int, ...]
 """The checksums of writes of one round: flat records (receiving rollout's index, arena,
 offset, nbytes, checksum), five ints each. Flat ints pickle about 15x faster than a dict keyed

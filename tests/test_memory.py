@@ -1,0 +1,79 @@
+"""Memory over many updates, in one process: what the library's own code keeps per update.
+
+A group that runs for days must not grow with every update (docs/failures.md, "Memory over
+many updates"). These tests drive 120 updates through the adapters on
+`LocalControl` (no Monarch: what a mesh adds per message is measured by
+benchmarks/bench_soak.py and benchmarks/message_memory.py) and compare the Python heap
+allocated by `weightbridge` code between two points after a warm-up: every per-update
+structure (logs, records per version, futures, registry entries) must be full or empty by
+then, so nothing made by the library's code stays behind per update.
+"""
+
+import gc
+import tracemalloc
+
+import pytest
+import torch
+from tinygroup import MODES, build, checkpoint, connect, in_threads, send
+
+from weightbridge import TransferConfig
+from weightbridge.adapters.base import ADAPTER_SPANS
+from weightbridge.coordination.worker import MAX_EVENTS
+
+WARMUP, MEASURED = 80, 40
+"""Updates before the first heap snapshot, and between the two snapshots. The bounded logs
+(`MAX_EVENTS`, `ADAPTER_SPANS`) fill within the warm-up: a worker logs 3 events and, with
+`ROUND_BYTES`, 2-6 spans per update."""
+ROUND_BYTES = 24
+"""tinygroup's 74 bytes in rounds of at most 24: several rounds per update, as on a real
+model, so the span logs fill as they would there."""
+
+
+def _updates(trainers, rollouts, versions: range, ss: bool) -> None:
+    """``versions`` one after another, each moved to every rollout before the next is sent
+    (so every version is a transfer, in the staged modes too)."""
+    for v in versions:
+        got = in_threads(*send(trainers, v, ss=ss), *[
+            lambda a=a: a.wait_for_version(v, poll_interval_s=0.0002) for _, a in rollouts])
+        assert got == [None] * len(trainers) + [v] * len(rollouts), (v, got)
+
+
+def _library_heap() -> int:
+    """Bytes of live Python objects allocated by weightbridge's own code, after a full
+    collection (garbage in reference cycles is not what a structure keeps)."""
+    gc.collect()
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*/weightbridge/*")])
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+@pytest.mark.parametrize("mode", [
+    "sync", "rs",  # (the staged senders' take as long again: the full suite runs them)
+    pytest.param("ss", marks=pytest.mark.slow), pytest.param("async", marks=pytest.mark.slow)])
+def test_the_library_keeps_nothing_per_update_after_warm_up(mode):
+    ss, rs = MODES[mode]
+    config = TransferConfig(sender_staging=ss, receiver_staging=rs, round_bytes=ROUND_BYTES,
+                            timeout_s=30)
+    _, trainers, rollouts = build(config)
+    connect(trainers)
+    tracemalloc.start(1)
+    try:
+        _updates(trainers, rollouts, range(1, WARMUP + 1), ss)
+        before = _library_heap()
+        _updates(trainers, rollouts, range(WARMUP + 1, WARMUP + MEASURED + 1), ss)
+        after = _library_heap()
+    finally:
+        tracemalloc.stop()
+    for _, a in trainers + rollouts:
+        assert len(a.events) <= MAX_EVENTS and len(a.spans) <= ADAPTER_SPANS
+    # The checkpoint's last version is in every rollout, bit for bit.
+    last = checkpoint(WARMUP + MEASURED)
+    for model, a in rollouts:
+        assert a.version == WARMUP + MEASURED
+        assert all(torch.equal(p.view(torch.uint8), last[n].view(torch.uint8))
+                   for n, p in model.params.items())
+    per_update = (after - before) / MEASURED
+    # Nothing of the library's should stay per update; a few bytes of slack for what a
+    # snapshot catches in flight (a thread's frame, a free list).
+    assert per_update < 16, (f"the library's Python heap grew {after - before} B over "
+                             f"{MEASURED} updates ({per_update:.0f} B per update)")
