@@ -21,7 +21,8 @@ from weightbridge.adapters.base import ADAPTER_SPANS
 from weightbridge.coordination.worker import MAX_EVENTS
 
 WARMUP, MEASURED = 80, 40
-"""Updates before the first heap snapshot, and between the two snapshots. The bounded logs
+"""Updates before the first heap snapshot, and between each two of the three snapshots. The
+bounded logs
 (`MAX_EVENTS`, `ADAPTER_SPANS`) fill within the warm-up: a worker logs 3 events and, with
 `ROUND_BYTES`, 2-6 spans per update."""
 ROUND_BYTES = 24
@@ -59,21 +60,29 @@ def test_the_library_keeps_nothing_per_update_after_warm_up(mode):
     tracemalloc.start(1)
     try:
         _updates(trainers, rollouts, range(1, WARMUP + 1), ss)
-        before = _library_heap()
-        _updates(trainers, rollouts, range(WARMUP + 1, WARMUP + MEASURED + 1), ss)
-        after = _library_heap()
+        heaps = [_library_heap()]
+        for first in (WARMUP + 1, WARMUP + MEASURED + 1):
+            _updates(trainers, rollouts, range(first, first + MEASURED), ss)
+            heaps.append(_library_heap())
     finally:
         tracemalloc.stop()
+    last_version = WARMUP + 2 * MEASURED
     for _, a in trainers + rollouts:
         assert len(a.events) <= MAX_EVENTS and len(a.spans) <= ADAPTER_SPANS
     # The checkpoint's last version is in every rollout, bit for bit.
-    last = checkpoint(WARMUP + MEASURED)
+    last = checkpoint(last_version)
     for model, a in rollouts:
-        assert a.version == WARMUP + MEASURED
+        assert a.version == last_version
         assert all(torch.equal(p.view(torch.uint8), last[n].view(torch.uint8))
                    for n, p in model.params.items())
-    per_update = (after - before) / MEASURED
-    # Nothing of the library's should stay per update; a few bytes of slack for what a
-    # snapshot catches in flight (a thread's frame, a free list).
-    assert per_update < 16, (f"the library's Python heap grew {after - before} B over "
-                             f"{MEASURED} updates ({per_update:.0f} B per update)")
+    # Nothing of the library's should stay per update. What stays grows over both stretches;
+    # a snapshot also catches a few KB that happen to be alive then (the bounded logs' mix of
+    # entries, a frame): up to about 100 B per update of a stretch with the other xdist
+    # worker loading the CPU, under 16 B quiet. The logs this test was written for kept
+    # 2.3-2.7 KB per update.
+    grown = min(b - a for a, b in zip(heaps, heaps[1:]))
+    assert grown / MEASURED < 128, (f"the library's Python heap grew {heaps[1] - heaps[0]} B "
+                                   f"and {heaps[2] - heaps[1]} B over two stretches of "
+                                   f"{MEASURED} updates ({grown / MEASURED:.0f} B per update "
+                                   f"at least)")
+

@@ -22,6 +22,7 @@ per worker), about 20 KB. Full within the first updates, so the log stops growin
 process early: 4,096 took hundreds of updates to fill, adding about 1.5 KB per update of
 the soak's trainers and rollouts (benchmarks/bench_soak.py --trace)."""
 
+
 class AdapterWorker(TransferWorker):
     """A `TransferWorker` that reaches its peers itself: the control plane, bounded waits."""
 
