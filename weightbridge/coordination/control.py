@@ -90,11 +90,11 @@ class PeerCall(enum.Enum):
 
 
 _HANDLERS = {call: f"on_{call.value}" for call in PeerCall}
-"""Each call's handler name, made once: CPython's method cache keeps a reference to the name
-of every attribute it looks up (4,096 slots, by the name object's address), so a name made
-anew for every call left a string behind in a fresh slot at each call, until every slot
-held one: a process that serves calls grew by about 60 bytes per call for thousands of
-calls (tests/test_memory.py)."""
+"""Each call's handler name, made once: CPython 3.11's method cache keeps a reference to the
+name of each attribute it looks up (4,096 slots, chosen by the name object's address), so a
+name made anew for every call can leave a string behind in one slot after another until
+all hold one (a bounded cost, about 0.2 MB; measured on the meshes with the span and event
+logs, not alone: a plain loop here left 3.5 B per call)."""
 
 
 class ControlPlane(Protocol):
