@@ -8,13 +8,16 @@ when the group closes returns with `TransferFailed` saying so (long before its o
 stopped, even on failure.
 """
 
+import os
+import threading
 import time
 from contextlib import contextmanager
 
 import pytest
-from monarch.actor import this_host
+import torch
+from monarch.actor import endpoint, this_host
 
-from meshes.adapter_actors import RLRollout, RLTrainer
+from meshes.adapter_actors import RLRollout, RLTrainer, checkpoint
 from meshprocs import close_group, proc_pair
 from weightbridge import GroupClosed, TransferConfig, TransferGroup
 
@@ -56,6 +59,28 @@ def test_close_is_idempotent_on_every_handle():
         joining.stop().get(timeout=60)
 
 
+class _Trainer(RLTrainer):
+    """Writes ``<where>/<trainer index>`` once its send_weights waits inside (its adapter logged
+    "ready"): the actor serves no call while its send blocks, so the test learns it from a
+    file a thread of the actor's process writes."""
+
+    @endpoint
+    def train_and_send_telling(self, version: int, where: str) -> None:
+        ready = os.path.join(where, str(self.adapter.worker.index))
+        threading.Thread(target=self._tell_ready, args=(version, ready), daemon=True).start()
+        with torch.no_grad():
+            self.shard.load_weights(checkpoint(self.model, version).items())
+        self.adapter.send_weights(version)
+
+    def _tell_ready(self, version: int, ready: str) -> None:
+        end = time.monotonic() + WAIT_S
+        while time.monotonic() < end:
+            if any(e[1:] == ("ready", version) for e in self.adapter.events):
+                open(ready, "w").close()
+                return
+            time.sleep(0.005)
+
+
 @contextmanager
 def _connected(num_trainers: int, config: TransferConfig):
     """(group, trainers, rollouts): ``num_trainers`` TP trainers and one TP1 engine,
@@ -64,7 +89,7 @@ def _connected(num_trainers: int, config: TransferConfig):
         group = TransferGroup.spawn(tprocs, rprocs, engine_size=1, config=config)
         actors = []
         try:
-            trainers = tprocs.spawn("trainer", RLTrainer, "tiny", num_trainers)
+            trainers = tprocs.spawn("trainer", _Trainer, "tiny", num_trainers)
             actors.append(trainers)
             rollouts = rprocs.spawn("rollout", RLRollout, "tiny", 1)
             actors.append(rollouts)
@@ -90,20 +115,21 @@ def test_close_releases_a_rollout_waiting_for_a_version(rs):
             group.sender({}, None, None)
 
 
-def test_close_releases_trainers_waiting_in_send_weights():
+def test_close_releases_trainers_waiting_in_send_weights(tmp_path):
     # Sync, and no rollout polls: trainer 0 waits in send_weights(1) for the rollouts, trainer 1
     # for trainer 0. Before, close() released rollouts only, and the trainers waited out
-    # their own timeout_s (and then the wait for a lost trainer 0).
+    # their own timeout_s (and then the wait for a lost trainer 0). close() lands as soon as
+    # both said "ready": trainer 0 is then inside its first peer calls of the transfer (asking
+    # T1 and R0 for their inboxes, the OFFER), which waited out the peer timeout (48 s) and
+    # were reported as lost workers before the mailboxes failed them at close.
     with _connected(2, TransferConfig(timeout_s=WAIT_S, round_bytes=64 << 10)) as (
             group, trainers, _):
-        sending = [trainers.slice(worker=t).train_and_send.call_one(1) for t in range(2)]
-        # An ordering sleep, kept on purpose: waiting instead for the trainers' "ready" (a file
-        # a thread of their actors wrote) let close() land while trainer 0 was still inside a
-        # peer call (its OFFER to R0, or its READY asks to T1), and that call waited out the
-        # peer timeout (48 s) and was reported as a lost worker, not as the group closed
-        # (.ci/run of 4f4a373, 6 Dec 2026): a known gap of close(), not fixed yet. 2 s puts
-        # both trainers in their waits for the rollouts, which close() does end at once.
-        time.sleep(2.0)
+        sending = [trainers.slice(worker=t).train_and_send_telling.call_one(1, str(tmp_path))
+                   for t in range(2)]
+        end = time.monotonic() + WAIT_S
+        while len(os.listdir(tmp_path)) < 2:
+            assert time.monotonic() < end, "the trainers never waited inside send_weights(1)"
+            time.sleep(0.005)
         started = time.monotonic()
         group.close()
         for call in sending:

@@ -4,6 +4,11 @@ out without failing the caller's actor, and nothing is kept per call once it is 
 given up on."""
 
 import asyncio
+import contextvars
+import os
+import signal
+import threading
+import time
 
 import pytest
 from monarch.actor import Actor, current_rank, endpoint
@@ -77,12 +82,40 @@ class Host(Actor):
         return len(self.control._mailbox()._pending)
 
     @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
     def alive(self) -> bool:
         return True
 
     @endpoint
+    def ping_error_leaving(self, peer, group) -> tuple[str, float]:
+        """`ping_error`, while this process's agent releases the group once the ping is in
+        flight (sent, or asking ``peer``'s agent for its inbox): (its error, how long the
+        ping waited after the release)."""
+        sent = registry.calls["sent", "inbox"] + registry.calls["sent", "ping"]
+        released = []
+
+        def leave():
+            while registry.calls["sent", "inbox"] + registry.calls["sent", "ping"] == sent:
+                time.sleep(0.001)
+            group.spawned[0].release.call(group.name).get(timeout=60)
+            released.append(time.monotonic())
+
+        leaving = threading.Thread(target=contextvars.copy_context().run, args=(leave,))
+        leaving.start()
+        said = self._ping_error(peer)
+        ended = time.monotonic()
+        leaving.join(timeout=60)
+        return said, ended - released[0]
+
+    @endpoint
     def ping_error(self, peer) -> str:
         """The error of a ping to ``peer`` (its type and message), or "answered"."""
+        return self._ping_error(peer)
+
+    def _ping_error(self, peer) -> str:
         try:
             self.control.call([peer], PeerCall.PING)
         except Exception as e:  # noqa: BLE001  (a lost peer's error, whichever it is)
@@ -147,4 +180,26 @@ def test_a_first_call_to_a_peer_as_its_agent_stops_does_not_fail_the_caller(host
     said = trainer.ping_error.call_one(PEER).get(timeout=60)  # its first call to R0
     stopping.get(timeout=60)
     assert "did not answer" in said or "stopped" in said, said
+    assert trainer.alive.call_one().get(timeout=60) is True
+
+
+
+
+@pytest.mark.parametrize("inbox_known", [False, True], ids=["first-call", "inbox-known"])
+def test_a_call_waiting_when_its_process_leaves_the_group_fails_at_once(hosts, inbox_known):
+    # .ci/run of 4f4a373: `TransferGroup.close()` landed while trainer 0 was inside a peer
+    # call (asking a peer's agent for its inbox, or waiting for an answer); the call waited
+    # out the peer timeout and the transfer reported lost workers instead of the close. Its
+    # process's release now fails every call it waits on (`MailboxClosed`), at once.
+    group, trainer, rollouts, _ = hosts
+    if inbox_known:
+        assert trainer.ping.call_one([PEER]).get(timeout=60) == [True]
+    r0 = list(rollouts.pid.call().get(timeout=60).values())[0]
+    os.kill(r0, signal.SIGSTOP)  # R0's process: nothing there answers the ping below
+    try:
+        said, waited = trainer.ping_error_leaving.call_one(PEER, group).get(timeout=60)
+    finally:
+        os.kill(r0, signal.SIGCONT)
+    assert said.startswith("MailboxClosed: this process left transfer group"), said
+    assert waited < 1.0 < group.config.peer_timeout_s  # not the timeout waited out
     assert trainer.alive.call_one().get(timeout=60) is True

@@ -24,7 +24,11 @@ def recover(seq: Sequencing, version: int, error: Exception, moved: bool) -> Non
     again), re-send ``version`` where the trainers still hold it, tell every trainer; raise
     `WorkersLost`. Anything else is raised as every trainer is told it (a failed step, a
     worker's bug: `TransferFailed`; bad input, a replica mismatch: its own kind), and the
-    group is closed if bytes had moved: no engine's state is known."""
+    group is closed if bytes had moved: no engine's state is known. A group closed
+    meanwhile (`TransferGroup.close`: its calls fail as the agents stop) raises
+    `TransferFailed` saying so: nobody is lost."""
+    if seq.broken is not None:
+        raise TransferFailed(seq.broken) from error
     gone, gone_t = find_lost(seq)
     if not gone and not gone_t:
         cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

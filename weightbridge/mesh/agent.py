@@ -14,7 +14,7 @@ from monarch.actor import Actor, ActorError, endpoint
 
 from weightbridge.coordination.control import PeerCall
 from weightbridge.mesh import monarch_api, registry
-from weightbridge.mesh.mailbox import Mailbox
+from weightbridge.mesh.mailbox import Mailbox, MailboxClosed
 
 
 class TransferAgent(Actor):
@@ -31,6 +31,8 @@ class TransferAgent(Actor):
     def __init__(self):
         monarch_api.check()
         self._groups: set[str] = set()
+        self._released: set[str] = set()
+        """Groups this proc left (`release`): asking for their inbox fails at once."""
 
     @endpoint(explicit_response_port=True)
     def serve(self, port, group: str, call: PeerCall, *args) -> None:
@@ -52,6 +54,9 @@ class TransferAgent(Actor):
     def inbox(self, group: str):
         """The inbox port of this proc's `Mailbox` of ``group`` (opened on the first ask, in
         this actor's context): peers send their bounded calls there, one message each."""
+        if group in self._released:  # (a new mailbox would serve nobody: the worker is gone)
+            raise MailboxClosed(f"this proc left transfer group {group} (its agent released "
+                                f"it): nothing here answers its calls any more")
         self._groups.add(group)
         return registry.mailbox(group, lambda: Mailbox(group, serve=True)).inbox
 
@@ -61,6 +66,7 @@ class TransferAgent(Actor):
         agent's threads. With ``closed`` (why), the worker is failed first: a rollout's wait
         in ``poll_requests`` / ``wait_for_version`` or a trainer's in ``send_weights`` ends,
         and every later call raises `TransferFailed` saying ``closed``."""
+        self._released.add(group)
         worker = registry.take(group)
         on_fail = getattr(worker, "on_fail", None)
         if closed is not None and on_fail is not None:

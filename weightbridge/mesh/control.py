@@ -196,8 +196,8 @@ class MeshControl:
         return port
 
     def _ask_inbox(self, peer: WorkerId):
-        return self._agent(peer).inbox.call_one(self.group.name).get(
-            timeout=self.group.config.peer_timeout_s)
+        return self._mailbox().wait(self._agent(peer).inbox.call_one(self.group.name),
+                                    self.group.config.peer_timeout_s)
 
     def close(self) -> None:
         """End the threads of this object's own mailbox (a controller's); a worker's is its

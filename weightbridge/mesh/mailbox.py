@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 
 from monarch.actor import ActorError, Channel
@@ -31,6 +32,10 @@ from monarch.actor import ActorError, Channel
 from weightbridge.coordination.control import PeerCall
 from weightbridge.errors import describe
 from weightbridge.mesh import registry
+
+
+CLOSED_CHECK_S = 0.1
+"""How often `Mailbox.wait` looks whether the mailbox closed while it waits."""
 
 
 class Mailbox:
@@ -48,6 +53,8 @@ class Mailbox:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._closed: Exception | None = None
+        """Why this mailbox was closed (`close`); None while it is open."""
         self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
         self._ports = [self._reply]
@@ -78,6 +85,9 @@ class Mailbox:
         the returned `Pending` (forgotten here once it is done or given up on)."""
         future: Future = Future()
         with self._lock:
+            if self._closed is not None:  # (nothing would read the answer)
+                future.set_exception(self._closed)
+                return Pending(future, call)
             key = next(self._ids)
             self._pending[key] = future
         future.add_done_callback(lambda _: self._forget(key))
@@ -123,14 +133,40 @@ class Mailbox:
                 continue
             future.add_done_callback(lambda f, r=reply, k=key, c=call: _answered(r, k, c, f))
 
+    def wait(self, future, timeout: float):
+        """``future.get(timeout)`` (a Monarch future: an endpoint call this process made),
+        failing at once if this mailbox is closed meanwhile, as its own calls do."""
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            try:
+                return future.get(timeout=max(0.0, min(left, CLOSED_CHECK_S)))
+            except TimeoutError:  # (a timeout never consumes a Monarch future)
+                if self._closed is not None:
+                    raise self._closed from None
+                if left <= CLOSED_CHECK_S:
+                    raise
+
     def close(self) -> None:
-        """End the threads reading the ports; every call still waiting fails."""
+        """End the threads reading the ports; every call still waiting, and every later one,
+        fails with `MailboxClosed` (the process left the group: `TransferGroup.close`, or its
+        engine retired), at once rather than after its timeout."""
+        closed = MailboxClosed(f"this process left transfer group {self.group} (its agent "
+                               f"released it) while the call was waiting for its answer")
+        with self._lock:
+            self._closed = closed
+            pending, self._pending = list(self._pending.values()), {}
         for port in self._ports:
             port.send(None)
-        with self._lock:
-            pending, self._pending = list(self._pending.values()), {}
         for future in pending:
-            future.cancel()
+            try:
+                future.set_exception(closed)
+            except InvalidStateError:  # answered or given up on meanwhile
+                pass
+
+
+class MailboxClosed(ConnectionError):
+    """A peer call of a process whose mailbox closed (it left the group) while it waited."""
 
 
 class Pending:
