@@ -112,6 +112,10 @@ class WorkerMeshes:
         actors, procs = self.joined.pop(first)
         return self.drop_engine(actors, procs)
 
+    def owns(self, procs) -> bool:
+        """Whether ``procs`` were spawned here (and are stopped here)."""
+        return any(p is procs for p in self.owned)
+
     def drop_engine(self, actors, procs) -> list[Exception]:
         """Undo `spawn_engine` (a join whose set-up failed): forget the engine's ``actors``
         and stop them, or its ``procs`` if they were spawned here; returns what failed to
@@ -119,7 +123,7 @@ class WorkerMeshes:
         self.rollout_meshes = [(f, m) for f, m in self.rollout_meshes if m is not actors]
         self.joined = {f: (a, p) for f, (a, p) in self.joined.items() if a is not actors}
         self.actors = [m for m in self.actors if m is not actors]
-        owned = any(p is procs for p in self.owned)
+        owned = self.owns(procs)
         self.owned = [p for p in self.owned if p is not procs]
         self.foreign = [m for m in self.foreign if m is not actors]
         try:

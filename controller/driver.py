@@ -374,7 +374,7 @@ class MeshTransfer(ClosingContext):
         for f in ([mesh.train_step.call(trained) for _, mesh in self._live("trainer")]
                   if train else []):
             f.get()
-        versions = self.book.next(version, self._auto_changed(version)) if auto else versions
+        versions = self.book.holding(version, self._auto_changed(version)) if auto else versions
         if not auto:
             self._auto_digests = None  # (the next "auto" has no call of its own to compare)
         t1 = time.perf_counter()

@@ -116,7 +116,9 @@ class Membership:
         self.mt.group, self.mt.rollout_spec = group, spec
         self.mt.control.use(group)
         self.mt._use()  # (a failed join's re-plan over the others may have put a plan in force)
-        errors = [] if grown is None else group.undo_add_engines(grown)
+        # Procs spawned for the join are stopped by drop_engine, which ends its agents too.
+        errors = [] if grown is None else group.undo_add_engines(
+            grown, stop=not self.mt.meshes.owns(procs))
         if actors is not None:
             errors += self.mt.meshes.drop_engine(actors, procs)
         how = (f" (stopping its actors failed: {describe(errors[0])}; look for leftover "

@@ -67,7 +67,12 @@ class VersionBook:
                              f"increase from one update to the next")
         changed = check_changed(changed, self.known, first=self.last_sent is None,
                                 call="update")
-        if changed is None or changed == AUTO:  # ("auto": full until the checksums tell)
+        return self.holding(version, None if changed == AUTO else changed)
+
+    def holding(self, version: int, changed: frozenset[str] | None) -> Versions:
+        """What each tensor holds once ``version`` changed ``changed`` (checked by `next`, or
+        found by ``changed="auto"``'s checksums; None: every tensor)."""
+        if changed is None:
             return dict.fromkeys(self.tensors, version)
         return {t: version if t in changed else v for t, v in self.last_sent.items()}
 

@@ -102,8 +102,7 @@ def test_a_rollout_proc_lost_mid_transfer_fails_closed_and_the_survivors_go_on(
             for f in setups:
                 f.get(timeout=120)
             trainers.connect.call().get(timeout=300)
-            run = _drive(trainers, rollouts, ss)
-            _kill_stopped(tmp_path)
+            run = _drive(trainers, rollouts, ss, lambda: _kill_stopped(tmp_path))
             _check(run, ss, fault_at=float((tmp_path / "fault_at").read_text()))
     finally:
         _kill_stopped(tmp_path)
@@ -120,23 +119,40 @@ def _kill_stopped(folder: Path) -> None:
             pass
 
 
-def _drive(trainers, rollouts, ss: bool) -> dict:
-    """Versions 1..LAST from the trainers while both engines step on their own threads."""
+def _drive(trainers, rollouts, ss: bool, sent) -> dict:
+    """Versions 1..LAST from the trainers while both engines step on their own threads;
+    ``sent()`` once the last send returned (the stopped victim is killed there)."""
     records: list[dict] = []
     engine_errors: dict[int, BaseException] = {}
     failures: list[tuple[int, str, float]] = []  # (version, error, when raised)
-    stop = threading.Event()
+    stop, killed = threading.Event(), threading.Event()
+
+    def answer(call, rank: int):
+        # A call the victim took before it stopped is answered only once Monarch notices it
+        # was killed (about 25 s here): given up on once the sends are over and it is killed.
+        end = time.monotonic() + 4 * TIMEOUT_S
+        while True:
+            try:
+                return call.get(timeout=0.25)
+            except TimeoutError:
+                if rank == VICTIM and killed.is_set():
+                    raise RuntimeError(f"R{rank}'s step: its process was stopped, then killed")
+                if time.monotonic() > end:
+                    raise
 
     def generate(engine: int):
-        ranks = rollouts.flatten("rank").slice(
-            rank=slice(engine * ENGINE_TP, (engine + 1) * ENGINE_TP))
+        # A call per rank, answers taken in rank order: engine 0's first rank fails at once
+        # where its poll raises (sync), and the victim's call is given up on (`answer`).
+        flat = rollouts.flatten("rank")
+        ranks = range(engine * ENGINE_TP, (engine + 1) * ENGINE_TP)
         seed = 0
         try:
             while not stop.is_set():
-                out = ranks.step.call(seed).get(timeout=4 * TIMEOUT_S)
+                calls = [flat.slice(rank=r).step.call_one(seed) for r in ranks]
+                out = [answer(call, r) for call, r in zip(calls, ranks)]
                 seed += 1
-                records.extend(dict(r, engine=engine) for _, r in out.items())
-                if all(r["version"] == LAST for _, r in out.items()):
+                records.extend(dict(r, engine=engine) for r in out)
+                if all(r["version"] == LAST for r in out):
                     return
         except Exception as e:  # noqa: BLE001  (engine 0 is expected to end here)
             engine_errors[engine] = e
@@ -152,6 +168,8 @@ def _drive(trainers, rollouts, ss: bool) -> dict:
                     trainers.finish.call().get(timeout=6 * TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  (the error under test)
                 failures.append((v, str(e), time.monotonic()))
+        sent()
+        killed.set()
         for t in threads:
             t.join(timeout=6 * TIMEOUT_S)
     finally:

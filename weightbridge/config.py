@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_ROUND_BYTES = 8 << 20
 """Per-round fixed costs (a control message per step, one pack and one assemble launch) dominate
@@ -181,6 +181,9 @@ class TransferConfig:
     before they load their real weights, or load them again through their own loader after
     connect (one load of the checkpoint). Rollouts keep no copy either way."""
 
+    mode: Mode = field(init=False, repr=False, compare=False)
+    """SYNC, SS, RS or ASYNC, from the two staging switches (derived; not an argument)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.round_bytes, bool) or not isinstance(self.round_bytes, int) \
                 or self.round_bytes < 1:
@@ -211,12 +214,10 @@ class TransferConfig:
         for name in ("sender_staging", "receiver_staging", "checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        # Read once per round per worker by the policy questions: built here, once.
+        object.__setattr__(self, "mode", Mode.from_flags(
+            sender_staging=self.sender_staging, receiver_staging=self.receiver_staging))
 
-    @property
-    def mode(self) -> Mode:
-        """SYNC, SS, RS or ASYNC, from the two staging switches."""
-        return Mode.from_flags(sender_staging=self.sender_staging,
-                               receiver_staging=self.receiver_staging)
 
     @property
     def peer_timeout_s(self) -> float:

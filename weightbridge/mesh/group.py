@@ -151,18 +151,21 @@ class TransferGroup:
             num_engines=self.num_engines + count // self.engine_size, rollout_base=first,
             spawned=self.spawned + (agents,))
 
-    def undo_add_engines(self, grown: "TransferGroup") -> list[Exception]:
+    def undo_add_engines(self, grown: "TransferGroup", *, stop: bool = True
+                         ) -> list[Exception]:
         """Undo `add_engines` (a join whose set-up failed, `controller.MeshTransfer
         .add_engine`): stop the agents ``grown`` (what it returned) added beyond this handle
         and forget them, so `close` neither releases nor stops them again; use this handle
-        instead. Returns what failed to stop (the agents of a proc that died); each one was
+        instead. ``stop=False``: forget them only, for a caller that stops their procs next
+        (which ends them; Monarch 0.7 takes about 30 s to stop an actor mesh whose proc
+        died). Returns what failed to stop (the agents of a proc that died); each one was
         tried."""
         added = [a for a in grown.spawned if all(a is not s for s in self.spawned)]
         with self._life.lock:
             self._life.spawned = [a for a in self._life.spawned
                                   if all(a is not b for b in added)]
         errors: list[Exception] = []
-        for agents in added:
+        for agents in added if stop else ():
             _collect(errors, lambda: agents.stop().get(timeout=CLOSE_TIMEOUT_S))
         disown_faults(*added)
         return errors
