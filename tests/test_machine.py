@@ -44,7 +44,10 @@ def test_load_reads_uptime():
 
 def test_core_probe_samples_an_interval_every_period():
     with CoreProbe() as probe:
-        time.sleep(0.5)  # the child starts
+        deadline = time.monotonic() + 30
+        while not probe.samples(0.0, time.monotonic()):  # the child runs: its first sample
+            assert time.monotonic() < deadline, "the core probe took no sample within 30 s"
+            time.sleep(0.01)
         start = time.monotonic()
         time.sleep(10 * PROBE_PERIOD_S)
         end = time.monotonic()
