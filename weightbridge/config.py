@@ -218,7 +218,6 @@ class TransferConfig:
         object.__setattr__(self, "mode", Mode.from_flags(
             sender_staging=self.sender_staging, receiver_staging=self.receiver_staging))
 
-
     @property
     def peer_timeout_s(self) -> float:
         """How long one write or call to a peer may take before the peer counts as lost:

@@ -53,7 +53,7 @@ class Mailbox:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._closed: Exception | None = None
+        self._closed: str | None = None
         """Why this mailbox was closed (`close`); None while it is open."""
         self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
@@ -86,7 +86,7 @@ class Mailbox:
         future: Future = Future()
         with self._lock:
             if self._closed is not None:  # (nothing would read the answer)
-                future.set_exception(self._closed)
+                future.set_exception(MailboxClosed(self._closed))
                 return Pending(future, call)
             key = next(self._ids)
             self._pending[key] = future
@@ -143,7 +143,7 @@ class Mailbox:
                 return future.get(timeout=max(0.0, min(left, CLOSED_CHECK_S)))
             except TimeoutError:  # (a timeout never consumes a Monarch future)
                 if self._closed is not None:
-                    raise self._closed from None
+                    raise MailboxClosed(self._closed) from None
                 if left <= CLOSED_CHECK_S:
                     raise
 
@@ -151,16 +151,15 @@ class Mailbox:
         """End the threads reading the ports; every call still waiting, and every later one,
         fails with `MailboxClosed` (the process left the group: `TransferGroup.close`, or its
         engine retired), at once rather than after its timeout."""
-        closed = MailboxClosed(f"this process left transfer group {self.group} (its agent "
-                               f"released it) while the call was waiting for its answer")
         with self._lock:
-            self._closed = closed
+            self._closed = (f"this process left transfer group {self.group} (its agent "
+                            f"released it) while the call was waiting for its answer")
             pending, self._pending = list(self._pending.values()), {}
         for port in self._ports:
             port.send(None)
         for future in pending:
             try:
-                future.set_exception(closed)
+                future.set_exception(MailboxClosed(self._closed))
             except InvalidStateError:  # answered or given up on meanwhile
                 pass
 
