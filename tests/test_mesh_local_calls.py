@@ -48,7 +48,7 @@ def control():
         yield MeshControl(group), worker
     finally:
         registry.take(name)
-        registry.shutdown(name)
+        registry.shutdown(name, "the test ended")
 
 
 def _sent() -> int:

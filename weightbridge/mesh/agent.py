@@ -75,12 +75,12 @@ class TransferAgent(Actor):
         if release is not None:
             release()
         self._groups.add(group)
-        self._shutdown()
+        self._shutdown("its agent released it")
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, why: str) -> None:
         groups, self._groups = self._groups, set()
         for group in groups:
-            registry.shutdown(group)
+            registry.shutdown(group, why)
 
     def _handle_undeliverable_message(self, message) -> bool:
         """A message this agent sent for a worker of its process (`Mailbox.as_owner`) to a
@@ -90,7 +90,9 @@ class TransferAgent(Actor):
         return True
 
     def __cleanup__(self, exc) -> None:
-        self._shutdown()  # stopped without release (an actor that failed)
+        # Stopped without release: an actor that failed (Monarch fails one whose message
+        # came back undeliverable in some races), or stopped with its proc.
+        self._shutdown("its agent stopped" + (f": {exc}" if exc is not None else ""))
 
 
 def _serve(group: str, call: PeerCall, args: tuple):

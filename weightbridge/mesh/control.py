@@ -203,7 +203,7 @@ class MeshControl:
         """End the threads of this object's own mailbox (a controller's); a worker's is its
         agent's, closed with the group."""
         if self._own_box and self._box is not None:
-            self._box.close()
+            self._box.close("the controller closed it")
             self._box = None
 
     def _issue_run(self, mesh, call: PeerCall, args: tuple):

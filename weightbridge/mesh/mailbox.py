@@ -147,13 +147,14 @@ class Mailbox:
                 if left <= CLOSED_CHECK_S:
                     raise
 
-    def close(self) -> None:
+    def close(self, why: str = "its owner closed it") -> None:
         """End the threads reading the ports; every call still waiting, and every later one,
-        fails with `MailboxClosed` (the process left the group: `TransferGroup.close`, or its
-        engine retired), at once rather than after its timeout."""
+        fails with `MailboxClosed` saying ``why`` (the process left the group: its agent
+        released it at `TransferGroup.close` or an engine's retirement, or the agent
+        stopped), at once rather than after its timeout."""
         with self._lock:
-            self._closed = (f"this process left transfer group {self.group} (its agent "
-                            f"released it) while the call was waiting for its answer")
+            self._closed = (f"this process left transfer group {self.group} ({why}) while the "
+                            f"call was waiting for its answer")
             pending, self._pending = list(self._pending.values()), {}
         for port in self._ports:
             port.send(None)

@@ -93,12 +93,13 @@ def submit(group: str, call: PeerCall, fn, *args) -> Future:
     return pool.submit(fn, *args)
 
 
-def shutdown(group: str) -> None:
-    """End ``group``'s threads (those running finish their call) and close its mailbox."""
+def shutdown(group: str, why: str) -> None:
+    """End ``group``'s threads (those running finish their call) and close its mailbox
+    (``why``: what ended them, for the calls it fails)."""
     with _registered:
         box = _mailboxes.pop(group, None)
     if box is not None:
-        box.close()
+        box.close(why)
     with _pools_lock:
         pools = _pools.pop(group, {})
     for pool in pools.values():
