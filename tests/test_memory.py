@@ -22,9 +22,8 @@ from weightbridge.coordination.worker import MAX_EVENTS
 
 WARMUP, MEASURED = 80, 40
 """Updates before the first heap snapshot, and between each two of the three snapshots. The
-bounded logs
-(`MAX_EVENTS`, `ADAPTER_SPANS`) fill within the warm-up: a worker logs 3 events and, with
-`ROUND_BYTES`, 2-6 spans per update."""
+bounded logs (`MAX_EVENTS`, `ADAPTER_SPANS`) fill within the warm-up: a worker logs 3 events
+and, with `ROUND_BYTES`, 2-6 spans per update."""
 ROUND_BYTES = 24
 """tinygroup's 74 bytes in rounds of at most 24: several rounds per update, as on a real
 model, so the span logs fill as they would there."""
@@ -85,4 +84,3 @@ def test_the_library_keeps_nothing_per_update_after_warm_up(mode):
                                    f"and {heaps[2] - heaps[1]} B over two stretches of "
                                    f"{MEASURED} updates ({grown / MEASURED:.0f} B per update "
                                    f"at least)")
-

@@ -147,7 +147,7 @@ class Mailbox:
                 if left <= CLOSED_CHECK_S:
                     raise
 
-    def close(self, why: str = "its owner closed it") -> None:
+    def close(self, why: str) -> None:
         """End the threads reading the ports; every call still waiting, and every later one,
         fails with `MailboxClosed` saying ``why`` (the process left the group: its agent
         released it at `TransferGroup.close` or an engine's retirement, or the agent
