@@ -134,7 +134,7 @@ def test_an_unknown_trainer_restore_is_refused():
 def test_a_loader_that_skips_an_element_in_a_later_pass_is_refused():
     """Index passes after the first are not zeroed when the first found every element
     written: an element a later load leaves alone keeps a stale digit, decodes as another
-    element, and the verification pass (zeroed first) refuses the map."""
+    element, and the verification pass refuses the map."""
     from weightbridge import LayoutError
 
     spec = CheckpointSpec((TensorSpec("w", (40_000,), "bfloat16"),))  # two index passes
@@ -151,6 +151,36 @@ def test_a_loader_that_skips_an_element_in_a_later_pass_is_refused():
                 param.copy_(t)
     with pytest.raises(LayoutError):
         extract_source_map({"w": param}, load_weights, spec)
+
+
+def test_every_element_the_verification_load_leaves_alone_is_refused():
+    """The verification pass follows the index passes without zeroing the parameters: an
+    element its load leaves alone keeps the last index pass's digit. Each of 1024 float8
+    elements left alone in turn is refused: the digits are positive and the verification's
+    values negative. (Values of both signs would equal the digit left behind about once in
+    240 float8 elements.)"""
+    from weightbridge import LayoutError
+    from weightbridge.views import as_bits
+
+    spec = CheckpointSpec((TensorSpec("w", (32, 32), "float8_e4m3fn"),))
+    param = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    calls, skip = [], [None]
+
+    def load_weights(weights):
+        calls.append(1)
+        for _, t in weights:
+            bits = as_bits(param).view(-1)
+            kept = None if skip[0] is None else bits[skip[0]].clone()
+            param.copy_(t)
+            if kept is not None and len(calls) == last:
+                bits[skip[0]] = kept
+    extract_source_map({"w": param}, load_weights, spec)
+    last = len(calls)  # the verification pass: the probe's last load
+    for element in range(param.numel()):
+        calls.clear()
+        skip[0] = element
+        with pytest.raises(LayoutError, match=rf"element {element} "):
+            extract_source_map({"w": param}, load_weights, spec)
 
 
 @pytest.mark.parametrize("shape,index,stride", [

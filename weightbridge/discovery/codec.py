@@ -125,9 +125,10 @@ def signed_values(digits: torch.Tensor, negative: torch.Tensor, alpha: Alphabet)
     """`digits_to_values`, negated where ``negative`` (bool): only the sign bit differs, so every
     value is still a finite normal number that a copy keeps bit for bit.
 
-    The verification checkpoint uses both signs: a loader whose result depends on the sign
-    (``abs``, ``clamp(min=0)``, ``relu``) copies positive values unchanged and would pass a
-    checkpoint of positive values only.
+    The verification checkpoint is negative after the index passes (whose digits are
+    positive) and of both signs alone (`weightbridge.discovery.verify`): a loader whose result
+    depends on the sign (``abs``, ``clamp(min=0)``, ``relu``) copies positive values
+    unchanged and would pass a checkpoint of positive values only.
     """
     sign = negative.to(torch.int64) << (8 * alpha.dtype.itemsize - 1)
     return (digits + alpha.first_normal - sign).to(alpha.bits_dtype).view(alpha.dtype)

@@ -4,9 +4,9 @@ The loader is a black box. Each probe pass offers it the full checkpoint with ev
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
 indices begin (`runs`, `boxes`); parameters on a GPU are read back with one device-to-host copy
 per pass and decoded on the host, so the probe adds no device memory. A last pass loads a
-pseudo-random checkpoint of both signs
-and checks that the map reproduces every parameter bit-exactly, so a loader that changes values
-is refused here, before any transfer, instead of corrupting weights later.
+pseudo-random checkpoint of negative values (the index passes' are positive) and checks that
+the map reproduces every parameter bit-exactly, so a loader that changes values is refused
+here, before any transfer, instead of corrupting weights later.
 
 Typical usage::
 
@@ -210,7 +210,8 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
     smap = SourceMap(tuple(param_specs), tuple(pieces), tuple(unsourced),
                      tuple(t.name for t in spec.tensors if t.name not in used))
     if verify:
-        bad = verify_map(smap, get, load_weights, spec, ckpt_dtypes, holes)
+        bad = verify_map(smap, get, load_weights, spec, ckpt_dtypes, holes,
+                         after_index_passes=scales is None)
         if bad:
             refuse(bad)
     return Probed(smap, tuple((name, tuple(zip(start.tolist(), length.tolist())))
@@ -231,8 +232,8 @@ def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alph
         if holes or not verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
             # every element, later index passes skip the fill: an element a later load leaves
-            # alone would decode wrongly, and the verification pass (which zeroes first)
-            # refuses the map then; without that pass, every load is zeroed first.
+            # alone would decode wrongly, and the verification pass refuses the map then;
+            # without that pass, every load is zeroed first.
             fill_zero(get())
         load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of,
                                        buffers))

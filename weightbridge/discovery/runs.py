@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from weightbridge.discovery.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
+from weightbridge.discovery.compare import same_bits
 
 CHUNK = 1 << 20
 """Elements scanned at once: bounds the probe's temporaries to a few MB."""
@@ -180,7 +181,7 @@ class Rings:
             return s if bool((raw == raw[0]).all()) else None
         ring = self._ring(alpha, modulus, s, raw.size)
         at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
-        return s if np.array_equal(raw, ring[at:at + raw.size]) else None
+        return s if same_bits(raw, ring[at:at + raw.size]) else None
 
     def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
         """At least modulus + size values (a power of two more, at most a chunk's: the

@@ -1,7 +1,12 @@
 """The probe's last pass: load a pseudo-random checkpoint and check the map reproduces it.
 
-The index passes only see where values go; this pass sees what happens to them. Values of both
-signs catch loaders that depend on the sign (``abs``, ``relu``). For a casting loader (a piece
+The index passes only see where values go; this pass sees what happens to them. Right after
+the index passes (`verify` with ``after_index_passes``) every value is negative: the index
+passes wrote positive values only, so together they catch loaders that depend on the sign
+(``abs``, ``relu``, ``-abs``), and an element this load leaves alone still holds a positive
+digit, which no expected value equals (their sign bits differ): no zero fill is needed first.
+Alone (`weightbridge.discovery.probe.reverify`, a cached map), the parameters are zeroed first
+and the values have both signs. For a casting loader (a piece
 with ``cast_from``) the expected value is the checkpoint value cast to the parameter's dtype,
 rounding to nearest even, as torch's ``copy_`` does and as the trainer's pack reproduces; the
 random values of a cast source dtype are salted with exact rounding ties and with values in the
@@ -50,11 +55,12 @@ class Bad(NamedTuple):
 
 
 def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
-                      casts: dict[torch.dtype, set[torch.dtype]] | None = None
-                      ) -> dict[str, torch.Tensor]:
-    """Pseudo-random safe values of both signs: views into one random ring per dtype at
-    scattered offsets. ``casts`` maps a checkpoint dtype to the parameter dtypes a loader casts
-    it to; their ties and subnormals are mixed into that dtype's ring."""
+                      casts: dict[torch.dtype, set[torch.dtype]] | None = None, *,
+                      negative: bool = False) -> dict[str, torch.Tensor]:
+    """Pseudo-random safe values of both signs (``negative``: negative ones only): views into
+    one random ring per dtype at scattered offsets. ``casts`` maps a checkpoint dtype to the
+    parameter dtypes a loader casts it to; their ties and subnormals are mixed into that
+    dtype's ring (with the sign of the values they replace)."""
     gen = torch.Generator().manual_seed(_VERIFY_SEED)
     rings: dict[torch.dtype, torch.Tensor] = {}
     out = {}
@@ -72,8 +78,9 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
                 hi = min(size, lo + _DRAW_CHUNK)
                 # One draw gives magnitude and sign: draws of size and above are negative.
                 draws = torch.randint(0, 2 * alpha.size, (hi - lo,), generator=gen)
-                negative = draws >= alpha.size
-                period[lo:hi] = signed_values(draws - negative * alpha.size, negative, alpha)
+                below = draws >= alpha.size
+                period[lo:hi] = signed_values(draws - below * alpha.size,
+                                              below.fill_(True) if negative else below, alpha)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
             rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // size))
@@ -103,20 +110,29 @@ def _mantissa(dtype: torch.dtype) -> int:
 
 def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights,
            spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
-           holes: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Bad | None:
-    """Load a pseudo-random checkpoint through load_weights; the map must reproduce it."""
+           holes: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
+           after_index_passes: bool = False) -> Bad | None:
+    """Load a pseudo-random checkpoint through load_weights; the map must reproduce it.
+
+    ``after_index_passes``: the parameters still hold the probe's last index pass, which
+    wrote a positive digit into every element the map sources and left every other one zero
+    (or the loader's own non-value, which the holes check refuses). Then the values are all
+    negative and the parameters are not zeroed first (one write of the rank fewer): an
+    element this load skips keeps its positive digit, and is refused as surely as a zero.
+    Not for a block-quantizing loader: its passes leave values of both signs."""
     casts: dict[torch.dtype, set[torch.dtype]] = {}
     for piece in smap.pieces:
         if piece.cast_from is not None:
             casts.setdefault(getattr(torch, piece.cast_from), set()).add(
                 dict(get())[piece.param].dtype)
-    checkpoint = random_checkpoint(spec, dtypes, casts)
+    checkpoint = random_checkpoint(spec, dtypes, casts, negative=after_index_passes)
     blocks = {p.region.tensor: p.block for p in smap.pieces
               if p.block and scaled_tensor(p.region.tensor) is None}
     for i, (name, block) in enumerate(sorted(blocks.items())):  # quantized: telling values
         gen = torch.Generator().manual_seed(_VERIFY_SEED + i)
         checkpoint[name] = salted(spec[name].shape, dtypes[name], block, gen)
-    fill_zero(get())
+    if not after_index_passes:
+        fill_zero(get())
     load_weights(iter(checkpoint.items()))
     live = _HostCopies(get())  # compared on the host
     images: dict = {}
@@ -130,11 +146,12 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
                     f" cast from {piece.cast_from} rounding to nearest even")
             # The tensor the index probe decoded here is not named: when values changed, it
             # can be any tensor (see `_refuse`).
+            signs = "negative values" if after_index_passes else "values of both signs"
             return Bad(piece.param, bad,
                        f"parameter {piece.param!r} ({dtype_name(p.dtype)}): element {bad} "
                        f"(index {coords(bad, p.shape)}) does not hold the checkpoint value"
                        f"{cast} the probed map predicts after load_weights of a random "
-                       f"checkpoint (values of both signs"
+                       f"checkpoint ({signs}"
                        f"{', rounding ties and subnormals' if cast else ''}).")
     for name, (start, length) in holes.items():
         flat = flat_view(live[name]).view(bits_dtype(live[name].dtype))

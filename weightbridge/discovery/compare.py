@@ -1,0 +1,45 @@
+"""`same_bits`: whether two host arrays hold the same bytes, at the speed of one read of each.
+
+The probe's scans and its verification compare every parameter element with what it should
+hold, a few times per probe, so the comparison is a fixed share of the probe's time. numpy's
+``array_equal`` writes a boolean per element and reads it back; C's ``memcmp`` reads the two
+arrays once (about 1.3x faster on one core here, `docs/notes/probe-speed.md`). Arrays that are
+not both C-contiguous take numpy's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import numpy as np
+
+
+def _load_memcmp():
+    """libc's ``memcmp``, or None where no C library can be loaded."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).memcmp
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    return fn
+
+
+_MEMCMP = _load_memcmp()
+
+
+def same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    """True when ``x`` and ``y`` have one shape and dtype and the same bytes (bit for bit:
+    for float arrays, NaN equals the same NaN, and 0.0 differs from -0.0)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if _MEMCMP is None or not x.flags.c_contiguous or not y.flags.c_contiguous:
+        return bool(np.array_equal(x.view(_int_of(x.dtype)), y.view(_int_of(y.dtype))))
+    return x.nbytes == 0 or _MEMCMP(x.ctypes.data, y.ctypes.data, x.nbytes) == 0
+
+
+def _int_of(dtype: np.dtype) -> np.dtype:
+    """An integer dtype of ``dtype``'s width (compares bits, not float values)."""
+    return np.dtype(f"i{dtype.itemsize}") if dtype.kind in "fiub" else dtype
