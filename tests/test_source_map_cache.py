@@ -99,6 +99,58 @@ def test_a_kept_map_for_other_shapes_is_not_verified_as_the_live_one(tmp_path):
     assert not reverify(probed, wider.params, wider.load_weights, SPEC)
 
 
+class PaddedRank(Rank):
+    """`Rank` whose parameters have one more row, which the loader never writes (padding)."""
+
+    def __init__(self, rows=(0, 2, 4, 6), skip_row=None):
+        super().__init__(rows)
+        self.params = {n: torch.zeros(len(rows) + 1, 6, dtype=torch.bfloat16)
+                       for n in self.params}
+        self.skip_row = skip_row
+        """A row of ``w1`` this loader leaves alone (a changed loader), or None."""
+
+    def load_weights(self, weights):
+        self.count["loads"] += 1
+        for name, t in weights:
+            p = self.params[name]
+            old = p[self.skip_row].clone() if name == "w1" and self.skip_row is not None else None
+            p[:len(self.perm)].copy_(t[self.perm])
+            if old is not None:
+                p[self.skip_row] = old
+
+
+def test_a_kept_maps_check_zeroes_only_the_padding_and_still_confirms_the_map():
+    """The check of a kept map does not zero every parameter first, only the elements no
+    checkpoint element lands in: padding that holds the caller's values (here 7.0) before it
+    must not fail the check (the loader never writes it), and is zero after it."""
+    rank = PaddedRank()
+    probed = probe(rank.params, rank.load_weights, SPEC)
+    assert probed.source_map.unsourced == tuple((n, 6) for n in rank.params)
+    for p in rank.params.values():
+        p.fill_(7.0)
+    assert reverify(probed, rank.params, rank.load_weights, SPEC)
+    assert all(torch.equal(p[-1], torch.zeros(6, dtype=torch.bfloat16))
+               for p in rank.params.values())
+
+
+@pytest.mark.parametrize("before", ["real values", "the probe's values"])
+def test_a_kept_map_whose_loader_now_leaves_a_row_alone_is_refused(before):
+    """Not zeroed first, an element the load leaves alone keeps its old value: the check's
+    values are drawn afresh, so it differs from the new one even when the old value is the
+    last probe's or check's in this process (with a fixed draw, it would be the same)."""
+    rank = PaddedRank()
+    probed = probe(rank.params, rank.load_weights, SPEC)
+    changed = PaddedRank(skip_row=2)
+    if before == "real values":
+        changed.load_weights(_random_checkpoint().items())
+    else:
+        changed.params = rank.params  # as the probe left them
+    assert not reverify(probed, changed.params, changed.load_weights, SPEC)
+    assert reverify(probed, rank.params, rank.load_weights, SPEC)
+    changed.params = rank.params  # as the last check left them
+    assert not reverify(probed, changed.params, changed.load_weights, SPEC)
+
+
 def test_keys_tell_workers_loaders_settings_and_checkpoints_apart():
     rank = Rank()
     base = cache_key("rollout 0", rank.params, rank.load_weights, SPEC)

@@ -46,7 +46,8 @@ from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, chec
                                            with_threads)
 from weightbridge.discovery.runs import (CHUNK, PassRuns, Rings, Runs, merge_passes, one_run,
                                          scan_pass)
-from weightbridge.discovery.verify import Bad, coords, dtype_name, fill_zero, flat_view, on_host
+from weightbridge.discovery.verify import (Bad, Before, coords, dtype_name, fill_zero, flat_view,
+                                           on_host)
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -126,7 +127,8 @@ def reverify(probed: Probed, params: Params | Callable[[], Params], load_weights
                   for t in spec.tensors}
         holes = {name: tuple(torch.tensor(v, dtype=torch.int64) for v in zip(*ranges))
                  for name, ranges in probed.holes}
-        return verify_map(probed.source_map, get, load, spec, dtypes, holes) is None
+        return verify_map(probed.source_map, get, load, spec, dtypes, holes,
+                          Before.ANYTHING) is None
 
 
 def _extract(params: Params | Callable[[], Params], load_weights: LoadWeights,
@@ -211,7 +213,7 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
                      tuple(t.name for t in spec.tensors if t.name not in used))
     if verify:
         bad = verify_map(smap, get, load_weights, spec, ckpt_dtypes, holes,
-                         after_index_passes=scales is None)
+                         Before.INDEX_DIGITS if scales is None else Before.SIGN_PASSES)
         if bad:
             refuse(bad)
     return Probed(smap, tuple((name, tuple(zip(start.tolist(), length.tolist())))

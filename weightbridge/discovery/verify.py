@@ -1,23 +1,35 @@
 """The probe's last pass: load a pseudo-random checkpoint and check the map reproduces it.
 
-The index passes only see where values go; this pass sees what happens to them. Right after
-the index passes (`verify` with ``after_index_passes``) every value is negative: the index
-passes wrote positive values only, so together they catch loaders that depend on the sign
-(``abs``, ``relu``, ``-abs``), and an element this load leaves alone still holds a positive
-digit, which no expected value equals (their sign bits differ): no zero fill is needed first.
-Alone (`weightbridge.discovery.probe.reverify`, a cached map), the parameters are zeroed first
-and the values have both signs. For a casting loader (a piece
-with ``cast_from``) the expected value is the checkpoint value cast to the parameter's dtype,
-rounding to nearest even, as torch's ``copy_`` does and as the trainer's pack reproduces; the
-random values of a cast source dtype are salted with exact rounding ties and with values in the
-target dtype's subnormal range, so a loader that truncates, rounds ties away from zero or
-flushes subnormals is refused here rather than corrupting weights on the first update. A tensor
-a loader block-quantizes gets values whose block maxima are known, salted with values that tell
-the engine's formula from its near misses (`quantized.salted`).
+The index passes only see where values go; this pass sees what happens to them. What its load
+must show depends on what the parameters hold when it starts (`Before`):
+
+- right after the index passes (`Before.INDEX_DIGITS`), every value is negative: the index
+  passes wrote positive values only, so together they catch loaders that depend on the sign
+  (``abs``, ``relu``, ``-abs``), and an element this load leaves alone still holds a positive
+  digit, which no expected value equals (their sign bits differ): nothing is zeroed first;
+- after a block-quantizing loader's sign passes (`Before.SIGN_PASSES`: values of +-448 of
+  both signs), every parameter is zeroed first and the values have both signs;
+- alone (`Before.ANYTHING`: `weightbridge.discovery.probe.reverify` of a kept map, the
+  parameters as the caller left them), the values have both signs and are drawn afresh for
+  each check, and only the unsourced elements are zeroed (all of them for a block-quantizing
+  loader): an element the load leaves alone is missed only where its old value equals the
+  new random one, one time in the alphabet's patterns of both signs (65,024 for bf16), the
+  odds at which a wrongly mapped element goes unseen.
+
+For a casting loader (a piece with ``cast_from``) the expected value is the checkpoint value
+cast to the parameter's dtype, rounding to nearest even, as torch's ``copy_`` does and as the
+trainer's pack reproduces; the random values of a cast source dtype are salted with exact
+rounding ties and with values in the target dtype's subnormal range, so a loader that
+truncates, rounds ties away from zero or flushes subnormals is refused here rather than
+corrupting weights on the first update. A tensor a loader block-quantizes gets values whose
+block maxima are known, salted with values that tell the engine's formula from its near misses
+(`quantized.salted`).
 """
 
 from __future__ import annotations
 
+import enum
+import secrets
 from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
@@ -42,6 +54,19 @@ _TIE_EVERY, _SUBNORMAL_EVERY = 5, 35
 every 35th (never a tie) lies in its subnormal range."""
 
 
+class Before(enum.Enum):
+    """What the parameters hold when the verification load starts (module docstring)."""
+
+    INDEX_DIGITS = "the probe's last index pass"
+    SIGN_PASSES = "a block-quantizing probe's sign passes"
+    ANYTHING = "whatever the caller left there (a kept map's check)"
+
+
+MAX_HOLE_RANGES = 256
+"""`Before.ANYTHING` zeroes a parameter's unsourced ranges one by one up to this many; a
+parameter with more is zeroed whole."""
+
+
 class Bad(NamedTuple):
     """A refused element and what the probe saw there."""
 
@@ -56,12 +81,13 @@ class Bad(NamedTuple):
 
 def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
                       casts: dict[torch.dtype, set[torch.dtype]] | None = None, *,
-                      negative: bool = False) -> dict[str, torch.Tensor]:
+                      negative: bool = False, seed: int = _VERIFY_SEED
+                      ) -> dict[str, torch.Tensor]:
     """Pseudo-random safe values of both signs (``negative``: negative ones only): views into
     one random ring per dtype at scattered offsets. ``casts`` maps a checkpoint dtype to the
     parameter dtypes a loader casts it to; their ties and subnormals are mixed into that
     dtype's ring (with the sign of the values they replace)."""
-    gen = torch.Generator().manual_seed(_VERIFY_SEED)
+    gen = torch.Generator().manual_seed(seed)
     rings: dict[torch.dtype, torch.Tensor] = {}
     out = {}
     for i, t in enumerate(spec.tensors):
@@ -110,29 +136,37 @@ def _mantissa(dtype: torch.dtype) -> int:
 
 def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights,
            spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
-           holes: dict[str, tuple[torch.Tensor, torch.Tensor]], *,
-           after_index_passes: bool = False) -> Bad | None:
-    """Load a pseudo-random checkpoint through load_weights; the map must reproduce it.
+           holes: dict[str, tuple[torch.Tensor, torch.Tensor]], before: Before) -> Bad | None:
+    """Load a pseudo-random checkpoint through load_weights; the map must reproduce it, and
+    the unsourced elements (``holes``: per parameter, its (first element, count) ranges)
+    must hold zero.
 
-    ``after_index_passes``: the parameters still hold the probe's last index pass, which
-    wrote a positive digit into every element the map sources and left every other one zero
-    (or the loader's own non-value, which the holes check refuses). Then the values are all
-    negative and the parameters are not zeroed first (one write of the rank fewer): an
-    element this load skips keeps its positive digit, and is refused as surely as a zero.
-    Not for a block-quantizing loader: its passes leave values of both signs."""
+    ``before``: what the parameters hold now, which decides the values' signs and what is
+    zeroed first (module docstring). After the index passes (`Before.INDEX_DIGITS`) they
+    hold a positive digit in every element the map sources and zero in every other (or the
+    loader's own non-value, which the holes check refuses), so nothing is zeroed: one write
+    of the rank fewer."""
+    negative = before is Before.INDEX_DIGITS
     casts: dict[torch.dtype, set[torch.dtype]] = {}
     for piece in smap.pieces:
         if piece.cast_from is not None:
             casts.setdefault(getattr(torch, piece.cast_from), set()).add(
                 dict(get())[piece.param].dtype)
-    checkpoint = random_checkpoint(spec, dtypes, casts, negative=after_index_passes)
+    # A kept map's check draws afresh: the parameters may still hold this seed's values from
+    # an earlier check or probe in this process, which a skipped element would then match.
+    seed = secrets.randbits(63) if before is Before.ANYTHING else _VERIFY_SEED
+    checkpoint = random_checkpoint(spec, dtypes, casts, negative=negative, seed=seed)
     blocks = {p.region.tensor: p.block for p in smap.pieces
               if p.block and scaled_tensor(p.region.tensor) is None}
     for i, (name, block) in enumerate(sorted(blocks.items())):  # quantized: telling values
-        gen = torch.Generator().manual_seed(_VERIFY_SEED + i)
+        gen = torch.Generator().manual_seed((seed + 1 + i) % (1 << 63))
         checkpoint[name] = salted(spec[name].shape, dtypes[name], block, gen)
-    if not after_index_passes:
+    if before is Before.SIGN_PASSES or (before is Before.ANYTHING and blocks):
+        # (float8 values of a quantized block hit +-448 at every block maximum, so old values
+        # equal new ones far more often than one time in the alphabet: zero them all.)
         fill_zero(get())
+    elif before is Before.ANYTHING:
+        _zero_unsourced(get(), holes)
     load_weights(iter(checkpoint.items()))
     live = _HostCopies(get())  # compared on the host
     images: dict = {}
@@ -146,7 +180,7 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
                     f" cast from {piece.cast_from} rounding to nearest even")
             # The tensor the index probe decoded here is not named: when values changed, it
             # can be any tensor (see `_refuse`).
-            signs = "negative values" if after_index_passes else "values of both signs"
+            signs = "negative values" if negative else "values of both signs"
             return Bad(piece.param, bad,
                        f"parameter {piece.param!r} ({dtype_name(p.dtype)}): element {bad} "
                        f"(index {coords(bad, p.shape)}) does not hold the checkpoint value"
@@ -206,6 +240,21 @@ def flat_view(p: torch.Tensor) -> torch.Tensor:
 def fill_zero(params: Params) -> None:
     for p in dict(params).values():
         p.detach().zero_()
+
+
+def _zero_unsourced(params: Params, holes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                    ) -> None:
+    """Zero the unsourced ranges of each parameter (logical order); a parameter that is not
+    contiguous, or has more than `MAX_HOLE_RANGES` of them, is zeroed whole."""
+    params = dict(params)
+    for name, (start, length) in holes.items():
+        p = params[name].detach()
+        if not p.is_contiguous() or start.numel() > MAX_HOLE_RANGES:
+            p.zero_()
+            continue
+        flat = p.view(-1)
+        for s, n in zip(start.tolist(), length.tolist()):
+            flat[s:s + n].zero_()
 
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
