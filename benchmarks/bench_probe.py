@@ -52,7 +52,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="plain-load timing repeats")
     parser.add_argument("--device", choices=("cpu", "emulated-cuda"), default="cpu")
     parser.add_argument("--trainer-restore", choices=TRAINER_RESTORES, default="host-copy",
-                        help="emulated-cuda: how the probed trainer gets its weights back")
+                        help="emulated-cuda, --restart: how a probed trainer gets its weights "
+                        "back")
     parser.add_argument("--sweep", action="store_true",
                         help="the scaling table: rank sizes x TP x devices (probe_sweep)")
     parser.add_argument("--restart", action="store_true",
@@ -81,7 +82,7 @@ def main() -> None:
         return
     if args.restart:
         print(f"load before: {load()}")
-        for line in run_restart(args.model):
+        for line in run_restart(args.model, args.trainer_restore):
             print(line)
         print(f"load after: {load()}")
         return

@@ -42,18 +42,18 @@ def session(model: str, config: TransferConfig) -> tuple[float, bool]:
     return connect_s, not report.mismatched
 
 
-def run_restart(model: str) -> list[str]:
+def run_restart(model: str, trainer_restore: str = "host-copy") -> list[str]:
     """Two sessions on one new cache directory; the lines to print."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with tempfile.TemporaryDirectory(prefix="wb-maps-") as directory:
-        config = TransferConfig(source_map_cache=directory)
+        config = TransferConfig(source_map_cache=directory, trainer_restore=trainer_restore)
         first_s, first_ok = session(model, config)
         kept = _entries(Path(directory))
         again_s, again_ok = session(model, config)
         rewritten = sum(_entries(Path(directory)).get(k) != t for k, t in kept.items())
     ratio = again_s / first_s
     return [f"model {model}: trainer [{TRAINER}], rollout [{ROLLOUT}], cache entries "
-            f"{len(kept)}",
+            f"{len(kept)}, trainer_restore={trainer_restore!r}",
             f"first connect (probe every worker, plan, buffers): {first_s:.2f} s; one update "
             f"{'bit-exact' if first_ok else 'MISMATCHED'}",
             f"restart connect (kept maps verified, plan, buffers): {again_s:.2f} s; entries "
