@@ -238,8 +238,8 @@ class TransferWorker:
         real), since it sends them, unless its config says ``trainer_restore="none"`` (it
         loads them after connect). A rollout keeps no copy: its first update writes every
         element that a checkpoint element lands in; the others (padding) hold zero after the
-        probe, which zeroes every parameter before each of its loads and refuses a loader that
-        writes a non-zero value there. A rollout parameter no checkpoint element lands in at
+        probe or the check of a kept map, which zero them and refuse a loader that writes a
+        non-zero value there. A rollout parameter no checkpoint element lands in at
         all is warned about by name (`UnsourcedParameter`): its value is lost to the probe.
         """
         if how not in SOURCE_MAP_WAYS:
