@@ -63,12 +63,12 @@ def main() -> None:
                         help="tiny loaders: ours against wbridge 0.1.0's probe (probe_tiny)")
     parser.add_argument("--wbridge-path", help="--tiny: a folder holding the wbridge package "
                         "(pip install --target DIR wbridge==0.1.0 --no-deps)")
-    parser.add_argument("--row", help=argparse.SUPPRESS)  # one sweep row: device,mib,tp
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # one sweep row: device,mib,tp,split
     parser.add_argument("--tiny-row", help=argparse.SUPPRESS)  # one tiny row: impl,loader
     args = parser.parse_args()
     if args.row:
-        device, mib, tp = args.row.split(",")
-        print("ROW " + json.dumps(measure(device, float(mib), int(tp))))
+        device, mib, tp, split = args.row.split(",")
+        print("ROW " + json.dumps(measure(device, float(mib), int(tp), split)))
         return
     if args.tiny_row:
         impl, kind = args.tiny_row.split(",")

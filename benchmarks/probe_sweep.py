@@ -29,11 +29,15 @@ from weightbridge.testing import emulated_cuda
 
 ROWS, COLS = 4096, 1024
 """Every checkpoint tensor: 4096 x 1024 bf16 (8 MiB)."""
-SWEEP = (("cpu", 256, 1), ("cpu", 256, 2), ("cpu", 256, 4), ("cpu", 256, 8),
-         ("cpu", 64, 8), ("cpu", 1024, 1), ("cpu", 1, 2),
-         ("emulated-cuda", 256, 2), ("emulated-cuda", 256, 8), ("emulated-cuda", 64, 8))
-"""(device, checkpoint MiB, TP degree): ranks of 8 MiB to 1 GiB on CPU (the last CPU row is a
-tiny loader, a 0.5 MiB rank of 8 tensors of 128 x 512), three on the emulated CUDA device."""
+SWEEP = (("cpu", 256, 1, "rows"), ("cpu", 256, 2, "rows"), ("cpu", 256, 4, "rows"),
+         ("cpu", 256, 8, "rows"), ("cpu", 64, 8, "rows"), ("cpu", 1024, 1, "rows"),
+         ("cpu", 1, 2, "rows"), ("cpu", 256, 2, "cols"), ("cpu", 256, 8, "cols"),
+         ("emulated-cuda", 256, 2, "rows"), ("emulated-cuda", 256, 8, "rows"),
+         ("emulated-cuda", 64, 8, "rows"))
+"""(device, checkpoint MiB, TP degree, split): ranks of 8 MiB to 1 GiB on CPU (the last
+"rows" row on CPU is a tiny loader, a 0.5 MiB rank of 8 tensors of 128 x 512), two
+row-parallel ranks ("cols": each row a slice-copy of its own), three on the emulated CUDA
+device."""
 TARGET_RATIO, TARGET_SHARE, TARGET_SLACK = 6.0, 0.25, 64 << 20
 """Issue 41: probe <= 6x a plain load; extra host memory <= 0.25x the rank + 64 MiB; extra
 device memory <= 0.25x the rank."""
@@ -71,27 +75,34 @@ class PeakRss:
 
 
 class ShardedRank:
-    """Rank ``rank`` of ``tp`` of a checkpoint of equal 2-d tensors, sharded by rows."""
+    """Rank ``rank`` of ``tp`` of a checkpoint of equal 2-d tensors, sharded by rows
+    (``split="rows"``: a column-parallel layer, one slice-copy per tensor) or by columns
+    (``"cols"``: a row-parallel layer, one slice-copy per row)."""
 
-    def __init__(self, checkpoint_mib: float, tp: int, rank: int, device: str):
+    def __init__(self, checkpoint_mib: float, tp: int, rank: int, device: str,
+                 split: str = "rows"):
         rows, cols = (ROWS, COLS) if checkpoint_mib >= 8 else (128, 512)
         num = max(1, round(checkpoint_mib * 2**20 / (rows * cols * 2)))
         self.spec = CheckpointSpec(tuple(TensorSpec(f"layers.{i}.weight", (rows, cols),
                                                     "bfloat16") for i in range(num)))
-        self.lo, self.hi = rank * rows // tp, (rank + 1) * rows // tp
-        self.params = {t.name: torch.empty(self.hi - self.lo, cols, dtype=torch.bfloat16,
+        size = rows if split == "rows" else cols
+        lo, hi = rank * size // tp, (rank + 1) * size // tp
+        self.index = slice(lo, hi) if split == "rows" else (slice(None), slice(lo, hi))
+        shape = (hi - lo, cols) if split == "rows" else (rows, hi - lo)
+        self.params = {t.name: torch.empty(shape, dtype=torch.bfloat16,
                                            device=device).fill_(1.0) for t in self.spec.tensors}
 
     def load_weights(self, weights) -> None:
         for name, tensor in weights:
-            self.params[name].copy_(tensor[self.lo:self.hi])
+            self.params[name].copy_(tensor[self.index])
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params.values())
 
 
-def measure(device: str, checkpoint_mib: float, tp: int, repeats: int = 5) -> dict:
+def measure(device: str, checkpoint_mib: float, tp: int, split: str = "rows",
+            repeats: int = 5) -> dict:
     """One row, in this process: probe time, plain-load time, peak extra host/device bytes."""
     # One torch thread for the loads and the probe alike: on a shared machine a parallel op
     # waits for a busy core, and the plain load's times then spread over 20x.
@@ -99,7 +110,7 @@ def measure(device: str, checkpoint_mib: float, tp: int, repeats: int = 5) -> di
     emulated = device == "emulated-cuda"
     if emulated:
         emulated_cuda.activate()
-    rank = ShardedRank(checkpoint_mib, tp, tp - 1, "cuda" if emulated else "cpu")
+    rank = ShardedRank(checkpoint_mib, tp, tp - 1, "cuda" if emulated else "cpu", split)
     device_base = emulated_cuda.memory.current
     emulated_cuda.memory.reset_peak()
     base = PeakRss.now()
@@ -113,7 +124,7 @@ def measure(device: str, checkpoint_mib: float, tp: int, repeats: int = 5) -> di
     checkpoint = {t.name: torch.randn(t.shape, generator=gen).bfloat16()
                   for t in rank.spec.tensors}
     load_s = min(_timed(lambda: rank.load_weights(checkpoint.items())) for _ in range(repeats))
-    return {"device": device, "tp": tp, "rank_bytes": rank.nbytes, "probe_s": probe_s,
+    return {"device": device, "tp": tp, "split": split, "rank_bytes": rank.nbytes, "probe_s": probe_s,
             "load_s": load_s, "host_bytes": host, "device_bytes": dev,
             "pieces": len(smap.pieces)}
 
@@ -125,14 +136,16 @@ def _timed(fn) -> float:
 
 
 def run_sweep(script: str, rows=SWEEP) -> list[dict]:
-    """Every row in a fresh process (``script --row device,mib,tp``); prints each as it ends."""
+    """Every row in a fresh process (``script --row device,mib,tp,split``); prints each as
+    it ends."""
     out = []
-    for device, mib, tp in rows:
-        proc = subprocess.run([sys.executable, script, "--row", f"{device},{mib},{tp}"],
+    for device, mib, tp, split in rows:
+        proc = subprocess.run([sys.executable, script, "--row", f"{device},{mib},{tp},{split}"],
                               capture_output=True, text=True, env=dict(os.environ))
         line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
         if proc.returncode or line is None:
-            raise RuntimeError(f"sweep row {device},{mib},{tp} failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"sweep row {device},{mib},{tp},{split} failed:\n"
+                               f"{proc.stderr[-3000:]}")
         out.append(json.loads(line[4:]))
         print(format_row(out[-1]), flush=True)
     return out
@@ -144,12 +157,12 @@ def format_row(r: dict) -> str:
     host = r["host_bytes"] / r["rank_bytes"]
     budget = TARGET_SHARE * r["rank_bytes"] + TARGET_SLACK
     memory_ok = r["host_bytes"] <= budget and r["device_bytes"] <= TARGET_SHARE * r["rank_bytes"]
-    return (f"| {r['device']} | {r['tp']} | {mib:.1f} MiB | {r['probe_s']:.3f} s | "
+    return (f"| {r['device']} | {r['tp']} {r['split']} | {mib:.1f} MiB | {r['probe_s']:.3f} s | "
             f"{r['load_s']:.4f} s | {ratio:.1f} {'yes' if ratio <= TARGET_RATIO else 'NO'} | "
             f"{r['host_bytes'] / 2**20:.1f} MiB ({host:.2f}x) | "
             f"{r['device_bytes'] / r['rank_bytes']:.2f}x | {'yes' if memory_ok else 'NO'} |")
 
 
-HEADER = ("| device | tp | rank | probe | plain load (best of 5) | ratio (target <= 6) | "
+HEADER = ("| device | tp, split | rank | probe | plain load (best of 5) | ratio (target <= 6) | "
           "peak extra host | peak extra device | memory within targets (host <= 0.25x + "
           "64 MiB, device <= 0.25x) |\n|---|---|---|---|---|---|---|---|---|")

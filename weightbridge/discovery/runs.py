@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from weightbridge.discovery.codec import NO_SOURCE, Alphabet, crt, decode, raw_digits
-from weightbridge.discovery.compare import same_bits
+from weightbridge.discovery import rows
+from weightbridge.discovery.compare import first_difference, same_bits
 
 CHUNK = 1 << 20
 """Elements scanned at once: bounds the probe's temporaries to a few MB."""
@@ -73,14 +74,18 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
     are the raw patterns minus a constant, so a new stretch can only begin where the raw first
     difference changes or validity changes. Only at those few candidates are residues
     computed exactly (a wrap past the modulus changes the raw difference but not the residue
-    step, and is dropped there).
+    step, and is dropped there). A chunk whose boundaries come close together (short rows of
+    a row-parallel shard) tries the row path first (`_rows`): the exact path over a prefix,
+    then one comparison with the rows it shows.
     """
     n = values.numel()
     starts, rels, prev_digits, cur_digits = [], [], [], []
     uniform = True  # every chunk took the fast path (with one step: chunks overlap)
-    chunks = [(lo, min(n, lo + CHUNK)) for lo in range(1, n, CHUNK)][::-1]
+    # (first relation, end, whether the row path may try it: not in the halves of a chunk it
+    # found no rows in)
+    chunks = [(lo, min(n, lo + CHUNK), True) for lo in range(1, n, CHUNK)][::-1]
     while chunks:  # a stack, in element order: the first chunk on top
-        lo, hi = chunks.pop()
+        lo, hi, try_rows = chunks.pop()
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
@@ -92,34 +97,24 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
                 starts.append(torch.tensor([1])), rels.append(torch.tensor([even]))
                 prev_digits.append(torch.tensor([d0])), cur_digits.append(torch.tensor([d1]))
             continue
-        if rings is not None and hi - lo >= 2 * FAST_MIN:
+        found = None
+        if (rings is not None and try_rows and bits.numel() >= 2 * ROW_PREFIX
+                and modulus <= MAX_RING_MODULUS and rings.breaks_early(bits, alpha, modulus)):
+            found, end = _rows(bits, base, lo < 2, alpha, modulus, rings)
+            try_rows = found is not None  # (no rows at its start: none in its halves either)
+            if found is not None and end < hi:  # the rows end there: go on from it
+                chunks.append((end, hi, True))
+        if found is None and rings is not None and hi - lo >= 2 * FAST_MIN:
             # A copy boundary somewhere inside: halve it, so that only the pieces around
             # boundaries take the exact path (the halves overlap as chunks do).
             mid = (lo + hi) // 2
-            chunks += [(mid, hi), (lo, mid)]
+            chunks += [(mid, hi, try_rows), (lo, mid, try_rows)]
             continue
         uniform = False
-        # Raw-bit differences equal digit differences (the constant offset cancels; wrapping
-        # is fine), so the digits themselves are needed only at the candidates.
-        step = bits[1:] - bits[:-1]  # relation j: element base+j to base+j+1
-        cand = torch.ones(step.numel(), dtype=torch.bool)
-        torch.ne(step[1:], step[:-1], out=cand[1:])
-        valid = None  # a chunk that is all sourced (the common case) skips the validity pass
-        if not (int(bits.min()) >= alpha.first_normal
-                and int(bits.max()) < alpha.first_normal + modulus):
-            valid = _valid(bits, alpha, modulus)
-            cand[1:] |= (valid[2:] != valid[1:-1]) | (valid[1:-1] != valid[:-2])
-        if lo >= 2:
-            cand[0] = False  # relation lo-1 was judged with the previous chunk
-        j = torch.nonzero(cand).squeeze(1)
-        x = _exact(bits, valid, j, alpha, modulus)  # digits at elements j-1, j, j+1 (local)
-        rel_here = _relation(x[1], x[2], modulus)
-        rel_before = _relation(x[0], x[1], modulus)
-        new = (rel_here != rel_before) | (j == 0)
-        starts.append(j[new] + base + 1)  # element index of the relation's later element
-        rels.append(rel_here[new])
-        prev_digits.append(x[1][new])
-        cur_digits.append(x[2][new])
+        if found is None:
+            found = exact_stretches(bits, base, lo < 2, alpha, modulus)
+        for out, x in zip((starts, rels, prev_digits, cur_digits), found):
+            out.append(x)
     if n <= 1:
         first = decode(_host_chunk(values, 0, 1, alpha).view(alpha.dtype), alpha, modulus)
         return PassRuns(torch.zeros(1, dtype=torch.int64), first,
@@ -183,6 +178,22 @@ class Rings:
         at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
         return s if same_bits(raw, ring[at:at + raw.size]) else None
 
+    def breaks_early(self, bits: torch.Tensor, alpha: Alphabet, modulus: int) -> bool:
+        """Whether neither of the first two runs of `ROW_GATE` elements of ``bits`` is one
+        slice-copy: copy boundaries come close together there (not one boundary near the
+        start of a long copy), and the row path may pay."""
+        return all(self._breaks(bits[k * ROW_GATE:(k + 1) * ROW_GATE].numpy(), alpha, modulus)
+                   for k in range(2))
+
+    def _breaks(self, raw: np.ndarray, alpha: Alphabet, modulus: int) -> bool:
+        d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
+        if not (0 <= d0 < modulus and 0 <= d1 < modulus) or d0 == d1:
+            return True
+        s = (d1 - d0) % modulus
+        ring = self._ring(alpha, modulus, s, raw.size)
+        at = d0 * pow(s, -1, modulus) % modulus
+        return not same_bits(raw, ring[at:at + raw.size])
+
     def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
         """At least modulus + size values (a power of two more, at most a chunk's: the
         halved chunks around copy boundaries get small rings)."""
@@ -204,11 +215,74 @@ class Rings:
 FAST_MIN = 1 << 16
 """Chunks shorter than this take the exact path (`Rings`); longer ones that fail the ring
 comparison are halved down to it."""
+ROW_PREFIX = 1 << 14
+"""Elements of a chunk the row path reads with the exact path before assuming rows (rows of
+up to a few thousand elements show `rows.MIN_ROWS` times in it)."""
+ROW_GATE = 1 << 12
+"""The row path tries a chunk only if neither of its first two runs of this many elements
+is one slice-copy."""
 MAX_RINGS = 4
 """Rings kept at once: each is (modulus + `CHUNK`) raw values, about 2 MiB for bf16."""
 MAX_RING_MODULUS = 46_340
 """Larger moduli (float32's) have no ring: their chunks take the exact path. (The 8- and
 16-bit alphabets' moduli are below it; its square fits an int32.)"""
+
+
+def _rows(bits: torch.Tensor, base: int, first: bool, alpha: Alphabet, modulus: int,
+          rings: Rings) -> tuple[tuple[torch.Tensor, ...] | None, int]:
+    """The row path (`weightbridge.discovery.rows`) over one chunk whose copy boundaries
+    come close together: the exact path over its first `ROW_PREFIX` elements, then, if those
+    end in rows of one pattern, one comparison of the rest with the pattern. Returns the
+    stretches (as `exact_stretches`) of the chunk's relations up to ``end`` (exclusive: the
+    first element that breaks the pattern, or the chunk's end), and ``end``; (None, 0) when
+    the prefix shows no rows or they break inside it."""
+    prefix = exact_stretches(bits[:ROW_PREFIX], base, first, alpha, modulus)
+    pattern = rows.find_rows(prefix[0], prefix[1], prefix[3], modulus)
+    if pattern is None:
+        return None, 0
+    ring = rings._ring(alpha, modulus, pattern.step, pattern.length)
+    raw, offset, block = bits.numpy()[pattern.start - base:], 0, ROW_PREFIX
+    while offset < raw.size:  # in growing blocks: the rows may end long before the chunk
+        count = min(block, raw.size - offset)
+        wrong = first_difference(raw[offset:offset + count],
+                                 rows.expected_bits(pattern, ring, offset, count))
+        if wrong is not None:
+            offset += wrong
+            break
+        offset, block = offset + count, 2 * block
+    end = pattern.start + offset
+    if end <= base + ROW_PREFIX:  # (the pattern the prefix ends in breaks inside it)
+        return None, 0
+    rest = rows.row_stretches(pattern, base + ROW_PREFIX, end)
+    return tuple(torch.cat([a, b]) for a, b in zip(prefix, rest)), end
+
+
+def exact_stretches(bits: torch.Tensor, base: int, first: bool, alpha: Alphabet,
+                    modulus: int) -> tuple[torch.Tensor, ...]:
+    """The exact path over one chunk (``bits``: elements base, base + 1, ...): the stretches
+    that start among its relations, as (relation, its residue step or code, digit of the
+    element before, digit of the element after). Relation base + 1 is the previous chunk's
+    (judged there, with the element before it) unless ``first``.
+
+    Raw-bit differences equal digit differences (the constant offset cancels; wrapping is
+    fine), so the digits themselves are needed only at the candidates."""
+    step = bits[1:] - bits[:-1]  # relation j: element base+j to base+j+1
+    cand = torch.ones(step.numel(), dtype=torch.bool)
+    torch.ne(step[1:], step[:-1], out=cand[1:])
+    valid = None  # a chunk that is all sourced (the common case) skips the validity pass
+    if not (int(bits.min()) >= alpha.first_normal
+            and int(bits.max()) < alpha.first_normal + modulus):
+        valid = _valid(bits, alpha, modulus)
+        cand[1:] |= (valid[2:] != valid[1:-1]) | (valid[1:-1] != valid[:-2])
+    if not first:
+        cand[0] = False  # relation base+1 was judged with the previous chunk
+    j = torch.nonzero(cand).squeeze(1)
+    x = _exact(bits, valid, j, alpha, modulus)  # digits at elements j-1, j, j+1 (local)
+    rel_here = _relation(x[1], x[2], modulus)
+    rel_before = _relation(x[0], x[1], modulus)
+    new = (rel_here != rel_before) | (j == 0)
+    # (the relation's index is the element index of its later element)
+    return j[new] + base + 1, rel_here[new], x[1][new], x[2][new]
 
 
 def _valid(bits: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:
