@@ -87,13 +87,12 @@ def row_stretches(pattern: RowPattern, lo: int, hi: int) -> tuple[torch.Tensor, 
     p, length = pattern.modulus, pattern.length
     first = max(0, -(-(lo - 1 - pattern.start) // length))  # first row with start + 1 >= lo
     last = (hi - 1 - pattern.start) // length  # last row starting at or before hi - 1
-    rows = np.arange(first, last + 1)
+    rows = torch.arange(first, last + 1, dtype=torch.int64)
     row_start = pattern.start + rows * length
-    d = pattern.row_digits(rows)
-    relation = np.stack([row_start, row_start + 1], 1).reshape(-1)
-    rel = np.tile([pattern.jump, pattern.step], rows.size)
-    before = np.stack([(d - pattern.jump) % p, d], 1).reshape(-1)
-    after = np.stack([d, (d + pattern.step) % p], 1).reshape(-1)
+    d = (pattern.digit + rows * pattern.advance) % p
+    relation = torch.stack([row_start, row_start + 1], 1).reshape(-1)
+    rel = torch.tensor([pattern.jump, pattern.step]).repeat(rows.numel())
+    before = torch.stack([(d - pattern.jump) % p, d], 1).reshape(-1)
+    after = torch.stack([d, (d + pattern.step) % p], 1).reshape(-1)
     keep = (relation >= lo) & (relation < hi)
-    return tuple(torch.from_numpy(np.ascontiguousarray(x[keep], dtype=np.int64))
-                 for x in (relation, rel, before, after))
+    return relation[keep], rel[keep], before[keep], after[keep]

@@ -241,7 +241,7 @@ def _rows(bits: torch.Tensor, base: int, first: bool, alpha: Alphabet, modulus: 
     if pattern is None:
         return None, 0
     ring = rings._ring(alpha, modulus, pattern.step, pattern.length)
-    raw, offset, block = bits.numpy()[pattern.start - base:], 0, ROW_PREFIX
+    raw, offset, block = bits.numpy()[pattern.start - base:], 0, 4 * ROW_PREFIX
     while offset < raw.size:  # in growing blocks: the rows may end long before the chunk
         count = min(block, raw.size - offset)
         wrong = first_difference(raw[offset:offset + count],
