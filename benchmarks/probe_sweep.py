@@ -124,8 +124,8 @@ def measure(device: str, checkpoint_mib: float, tp: int, split: str = "rows",
     checkpoint = {t.name: torch.randn(t.shape, generator=gen).bfloat16()
                   for t in rank.spec.tensors}
     load_s = min(_timed(lambda: rank.load_weights(checkpoint.items())) for _ in range(repeats))
-    return {"device": device, "tp": tp, "split": split, "rank_bytes": rank.nbytes, "probe_s": probe_s,
-            "load_s": load_s, "host_bytes": host, "device_bytes": dev,
+    return {"device": device, "tp": tp, "split": split, "rank_bytes": rank.nbytes,
+            "probe_s": probe_s, "load_s": load_s, "host_bytes": host, "device_bytes": dev,
             "pieces": len(smap.pieces)}
 
 
