@@ -81,6 +81,9 @@ class ShardedRank:
 
     def __init__(self, checkpoint_mib: float, tp: int, rank: int, device: str,
                  split: str = "rows"):
+        if split not in ("rows", "cols"):
+            raise ValueError(f"split must be 'rows' (column-parallel) or 'cols' (row-parallel), "
+                             f"got {split!r}")
         rows, cols = (ROWS, COLS) if checkpoint_mib >= 8 else (128, 512)
         num = max(1, round(checkpoint_mib * 2**20 / (rows * cols * 2)))
         self.spec = CheckpointSpec(tuple(TensorSpec(f"layers.{i}.weight", (rows, cols),

@@ -2,9 +2,9 @@
 
 A row-parallel shard (``param.copy_(tensor[:, lo:hi])``: vLLM's ``o_proj`` and stacked
 ``w2_weight``, Megatron's row-parallel layers) is one short slice-copy per row: its digits
-advance by a step s inside a row and jump by the same amount from each row to the next. The
-1-d ring comparison (`runs.Rings.constant_step`) fails on every chunk of it, and the exact path
-costs some 30 times a memcpy per element. Here the exact path reads only a prefix of the
+advance by a step s inside a row and by the same jump at every row start. The 1-d ring
+comparison (`runs.Rings.constant_step`) fails on every chunk of it, and the exact path costs
+several times a comparison per element. Here the exact path reads only a prefix of the
 chunk; when its stretches end in at least `MIN_ROWS` rows of one pattern (`find_rows`), the
 rest of the chunk is compared at once with the pattern's digits, gathered row by row from the
 ring of step s (`expected_bits`), and its stretches are written down without reading it again
@@ -89,7 +89,7 @@ def row_stretches(pattern: RowPattern, lo: int, hi: int) -> tuple[torch.Tensor, 
     last = (hi - 1 - pattern.start) // length  # last row starting at or before hi - 1
     rows = torch.arange(first, last + 1, dtype=torch.int64)
     row_start = pattern.start + rows * length
-    d = (pattern.digit + rows * pattern.advance) % p
+    d = torch.from_numpy(pattern.row_digits(rows.numpy()))
     relation = torch.stack([row_start, row_start + 1], 1).reshape(-1)
     rel = torch.tensor([pattern.jump, pattern.step]).repeat(rows.numel())
     before = torch.stack([(d - pattern.jump) % p, d], 1).reshape(-1)

@@ -165,7 +165,17 @@ class Rings:
         its predecessor plus s (mod the modulus), all of them sourced; else None."""
         if bits.numel() < FAST_MIN or modulus > MAX_RING_MODULUS:
             return None
-        raw = bits.numpy()
+        return self._step(bits.numpy(), alpha, modulus)
+
+    def breaks_early(self, bits: torch.Tensor, alpha: Alphabet, modulus: int) -> bool:
+        """Whether neither of the first two runs of `ROW_GATE` elements of ``bits`` is one
+        slice-copy: copy boundaries come close together there (not one boundary near the
+        start of a long copy), and the row path may pay."""
+        return all(self._step(bits[k * ROW_GATE:(k + 1) * ROW_GATE].numpy(), alpha,
+                              modulus) is None for k in range(2))
+
+    def _step(self, raw: np.ndarray, alpha: Alphabet, modulus: int) -> int | None:
+        """`constant_step` of raw bits of any length."""
         d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
         if not (0 <= d0 < modulus and 0 <= d1 < modulus):
             return None
@@ -177,22 +187,6 @@ class Rings:
         ring = self._ring(alpha, modulus, s, raw.size)
         at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
         return s if same_bits(raw, ring[at:at + raw.size]) else None
-
-    def breaks_early(self, bits: torch.Tensor, alpha: Alphabet, modulus: int) -> bool:
-        """Whether neither of the first two runs of `ROW_GATE` elements of ``bits`` is one
-        slice-copy: copy boundaries come close together there (not one boundary near the
-        start of a long copy), and the row path may pay."""
-        return all(self._breaks(bits[k * ROW_GATE:(k + 1) * ROW_GATE].numpy(), alpha, modulus)
-                   for k in range(2))
-
-    def _breaks(self, raw: np.ndarray, alpha: Alphabet, modulus: int) -> bool:
-        d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
-        if not (0 <= d0 < modulus and 0 <= d1 < modulus) or d0 == d1:
-            return True
-        s = (d1 - d0) % modulus
-        ring = self._ring(alpha, modulus, s, raw.size)
-        at = d0 * pow(s, -1, modulus) % modulus
-        return not same_bits(raw, ring[at:at + raw.size])
 
     def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
         """At least modulus + size values (a power of two more, at most a chunk's: the
