@@ -52,6 +52,26 @@ def test_a_chunk_that_breaks_its_step_takes_the_exact_path(monkeypatch):
         (0, (0,), (2500,)), (2500, (17,), (1,)), (2501, (2501,), (2499,))]
 
 
+
+@pytest.mark.parametrize("at", [40_000, 65_533, 100_000, 299_990])
+def test_an_element_out_of_step_past_the_first_period_of_a_chunk_is_found(at):
+    """The ring comparison reads one period of a chunk (the modulus, about 32K digits for
+    bf16) against the ring and the rest against the chunk itself one period earlier, and so
+    does the search for where a failed chunk's step breaks (`Rings.steady_prefix`): an
+    element out of step in a later period must still break the run, and be its own piece."""
+    n = 300_000
+    spec = CheckpointSpec((TensorSpec("w", (n,), "bfloat16"),))
+    param = torch.zeros(n, dtype=torch.bfloat16)
+    order = torch.arange(n)
+    order[at] = 17
+
+    def load_weights(weights):
+        for _, t in weights:
+            param.copy_(t[order])
+    smap = extract_source_map({"w": param}, load_weights, spec)
+    assert sorted((p.offset, p.region.start, p.region.count) for p in smap.pieces) == [
+        (0, (0,), (at,)), (at, (17,), (1,)), (at + 1, (at + 1,), (n - at - 1,))]
+
 def _rank(device: str):
     spec = CheckpointSpec(tuple(TensorSpec(f"w{i}", (64, 512), "bfloat16") for i in range(4)))
     params = {t.name: torch.ones(32, 512, dtype=torch.bfloat16, device=device)
