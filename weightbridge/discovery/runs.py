@@ -109,20 +109,22 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
         if (found is None and rings is not None and hi - lo >= 2 * FAST_MIN
                 and modulus <= MAX_RING_MODULUS):
             # A copy boundary somewhere inside: no stretch starts before the first element
-            # out of the step the chunk starts with. Far in, go on from there (its chunk
-            # starts at the boundary); near the start, the exact path takes the first
-            # FAST_MIN elements and the rest is a chunk of its own (overlapping as chunks do).
+            # out of the step the chunk starts with. The exact path takes FAST_MIN elements
+            # from there on (from the chunk's start when that is near), and the rest is a
+            # chunk of its own (overlapping as chunks do).
             uniform = False
-            cut = base + rings.steady_prefix(bits, alpha, modulus)
-            if cut >= lo + FAST_MIN:
-                if lo < 2:
-                    for out, x in zip((starts, rels, prev_digits, cur_digits),
-                                      _first_stretch(bits, alpha, modulus)):
-                        out.append(x)
-                chunks.append((cut, hi, try_rows))
-                continue
-            chunks.append((lo + FAST_MIN, hi, try_rows))
-            bits = bits[:lo + FAST_MIN - base]
+            start = base + rings.steady_prefix(bits, alpha, modulus)
+            if start < lo + FAST_MIN:
+                start = lo
+            elif lo < 2:  # the first stretch, at relation 1, is in the part skipped
+                for out, x in zip((starts, rels, prev_digits, cur_digits),
+                                  _first_stretch(bits, alpha, modulus)):
+                    out.append(x)
+            end = min(hi, start + FAST_MIN)
+            if end < hi:
+                chunks.append((end, hi, try_rows))
+            skip = max(start - 2, 0) - base
+            bits, base, lo = bits[skip:end - base], base + skip, start
         uniform = False
         if found is None:
             found = exact_stretches(bits, base, lo < 2, alpha, modulus)
