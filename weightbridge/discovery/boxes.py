@@ -88,7 +88,8 @@ def _group_level(b: Boxes, period: int | None = None) -> Boxes:
     cont[1:] = same[1:] & same[:-1] & (dpos[1:] == dpos[:-1]) & (didx[1:] == didx[:-1])
     s = torch.nonzero(~cont).squeeze(1) + 1  # stretch starts, as the later item's index
     length = torch.diff(s, append=torch.tensor([num]))
-    start, end, k = claim(s, length, same[s - 1], num)
+    start, end, k = (torch.from_numpy(x) for x in claim(s.numpy(), length.numpy(),
+                                                        same[s - 1].numpy(), num))
     grouped = k >= 0
     first = torch.where(grouped, start, -start - 1)
     rel_at = (s[k.clamp(min=0)] - 1)

@@ -359,27 +359,32 @@ def _relation(a: np.ndarray, b: np.ndarray, modulus: int) -> np.ndarray:
 
 def claim_runs(s: torch.Tensor, rel: torch.Tensor, x_prev: torch.Tensor, x_cur: torch.Tensor,
                n: int) -> PassRuns:
-    """Runs of one pass from its stretches (relation starts ``s``, s[0] == 1); see `claim`."""
-    length = torch.diff(s, append=torch.tensor([n], dtype=s.dtype))
+    """Runs of one pass from its stretches (relation starts ``s``, s[0] == 1); see `claim`.
+
+    In numpy, as the exact path: a row-parallel parameter has two stretches a row, and
+    torch's fixed cost per operation was most of this call's time."""
+    s, rel, x_prev, x_cur = (t.numpy() for t in (s, rel, x_prev, x_cur))
+    length = np.diff(s, append=np.int64(n))
     start, _, k = claim(s, length, (rel >= 0) | (rel == _BOTH_INVALID), n)
-    k = k.clamp(min=0)
+    k = np.maximum(k, 0)
     # Digit at each run start: the start is the earlier (s-1) or later (s) element of stretch
     # k's first relation; single elements are looked up from the stretch that touches them.
-    single = torch.nonzero(start < 0).squeeze(1)
-    start = start.abs() - (start < 0).long()  # undo the single-element marking of `claim`
-    digit = torch.where(start == s[k] - 1, x_prev[k], x_cur[k])
-    stride = torch.where(rel[k] >= 0, rel[k], 0)
-    if single.numel():
+    single = np.flatnonzero(start < 0)
+    start = np.abs(start) - (start < 0)  # undo the single-element marking of `claim`
+    digit = np.where(start == s[k] - 1, x_prev[k], x_cur[k])
+    stride = np.where(rel[k] >= 0, rel[k], 0)
+    if single.size:
         u = start[single]
-        after = torch.searchsorted(s, u + 1).clamp(max=s.numel() - 1)
-        before = (torch.searchsorted(s, u, right=True) - 1).clamp(min=0)
-        digit[single] = torch.where(s[after] == u + 1, x_prev[after], x_cur[before])
+        after = np.minimum(np.searchsorted(s, u + 1), s.size - 1)
+        before = np.maximum(np.searchsorted(s, u, side="right") - 1, 0)
+        digit[single] = np.where(s[after] == u + 1, x_prev[after], x_cur[before])
         stride[single] = 0
-    return PassRuns(start, digit, stride, n)
+    return PassRuns(*(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+                      for x in (start, digit, stride)), n)
 
 
-def claim(s: torch.Tensor, length: torch.Tensor, ok: torch.Tensor, n: int
-          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def claim(s: np.ndarray, length: np.ndarray, ok: np.ndarray, n: int
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut n items into runs of equal steps, given the stretches of equal relations.
 
     Stretch k (relations s[k] .. s[k]+length[k]-1, relation j linking items j-1 and j) covers
@@ -392,42 +397,44 @@ def claim(s: torch.Tensor, length: torch.Tensor, ok: torch.Tensor, n: int
     run's step; single items have start encoded as ``-(start + 1)`` and k = -1.
     """
     real = (length >= 2) & ok
-    prev_real = torch.zeros_like(real)
+    prev_real = np.zeros_like(real)
     prev_real[1:] = real[:-1]
     take_prev = real & ~prev_real
-    run_start = torch.where(take_prev, s - 1, s)[real]
+    run_start = np.where(take_prev, s - 1, s)[real]
     run_end = (s + length)[real]
-    run_k = torch.nonzero(real).squeeze(1)
+    run_k = np.flatnonzero(real)
     # Gaps between real runs, as [lo, hi) item ranges.
-    lo = torch.cat([torch.zeros(1, dtype=s.dtype), run_end])
-    hi = torch.cat([run_start, torch.tensor([n], dtype=s.dtype)])
+    lo = np.concatenate([np.zeros(1, dtype=s.dtype), run_end])
+    hi = np.concatenate([run_start, np.array([n], dtype=s.dtype)])
     keep = hi > lo
+    if not keep.any():  # the runs cover every item (row-parallel shards): nothing to pair
+        return run_start, run_end, run_k
     lo, hi = lo[keep], hi[keep]
     sizes = hi - lo
-    u = torch.repeat_interleave(lo, sizes) + _offsets_within(sizes)  # every unclaimed item
-    offset = u - torch.repeat_interleave(lo, sizes)
-    gap_end = torch.repeat_interleave(hi, sizes)
+    u = np.repeat(lo, sizes) + _offsets_within(sizes)  # every unclaimed item
+    offset = u - np.repeat(lo, sizes)
+    gap_end = np.repeat(hi, sizes)
     # Pair u with u+1 when u sits at an even offset in its gap and u+1 is in the same gap.
     cand = (offset % 2 == 0) & (u + 1 < gap_end)
-    k_pair = torch.searchsorted(s, u + 1).clamp(max=max(s.numel() - 1, 0))
-    pair = cand & (s[k_pair] == u + 1) & ok[k_pair] if s.numel() else cand & False
-    partner = torch.zeros_like(pair)
+    k_pair = np.minimum(np.searchsorted(s, u + 1), max(s.size - 1, 0))
+    pair = cand & (s[k_pair] == u + 1) & ok[k_pair] if s.size else cand & False
+    partner = np.zeros_like(pair)
     partner[1:] = pair[:-1]
     single = ~pair & ~partner
-    start = torch.cat([run_start, u[pair], -(u[single] + 1)])
-    end = torch.cat([run_end, u[pair] + 2, u[single] + 1])
-    k = torch.cat([run_k, k_pair[pair], torch.full_like(u[single], -1)])
-    order = torch.argsort(torch.where(start < 0, -start - 1, start))
+    start = np.concatenate([run_start, u[pair], -(u[single] + 1)])
+    end = np.concatenate([run_end, u[pair] + 2, u[single] + 1])
+    k = np.concatenate([run_k, k_pair[pair], np.full(int(single.sum()), -1, dtype=np.int64)])
+    order = np.argsort(np.where(start < 0, -start - 1, start), kind="stable")
     return start[order], end[order], k[order]
 
 
-def _offsets_within(sizes: torch.Tensor) -> torch.Tensor:
+def _offsets_within(sizes: np.ndarray) -> np.ndarray:
     """[0..sizes[0]), [0..sizes[1]), ... concatenated."""
     total = int(sizes.sum())
     if not total:
-        return torch.zeros(0, dtype=sizes.dtype)
-    firsts = torch.cumsum(sizes, 0) - sizes
-    return torch.arange(total, dtype=sizes.dtype) - torch.repeat_interleave(firsts, sizes)
+        return np.zeros(0, dtype=sizes.dtype)
+    firsts = np.cumsum(sizes) - sizes
+    return np.arange(total, dtype=sizes.dtype) - np.repeat(firsts, sizes)
 
 
 def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor,
@@ -496,7 +503,7 @@ def _cut_at_rows(r: Runs, row: int) -> Runs:
     if bool((num == 1).all()):
         return r
     run = torch.repeat_interleave(torch.arange(len(num)), num)
-    k = _offsets_within(num)
+    k = torch.from_numpy(_offsets_within(num.numpy()))
     lo = torch.maximum(r.start[run], (first_row[run] + k) * row)
     hi = torch.minimum(r.start[run] + r.length[run], (first_row[run] + k + 1) * row)
     step = r.stride[run]
