@@ -94,7 +94,8 @@ def row_stretches(pattern: RowPattern, lo: int, hi: int) -> tuple[torch.Tensor, 
     # most of each call).
     relation = np.repeat(pattern.start + rows * length, 2)
     relation[1::2] += 1
-    rel = np.tile(np.array([pattern.jump, pattern.step], dtype=np.int64), rows.size)
+    rel = np.empty(2 * rows.size, dtype=np.int64)
+    rel[0::2], rel[1::2] = pattern.jump, pattern.step
     before, after = np.repeat(d, 2), np.repeat(d, 2)
     before[0::2] = (d - pattern.jump) % p
     after[1::2] = (d + pattern.step) % p
