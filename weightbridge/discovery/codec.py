@@ -149,8 +149,9 @@ def decode(values: torch.Tensor, alpha: Alphabet, modulus: int) -> torch.Tensor:
     return torch.where((digits >= 0) & (digits < modulus), digits, NO_SOURCE)
 
 
-def crt(residues: list[torch.Tensor], moduli: tuple[int, ...]) -> torch.Tensor:
-    """Recombine residues mod pairwise coprime moduli into values in [0, prod(moduli)).
+def crt(residues: list, moduli: tuple[int, ...]):
+    """Recombine residues (int64 tensors or numpy arrays) mod pairwise coprime moduli into
+    values in [0, prod(moduli)), of the residues' kind.
 
     Garner's mixed-radix form keeps every intermediate below max(p)^2, so int64 never overflows
     for moduli below 2^31.
@@ -161,7 +162,7 @@ def crt(residues: list[torch.Tensor], moduli: tuple[int, ...]) -> torch.Tensor:
         for j, prev in enumerate(coeffs):
             c = (c - prev) * pow(moduli[j], -1, p) % p
         coeffs.append(c)
-    value = coeffs[-1].clone()
+    value = coeffs[-1]
     for c, p in zip(reversed(coeffs[:-1]), reversed(moduli[:len(coeffs) - 1])):
         value = value * p + c
     return value

@@ -449,25 +449,31 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.T
     at parameter rows of ``row`` elements: a run that happens to continue from one row into the
     next (the last row of one head and the first of the next) would hide the rows' own
     pattern, and box grouping joins whole rows again anyway.
+
+    In numpy (a row-parallel parameter has a run a row, and torch's fixed cost per operation
+    was most of this call's time); the result is torch's, as every `Runs`.
     """
     n = passes[0].numel
-    starts = torch.unique(torch.cat([p.start for p in passes]), sorted=True)
-    length = torch.diff(starts, append=torch.tensor([n], dtype=starts.dtype))
-    digits, strides, ok = [], [], torch.ones_like(starts, dtype=torch.bool)
+    starts = np.unique(np.concatenate([p.start.numpy() for p in passes]))
+    length = np.diff(starts, append=np.int64(n))
+    digits, strides, ok = [], [], np.ones(starts.size, dtype=bool)
     for p, m in zip(passes, moduli):
-        j = torch.searchsorted(p.start, starts, right=True) - 1
-        d0, st = p.digit[j], p.stride[j]
+        start, digit, stride = p.start.numpy(), p.digit.numpy(), p.stride.numpy()
+        j = np.searchsorted(start, starts, side="right") - 1
+        d0, st = digit[j], stride[j]
         ok &= d0 != NO_SOURCE
-        digits.append(torch.remainder(d0 + (starts - p.start[j]) * st, m))
+        digits.append(np.remainder(d0 + (starts - start[j]) * st, m))
         strides.append(st)
     total = math.prod(moduli)
     index = crt(digits, moduli)
     stride = crt(strides, moduli)
-    stride = torch.where(stride > total // 2, stride - total, stride)
-    stride = torch.where(length > 1, stride, 0)
-    index = torch.where(ok, index, NO_SOURCE)
-    runs = _split_at_tensors(Runs(starts, length, index, stride), bases)
-    return _join_continued(_cut_at_rows(runs, row), bases, row)
+    stride = np.where(stride > total // 2, stride - total, stride)
+    stride = np.where(length > 1, stride, 0)
+    index = np.where(ok, index, NO_SOURCE)
+    edges = bases.numpy()
+    found = _join_continued(_cut_at_rows(_split_at_tensors((starts, length, index, stride),
+                                                           edges), row), edges, row)
+    return Runs(*(torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)) for x in found))
 
 
 def one_run(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor
@@ -496,33 +502,38 @@ def one_run(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.Tensor
     return (index, stride) if int(tensor[0]) == int(tensor[1]) else None
 
 
-def _cut_at_rows(r: Runs, row: int) -> Runs:
+_Arrays = tuple  # (start, length, index, stride) of runs, int64 numpy arrays, as `Runs`
+
+
+def _cut_at_rows(r: _Arrays, row: int) -> _Arrays:
     """Cut runs at multiples of ``row`` elements (parameter row boundaries)."""
-    first_row = r.start // row
-    num = (r.start + r.length - 1) // row - first_row + 1
+    start, length, index, stride = r
+    first_row = start // row
+    num = (start + length - 1) // row - first_row + 1
     if bool((num == 1).all()):
         return r
-    run = torch.repeat_interleave(torch.arange(len(num)), num)
-    k = torch.from_numpy(_offsets_within(num.numpy()))
-    lo = torch.maximum(r.start[run], (first_row[run] + k) * row)
-    hi = torch.minimum(r.start[run] + r.length[run], (first_row[run] + k + 1) * row)
-    step = r.stride[run]
-    index = torch.where(r.index[run] >= 0, r.index[run] + step * (lo - r.start[run]), NO_SOURCE)
-    return Runs(lo, hi - lo, index, torch.where(hi - lo > 1, step, 0))
+    run = np.repeat(np.arange(num.size), num)
+    k = _offsets_within(num)
+    lo = np.maximum(start[run], (first_row[run] + k) * row)
+    hi = np.minimum(start[run] + length[run], (first_row[run] + k + 1) * row)
+    step = stride[run]
+    index = np.where(index[run] >= 0, index[run] + step * (lo - start[run]), NO_SOURCE)
+    return lo, hi - lo, index, np.where(hi - lo > 1, step, 0)
 
 
-def _split_at_tensors(r: Runs, bases: torch.Tensor) -> Runs:
+def _split_at_tensors(r: _Arrays, bases: np.ndarray) -> _Arrays:
     """Cut every run whose indices cross a tensor boundary at that boundary."""
-    last = r.index + r.stride * (r.length - 1)
-    inside = (r.index >= 0) & (r.index < bases[-1]) & (last >= 0) & (last < bases[-1])
-    first_t = torch.searchsorted(bases, r.index, right=True)
-    last_t = torch.searchsorted(bases, last, right=True)
-    cross = torch.nonzero(inside & (first_t != last_t)).squeeze(1).tolist()
+    start, length, index, stride = r
+    last = index + stride * (length - 1)
+    inside = (index >= 0) & (index < bases[-1]) & (last >= 0) & (last < bases[-1])
+    first_t = np.searchsorted(bases, index, side="right")
+    last_t = np.searchsorted(bases, last, side="right")
+    cross = np.flatnonzero(inside & (first_t != last_t)).tolist()
     if not cross:
         return r
-    starts, lengths, indices, strides = [], [], [], []
+    new: list[list[int]] = [[], [], [], []]
     for i in cross:
-        pos, n, g, st = (int(r.start[i]), int(r.length[i]), int(r.index[i]), int(r.stride[i]))
+        pos, n, g, st = (int(start[i]), int(length[i]), int(index[i]), int(stride[i]))
         cut = [0]
         for b in bases.tolist():  # boundaries strictly inside the run's index range
             j = -(-(b - g) // st) if st > 0 else -(-(g - b + 1) // -st)
@@ -530,64 +541,60 @@ def _split_at_tensors(r: Runs, bases: torch.Tensor) -> Runs:
                 cut.append(j)
         cut = sorted(cut) + [n]
         for a, e in zip(cut, cut[1:]):
-            starts.append(pos + a), lengths.append(e - a), indices.append(g + st * a)
-            strides.append(st if e - a > 1 else 0)
-    keep = torch.ones_like(r.start, dtype=torch.bool)
+            for out, v in zip(new, (pos + a, e - a, g + st * a, st if e - a > 1 else 0)):
+                out.append(v)
+    keep = np.ones(start.size, dtype=bool)
     keep[cross] = False
-    new = Runs(*(torch.tensor(v, dtype=torch.int64) for v in (starts, lengths, indices, strides)))
-    start = torch.cat([r.start[keep], new.start])
-    order = torch.argsort(start)
-    return Runs(start[order], torch.cat([r.length[keep], new.length])[order],
-                torch.cat([r.index[keep], new.index])[order],
-                torch.cat([r.stride[keep], new.stride])[order])
+    joined = [np.concatenate([x[keep], np.array(v, dtype=np.int64)]) for x, v in zip(r, new)]
+    order = np.argsort(joined[0], kind="stable")
+    return tuple(x[order] for x in joined)
 
 
-def _join_continued(r: Runs, bases: torch.Tensor, row: int) -> Runs:
+def _join_continued(r: _Arrays, bases: np.ndarray, row: int) -> _Arrays:
     """Join neighbouring runs that continue each other inside one tensor and one parameter
     row (chunk edges, lone jump elements), and pair up neighbouring lone elements."""
-    if r.start.numel() < 2:
+    start, length, index, stride = r
+    if start.size < 2:
         return r
-    ok = r.index != NO_SOURCE
-    end_index = r.index + r.stride * (r.length - 1)  # index of the last element
-    multi = r.length >= 2
-    tensor_first = torch.searchsorted(bases, r.index, right=True)
-    tensor_last = torch.searchsorted(bases, end_index, right=True)
-    same_row = r.start[1:] // row == (r.start[:-1] + r.length[:-1] - 1) // row
+    ok = index != NO_SOURCE
+    end_index = index + stride * (length - 1)  # index of the last element
+    multi = length >= 2
+    tensor_first = np.searchsorted(bases, index, side="right")
+    tensor_last = np.searchsorted(bases, end_index, side="right")
+    same_row = start[1:] // row == (start[:-1] + length[:-1] - 1) // row
     pair_ok = ok[1:] & ok[:-1] & (tensor_first[1:] == tensor_last[:-1]) & same_row
     # run i continues run i-1 with the same stride
-    same = pair_ok & multi[1:] & multi[:-1] & (r.stride[1:] == r.stride[:-1]) & \
-        (r.index[1:] == end_index[:-1] + r.stride[:-1])
+    same = pair_ok & multi[1:] & multi[:-1] & (stride[1:] == stride[:-1]) & \
+        (index[1:] == end_index[:-1] + stride[:-1])
     # a lone element i extends run i-1 as its tail
-    tail = pair_ok & ~multi[1:] & multi[:-1] & (r.index[1:] == end_index[:-1] + r.stride[:-1])
+    tail = pair_ok & ~multi[1:] & multi[:-1] & (index[1:] == end_index[:-1] + stride[:-1])
     # a lone element i-1 (not a tail) starts run i
-    head = pair_ok & ~multi[:-1] & multi[1:] & (r.index[1:] == r.index[:-1] + r.stride[1:])
-    is_tail = torch.zeros_like(ok)
+    head = pair_ok & ~multi[:-1] & multi[1:] & (index[1:] == index[:-1] + stride[1:])
+    is_tail = np.zeros_like(ok)
     is_tail[1:] = tail
     head &= ~is_tail[:-1]
     # two lone elements pair up (alternately along a streak of lone elements)
-    is_head = torch.zeros_like(ok)
+    is_head = np.zeros_like(ok)
     is_head[:-1] = head
     lone = pair_ok & ~multi[1:] & ~multi[:-1] & ~is_tail[1:] & ~is_tail[:-1] & \
         ~is_head[1:] & ~is_head[:-1]
-    at = torch.arange(len(lone))
-    prev_lone = torch.zeros_like(lone)
+    at = np.arange(lone.size)
+    prev_lone = np.zeros_like(lone)
     prev_lone[1:] = lone[:-1]
-    streak_start = torch.cummax(torch.where(lone & ~prev_lone, at, 0), 0).values
+    streak_start = np.maximum.accumulate(np.where(lone & ~prev_lone, at, 0))
     pair = lone & ((at - streak_start) % 2 == 0)
-    join = torch.zeros_like(ok)  # join[i]: run i belongs to the same run as i-1
+    join = np.zeros_like(ok)  # join[i]: run i belongs to the same run as i-1
     join[1:] = same | tail | head | pair
     # both unsourced neighbours also join: one unsourced range
     join[1:] |= ~ok[1:] & ~ok[:-1]
-    group = torch.cumsum(~join, 0) - 1
-    num = int(group[-1]) + 1
-    first = torch.nonzero(~join).squeeze(1)
-    length = torch.zeros(num, dtype=r.length.dtype).index_add_(0, group, r.length)
+    first = np.flatnonzero(~join)  # each joined run's first member (members are neighbours)
+    group = np.cumsum(~join) - 1
+    total = np.add.reduceat(length, first)
     # Every multi-element member of a group has the same stride; lone members have none.
-    stride_sum = torch.zeros(num, dtype=r.stride.dtype).index_add_(
-        0, group, torch.where(multi, r.stride, 0))
-    num_multi = torch.zeros(num, dtype=r.stride.dtype).index_add_(0, group, multi.long())
-    stride = torch.where(length > 1, stride_sum // num_multi.clamp(min=1), 0)
+    stride_sum = np.add.reduceat(np.where(multi, stride, 0), first)
+    num_multi = np.add.reduceat(multi.astype(np.int64), first)
+    joined_stride = np.where(total > 1, stride_sum // np.maximum(num_multi, 1), 0)
     # a pair of lone elements takes its step from its two indices
-    paired = torch.nonzero(pair).squeeze(1) + 1
-    stride[group[paired]] = r.index[paired] - r.index[paired - 1]
-    return Runs(r.start[first], length, r.index[first], stride)
+    paired = np.flatnonzero(pair) + 1
+    joined_stride[group[paired]] = index[paired] - index[paired - 1]
+    return start[first], total, index[first], joined_stride
