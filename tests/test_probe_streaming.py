@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from weightbridge import CheckpointSpec, TensorSpec, extract_source_map
-from weightbridge.discovery import runs
+from weightbridge.discovery import merge, runs
 from weightbridge.testing import emulated_cuda
 from zoo import CASES
 
@@ -215,13 +215,13 @@ def test_a_one_run_parameter_gets_the_box_grouping_its_rows_finds(shape, index, 
     moduli = alphabet(torch.bfloat16).moduli[:2]
     bases = torch.tensor([0, 1000, 2000])
     numel = math.prod(shape)
-    passes = [runs.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
+    passes = [merge.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
                             torch.tensor([stride % m]), numel) for m in moduli]
     dims = [d for d in shape if d > 1]
     row = dims[-1] if len(dims) >= 2 else numel
-    one = runs.one_run(passes, moduli, bases)
+    one = merge.one_run(passes, moduli, bases)
     assert one == (index, stride)
-    want = group_boxes(runs.merge_passes(passes, moduli, bases, row), shape)
+    want = group_boxes(merge.merge_passes(passes, moduli, bases, row), shape)
     got = run_box(*one, numel, row)
     assert all(torch.equal(getattr(got, f), getattr(want, f))
                for f in ("pos", "index", "shape", "cstride", "pstride"))
@@ -234,9 +234,9 @@ def test_a_run_that_crosses_or_leaves_the_tensors_is_decoded_the_general_way(ind
     from weightbridge.discovery.codec import alphabet
 
     moduli = alphabet(torch.bfloat16).moduli[:2]
-    passes = [runs.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
+    passes = [merge.PassRuns(torch.tensor([0]), torch.tensor([index % m]),
                             torch.tensor([stride % m]), 32) for m in moduli]
-    assert runs.one_run(passes, moduli, torch.tensor([0, 1000, 2000])) is None
+    assert merge.one_run(passes, moduli, torch.tensor([0, 1000, 2000])) is None
 
 
 @pytest.mark.parametrize("case", CASES)

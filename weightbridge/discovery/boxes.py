@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from weightbridge.discovery.codec import NO_SOURCE
-from weightbridge.discovery.runs import Runs, claim
+from weightbridge.discovery.merge import Runs, claim
 from weightbridge.types import Piece, Region, TensorSpec
 
 MAX_BOX_RANK = 6
@@ -58,7 +58,7 @@ def group_boxes(runs: Runs, shape: tuple[int, ...]) -> Boxes:
 
 
 def run_box(index: int, stride: int, numel: int, row: int) -> Boxes:
-    """`group_boxes` of one run (`runs.one_run`) of a parameter's ``numel`` elements cut at
+    """`group_boxes` of one run (`merge.one_run`) of a parameter's ``numel`` elements cut at
     rows of ``row``: one box of its rows (or of its one row), built directly."""
     def box(*dims: tuple[int, int, int]) -> Boxes:
         return Boxes(torch.tensor([0]), torch.tensor([index]),

@@ -44,8 +44,8 @@ from weightbridge.discovery.quantized import (SignDecoder, block_pieces, quantiz
 from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, checked_params,
                                            in_memory_order, threads, torch_dtype,
                                            with_threads)
-from weightbridge.discovery.runs import (CHUNK, PassRuns, Rings, Runs, merge_passes, one_run,
-                                         scan_pass)
+from weightbridge.discovery.merge import PassRuns, Runs, merge_passes, one_run
+from weightbridge.discovery.runs import CHUNK, Rings, scan_pass
 from weightbridge.discovery.verify import (Bad, Before, coords, dtype_name, fill_zero, flat_view,
                                            on_host)
 from weightbridge.discovery.verify import verify as verify_map
