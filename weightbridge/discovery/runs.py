@@ -49,6 +49,11 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
     # (first relation, end, whether the row path may try it: not in the rest of a chunk it
     # found no rows in)
     chunks = [(lo, min(n, lo + CHUNK), True) for lo in range(1, n, CHUNK)][::-1]
+
+    def add(found: tuple[torch.Tensor, ...]) -> None:
+        for out, x in zip((starts, rels, prev_digits, cur_digits), found):
+            out.append(x)
+
     while chunks:  # a stack, in element order: the first chunk on top
         lo, hi, try_rows = chunks.pop()
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
@@ -58,9 +63,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
         even = rings.constant_step(bits, alpha, modulus) if rings is not None else None
         if even is not None:
             if lo < 2:  # the first chunk: its one stretch starts at relation 1
-                for out, x in zip((starts, rels, prev_digits, cur_digits),
-                                  _first_stretch(bits, alpha, modulus)):
-                    out.append(x)
+                add(_first_stretch(bits, alpha, modulus))
             continue
         found = None
         if (rings is not None and try_rows and bits.numel() >= 2 * ROW_PREFIX
@@ -75,24 +78,18 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
             # out of the step the chunk starts with. The exact path takes FAST_MIN elements
             # from there on (from the chunk's start when that is near), and the rest is a
             # chunk of its own (overlapping as chunks do).
-            uniform = False
             start = base + rings.steady_prefix(bits, alpha, modulus)
             if start < lo + FAST_MIN:
                 start = lo
             elif lo < 2:  # the first stretch, at relation 1, is in the part skipped
-                for out, x in zip((starts, rels, prev_digits, cur_digits),
-                                  _first_stretch(bits, alpha, modulus)):
-                    out.append(x)
+                add(_first_stretch(bits, alpha, modulus))
             end = min(hi, start + FAST_MIN)
             if end < hi:
                 chunks.append((end, hi, try_rows))
             skip = max(start - 2, 0) - base
             bits, base, lo = bits[skip:end - base], base + skip, start
         uniform = False
-        if found is None:
-            found = exact_stretches(bits, base, lo < 2, alpha, modulus)
-        for out, x in zip((starts, rels, prev_digits, cur_digits), found):
-            out.append(x)
+        add(found if found is not None else exact_stretches(bits, base, lo < 2, alpha, modulus))
     if n <= 1:
         first = decode(_host_chunk(values, 0, 1, alpha).view(alpha.dtype), alpha, modulus)
         return PassRuns(torch.zeros(1, dtype=torch.int64), first,
