@@ -50,10 +50,7 @@ class Runs:
 
 def claim_runs(s: torch.Tensor, rel: torch.Tensor, x_prev: torch.Tensor, x_cur: torch.Tensor,
                n: int) -> PassRuns:
-    """Runs of one pass from its stretches (relation starts ``s``, s[0] == 1); see `claim`.
-
-    In numpy, as the exact path: a row-parallel parameter has two stretches a row, and
-    torch's fixed cost per operation was most of this call's time."""
+    """Runs of one pass from its stretches (relation starts ``s``, s[0] == 1); see `claim`."""
     s, rel, x_prev, x_cur = (t.numpy() for t in (s, rel, x_prev, x_cur))
     length = np.diff(s, append=np.int64(n))
     start, _, k = claim(s, length, (rel >= 0) | (rel == BOTH_INVALID), n)
@@ -140,9 +137,6 @@ def merge_passes(passes: list[PassRuns], moduli: tuple[int, ...], bases: torch.T
     at parameter rows of ``row`` elements: a run that happens to continue from one row into the
     next (the last row of one head and the first of the next) would hide the rows' own
     pattern, and box grouping joins whole rows again anyway.
-
-    In numpy (a row-parallel parameter has a run a row, and torch's fixed cost per operation
-    was most of this call's time); the result is torch's, as every `Runs`.
     """
     n = passes[0].numel
     starts = np.sort(np.concatenate([p.start.numpy() for p in passes]))
