@@ -226,10 +226,16 @@ def main() -> int:
                       f"({report.rdma_bytes / 1e6:.1f} MB over "
                       f"{TRANSPORTS.get(mech, 'RDMA')}, bit-exact)", flush=True)
             if sweep == "replicas" and x == 4:
-                from controller.timing import chrome_trace
+                from controller.timing import chrome_trace, write_timeline
 
                 path = OUT / "trace_weightbridge_4replicas.json"
                 path.write_text(json.dumps(chrome_trace(wb, label="WeightBridge, 4 replicas")))
+                tl = write_timeline(wb, args.depth)
+                print(f"[{sweep}={x}] weightbridge timeline: trainers' writes {tl.writes_s:.3f}s "
+                      f"(ideal {ideal:.3f}s), the link idle {tl.idle_s:.3f}s of it "
+                      f"({tl.buffer_wait_s:.3f}s before round r-{args.depth} had landed, "
+                      f"{tl.idle_s - tl.buffer_wait_s:.3f}s from then to the next write); "
+                      f"after the last write {tl.drain_s:.3f}s (forwards, assembly)", flush=True)
     with open(OUT / "bench_cluster.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

@@ -103,6 +103,56 @@ class UpdateTiming:
         return sum(times) / len(times) / ewtt, max(times) / ewtt
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteTimeline:
+    """Where an update's time goes around the trainers' RECEIVE writes, the bytes Eq. (1)
+    counts (seconds): `write_timeline`.
+
+    Example: writes of round 0 over 0-10 ms and of round 1 over 14-20 ms, round 1 waiting for
+    round 0's buffer (depth 1) which landed at 12 ms, the last assemble ending at 25 ms:
+    ``writes_s`` 0.020, ``idle_s`` 0.004, ``buffer_wait_s`` 0.002, ``drain_s`` 0.005.
+    """
+
+    writes_s: float
+    """First trainer write issued -> last trainer write landed."""
+    idle_s: float
+    """Of ``writes_s``, the time no trainer was writing."""
+    buffer_wait_s: float
+    """Of ``idle_s``, before round r - depth had landed everywhere, whose round buffer round
+    r's writes needed (the rest is that land's trip to the controller, the send's trip to
+    the trainer and its pack)."""
+    drain_s: float
+    """Last trainer write landed -> the update's last span ended (the last rounds'
+    forwards and assembly, which Eq. (1) leaves out)."""
+
+
+def write_timeline(timing: UpdateTiming, depth: int) -> WriteTimeline:
+    """The trainers' write intervals of ``timing`` (``receive`` spans), their union's gaps,
+    and the part of each gap spent before the round ``depth`` back had landed (its last
+    ``assemble`` span ended)."""
+    writes = sorted((s, e, r) for (side, _), spans in timing.spans.items() if side == "trainer"
+                    for stage, r, s, e in spans if stage == "receive")
+    if not writes:
+        raise ValueError("no trainer wrote in this update")
+    landed: dict[int, int] = {}
+    for spans in timing.spans.values():
+        for stage, r, _, e in spans:
+            if stage == "assemble":
+                landed[r] = max(landed.get(r, e), e)
+    idle = wait = 0
+    covered = writes[0][1]
+    for s, e, r in writes[1:]:
+        if s > covered:
+            idle += s - covered
+            freed = landed.get(r - depth)
+            if freed is not None and freed > covered:
+                wait += min(s, freed) - covered
+        covered = max(covered, e)
+    last = max(e for spans in timing.spans.values() for _, _, _, e in spans)
+    return WriteTimeline(writes_s=(covered - writes[0][0]) / 1e9, idle_s=idle / 1e9,
+                         buffer_wait_s=wait / 1e9, drain_s=(last - covered) / 1e9)
+
+
 def update_timing(spans: Mapping[Worker, Iterable[Span]], dests: Dests) -> UpdateTiming:
     """Stall windows of every worker from its spans and who writes to whom (see module doc)."""
     spans = {w: sorted(s, key=lambda x: x[2]) for w, s in spans.items()}

@@ -5,7 +5,7 @@ import json
 import pytest
 from planning_layouts import one_tensor_plan
 
-from controller.timing import chrome_trace, update_timing
+from controller.timing import chrome_trace, update_timing, write_timeline
 from weightbridge import Cluster, Placement, simulate
 from weightbridge.planning.ideal import eq1
 
@@ -113,3 +113,22 @@ def test_staging_modes_count_the_staged_copy_and_the_install_not_the_rounds():
     sync, ss, both = (t.mode_agst_s(m, trainer_stall_s=0.5, install_s=0.25)
                       for m in (Mode.SYNC, Mode.SS, Mode.ASYNC))
     assert (sync, ss, both) == (t.agst_s, (0.5 + 2) / 2, (0.5 + 0.25) / 2) == (3.0, 1.25, 0.375)
+
+
+def test_the_write_timeline_splits_the_links_idle_time_at_the_buffer_it_waited_for():
+    """Round 1's writes wait for round 0's buffer (depth 1 here), which lands at 12 ms: of the
+    4 ms gap, 2 ms are before that land and 2 ms after it (the trips, the pack)."""
+    spans = {("trainer", 0): [("pack", 0, 0, MS), ("receive", 0, 0, 10 * MS),
+                              ("receive", 1, 14 * MS, 20 * MS)],
+             ("trainer", 1): [("receive", 0, 2 * MS, 9 * MS)],  # inside trainer 0's: no gap
+             ("rollout", 0): [("assemble", 0, 11 * MS, 12 * MS), ("assemble", 1, 21 * MS, 25 * MS)]}
+    t = write_timeline(update_timing(spans, {}), depth=1)
+    assert (t.writes_s, t.idle_s, t.buffer_wait_s, t.drain_s) == pytest.approx(
+        (0.020, 0.004, 0.002, 0.005))
+    # With depth 2 no round waits for a buffer: the gap is all trips.
+    assert write_timeline(update_timing(spans, {}), depth=2).buffer_wait_s == 0
+
+
+def test_a_write_timeline_needs_trainer_writes():
+    with pytest.raises(ValueError, match="no trainer wrote"):
+        write_timeline(update_timing({("rollout", 0): [("assemble", 0, 0, MS)]}, {}), depth=2)
