@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightbridge.discovery import codec
+from weightbridge.discovery import codec, verify
 
 DTYPES = codec.SUPPORTED_DTYPES
 
@@ -81,3 +81,23 @@ def test_signed_values_are_finite_normal_numbers_negated_where_asked(dtype):
     assert torch.equal(values, torch.where(negative, -positive, positive))
     assert torch.isfinite(values).all()
     assert (values.abs() >= torch.finfo(dtype).tiny).all()
+
+
+@pytest.mark.parametrize("negative", [False, True], ids=["both signs", "negative"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_verification_draw_gives_signed_values_of_its_draws(dtype, negative):
+    """`verify._draw` looks 8- and 16-bit values up in a table: the same values, bit for bit,
+    as `signed_values` of the same generator's draws (one draw: magnitude and sign)."""
+    alpha = codec.alphabet(dtype)
+    size = 3 * verify._DRAW_CHUNK + 5  # several chunks and a partial one
+    got = verify._draw(size, alpha, negative, torch.Generator().manual_seed(7))
+    gen, want = torch.Generator().manual_seed(7), []
+    for lo in range(0, size, verify._DRAW_CHUNK):
+        draws = torch.randint(0, 2 * alpha.size, (min(size, lo + verify._DRAW_CHUNK) - lo,),
+                              generator=gen)
+        below = draws >= alpha.size
+        want.append(codec.signed_values(draws - below * alpha.size,
+                                        torch.ones_like(below) if negative else below, alpha))
+    bits = alpha.bits_dtype
+    assert torch.equal(got.view(bits), torch.cat(want).view(bits))
+    assert bool((got.float() < 0).all()) if negative else bool((got.float() > 0).any())

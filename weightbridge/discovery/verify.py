@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
-from weightbridge.discovery.codec import BITS_DTYPE, alphabet, signed_values
+from weightbridge.discovery.codec import BITS_DTYPE, Alphabet, alphabet, signed_values
 from weightbridge.discovery.quantized import expected_source, salted
 from weightbridge.discovery.replay import first_mismatch
 from weightbridge.types import CheckpointSpec, SourceMap, scaled_tensor
@@ -99,19 +99,42 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
             # (tensor offsets, below the span, never coincide) and than its largest tensor
             # (values never repeat inside one) will do, odd as the long one.
             size = min(_RANDOM_PERIOD, max(2 * _RING_SPAN + 1, largest | 1))
-            period = torch.empty(size, dtype=dtype)
-            for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
-                hi = min(size, lo + _DRAW_CHUNK)
-                # One draw gives magnitude and sign: draws of size and above are negative.
-                draws = torch.randint(0, 2 * alpha.size, (hi - lo,), generator=gen)
-                below = draws >= alpha.size
-                period[lo:hi] = signed_values(draws - below * alpha.size,
-                                              below.fill_(True) if negative else below, alpha)
+            period = _draw(size, alpha, negative, gen)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
             rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // size))
         start = (i * 40_503 + 17) % _RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
+    return out
+
+
+_TABLE_MAX = 1 << 16
+"""Alphabets of at most this many values (the 8- and 16-bit dtypes') draw through a table."""
+
+
+def _draw(size: int, alpha: Alphabet, negative: bool, gen: torch.Generator) -> torch.Tensor:
+    """``size`` pseudo-random safe values of the alphabet (of both signs, or ``negative``
+    ones only). One draw gives magnitude and sign: draws of the alphabet's size and above are
+    negative. For 8- and 16-bit alphabets every value a draw can give is tabled once and each
+    draw looked up (one gather instead of some eight int64 operations: 4 ms instead of 9 ms
+    for the 1M-value ring here), the same values as `signed_values` of the draws."""
+    out = torch.empty(size, dtype=alpha.dtype)
+    table = None
+    if alpha.size <= _TABLE_MAX:
+        digits = torch.arange(alpha.size, dtype=torch.int64).repeat(2)
+        below = torch.arange(2 * alpha.size) >= alpha.size
+        table = signed_values(digits, below.fill_(True) if negative else below,
+                              alpha).view(alpha.bits_dtype)
+        bits = out.view(alpha.bits_dtype)
+    for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
+        hi = min(size, lo + _DRAW_CHUNK)
+        draws = torch.randint(0, 2 * alpha.size, (hi - lo,), generator=gen)
+        if table is not None:
+            torch.index_select(table, 0, draws, out=bits[lo:hi])
+            continue
+        below = draws >= alpha.size
+        out[lo:hi] = signed_values(draws - below * alpha.size,
+                                   below.fill_(True) if negative else below, alpha)
     return out
 
 
