@@ -122,8 +122,8 @@ def _draw(size: int, alpha: Alphabet, negative: bool, gen: torch.Generator) -> t
     table = None
     if alpha.size <= _TABLE_MAX:
         digits = torch.arange(alpha.size, dtype=torch.int64).repeat(2)
-        below = torch.arange(2 * alpha.size) >= alpha.size
-        table = signed_values(digits, below.fill_(True) if negative else below,
+        upper = torch.arange(2 * alpha.size) >= alpha.size
+        table = signed_values(digits, upper.fill_(True) if negative else upper,
                               alpha).view(alpha.bits_dtype)
         bits = out.view(alpha.bits_dtype)
     for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
@@ -132,9 +132,9 @@ def _draw(size: int, alpha: Alphabet, negative: bool, gen: torch.Generator) -> t
         if table is not None:
             torch.index_select(table, 0, draws, out=bits[lo:hi])
             continue
-        below = draws >= alpha.size
-        out[lo:hi] = signed_values(draws - below * alpha.size,
-                                   below.fill_(True) if negative else below, alpha)
+        upper = draws >= alpha.size
+        out[lo:hi] = signed_values(draws - upper * alpha.size,
+                                   upper.fill_(True) if negative else upper, alpha)
     return out
 
 
