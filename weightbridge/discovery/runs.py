@@ -124,6 +124,15 @@ def _host_chunk(values: torch.Tensor, lo: int, hi: int, alpha: Alphabet,
     return rings.scratch(alpha.dtype, hi - lo).copy_(chunk).view(alpha.bits_dtype)
 
 
+def _first_step(raw: np.ndarray, alpha: Alphabet, modulus: int) -> int | None:
+    """The digit step from the first to the second element of ``raw`` (raw bits), or None
+    when either is unsourced."""
+    d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
+    if not (0 <= d0 < modulus and 0 <= d1 < modulus):
+        return None
+    return (d1 - d0) % modulus
+
+
 class Rings:
     """What the scans of one probe share: host scratch for chunks read from a device or
     converted (`scratch`), and per step s the ring of raw bits of digits 0, s, 2s, ... (mod
@@ -160,17 +169,11 @@ class Rings:
         after them may start a stretch. Two reads of that prefix (`first_difference`), which
         the failed `constant_step` has just brought into the cache."""
         raw = bits.numpy()
-        d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
-        if not (0 <= d0 < modulus and 0 <= d1 < modulus):
+        s = _first_step(raw, alpha, modulus)
+        if s is None:
             return 0
-        s = (d1 - d0) % modulus
-        if s == 0:
-            wrong = np.flatnonzero(raw != raw[0])
-            return int(wrong[0]) if wrong.size else raw.size
-        head = min(raw.size, modulus)
-        ring = self._ring(alpha, modulus, s, head)
-        at = d0 * pow(s, -1, modulus) % modulus
-        wrong = first_difference(raw[:head], ring[at:at + head])
+        head = self._first_period(raw, alpha, modulus, s)
+        wrong = first_difference(raw[:head.size], head)
         if wrong is None and raw.size > modulus:
             wrong = first_difference(raw[modulus:], raw[:-modulus])
             wrong = None if wrong is None else modulus + wrong
@@ -185,23 +188,28 @@ class Rings:
 
     def _step(self, raw: np.ndarray, alpha: Alphabet, modulus: int) -> int | None:
         """`constant_step` of raw bits of any length."""
-        d0, d1 = int(raw[0]) - alpha.first_normal, int(raw[1]) - alpha.first_normal
-        if not (0 <= d0 < modulus and 0 <= d1 < modulus):
-            return None
-        s = (d1 - d0) % modulus
-        if (int(raw[-1]) - int(raw[-2]) - s) % modulus:
+        s = _first_step(raw, alpha, modulus)
+        if s is None or (int(raw[-1]) - int(raw[-2]) - s) % modulus:
             return None  # its last step differs: not one copy (no ring built for it)
-        if s == 0:
-            return s if bool((raw == raw[0]).all()) else None
-        head = min(raw.size, modulus)
-        ring = self._ring(alpha, modulus, s, head)
-        at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
-        if not same_bits(raw[:head], ring[at:at + head]):
+        head = self._first_period(raw, alpha, modulus, s)
+        if not same_bits(raw[:head.size], head):
             return None
         # The digits of one step repeat with the modulus: past the first period, the chunk
         # must equal itself one period earlier, which was just read (a cache hit: one read
         # from memory per element instead of two; 1.5x faster on 128 MiB here).
         return s if raw.size <= modulus or same_bits(raw[modulus:], raw[:-modulus]) else None
+
+    def _first_period(self, raw: np.ndarray, alpha: Alphabet, modulus: int, s: int
+                      ) -> np.ndarray:
+        """The raw bits the first period of ``raw`` (at most the modulus) holds if it advances
+        by step s from its first digit: a slice of the ring of s."""
+        head = min(raw.size, modulus)
+        if s == 0:
+            return np.full(head, raw[0], dtype=raw.dtype)
+        d0 = int(raw[0]) - alpha.first_normal
+        ring = self._ring(alpha, modulus, s, head)
+        at = d0 * pow(s, -1, modulus) % modulus  # ring[at] holds digit d0
+        return ring[at:at + head]
 
     def _ring(self, alpha: Alphabet, modulus: int, s: int, size: int) -> np.ndarray:
         """At least modulus + size values (a power of two more, at most a chunk's)."""
