@@ -96,6 +96,39 @@ def test_device_parameters_are_read_back_in_chunks_with_no_device_memory(monkeyp
     assert got == want
 
 
+
+def test_a_device_parameter_with_copy_boundaries_is_read_back_once_per_pass(monkeypatch):
+    """A chunk that breaks its step goes on from the boundary: the rest of it is scanned from
+    the host copy already made, not read back from the device again (PCIe on a GPU)."""
+    monkeypatch.setattr(runs, "CHUNK", 4096)
+    monkeypatch.setattr(runs, "FAST_MIN", 256)
+    monkeypatch.setattr(runs, "ROW_PREFIX", 1 << 30)  # (no row path: one copy per tensor)
+    spec = CheckpointSpec(tuple(TensorSpec(f"w{i}", (1000,), "bfloat16") for i in range(16)))
+
+    def rank(device):
+        params = {"w": torch.zeros(16_000, dtype=torch.bfloat16, device=device)}
+
+        def load_weights(weights):  # tensor i at element (15 - i) * 1000: a boundary each 1000
+            for name, t in weights:
+                i = int(name[1:])
+                params["w"][(15 - i) * 1000:(16 - i) * 1000].copy_(t)
+        return params, load_weights
+
+    want = extract_source_map(*rank("cpu"), spec)
+    copied = []
+    host_chunk = runs._host_chunk
+
+    def counting(values, lo, hi, *args):
+        if values.device.type != "cpu":
+            copied.append(hi - lo)
+        return host_chunk(values, lo, hi, *args)
+    monkeypatch.setattr(runs, "_host_chunk", counting)
+    with emulated_cuda.active():
+        got = extract_source_map(*rank("cuda"), spec)
+    assert got == want
+    chunks = -(-16_000 // 4096)  # each read with the two elements before it
+    assert sum(copied) == 2 * (16_000 + 2 * (chunks - 1)), copied  # two index passes
+
 def test_the_probe_leaves_the_callers_threads_and_gives_them_to_the_loader():
     params, load_weights, spec = _rank("cpu")
     seen = []

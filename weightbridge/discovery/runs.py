@@ -47,19 +47,21 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
     starts, rels, prev_digits, cur_digits = [], [], [], []
     uniform = True  # every chunk took the fast path (with one step: chunks overlap)
     # (first relation, end, whether the row path may try it: not in the rest of a chunk it
-    # found no rows in)
-    chunks = [(lo, min(n, lo + CHUNK), True) for lo in range(1, n, CHUNK)][::-1]
+    # found no rows in, its host bits when already read: the rest of a chunk, pushed last
+    # and so popped next, before another chunk is read into the scan's host buffer)
+    chunks = [(lo, min(n, lo + CHUNK), True, None) for lo in range(1, n, CHUNK)][::-1]
 
     def add(found: tuple[torch.Tensor, ...]) -> None:
         for out, x in zip((starts, rels, prev_digits, cur_digits), found):
             out.append(x)
 
     while chunks:  # a stack, in element order: the first chunk on top
-        lo, hi, try_rows = chunks.pop()
+        lo, hi, try_rows, bits = chunks.pop()
         # Two elements of overlap: relation lo needs element lo-1, and comparing it with
         # relation lo-1 needs element lo-2.
         base = max(lo - 2, 0)
-        bits = _host_chunk(values, base, hi, alpha, rings)
+        if bits is None:
+            bits = _host_chunk(values, base, hi, alpha, rings)
         even = rings.constant_step(bits, alpha, modulus) if rings is not None else None
         if even is not None:
             if lo < 2:  # the first chunk: its one stretch starts at relation 1
@@ -71,7 +73,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
             found, end = _rows(bits, base, lo < 2, alpha, modulus, rings)
             try_rows = found is not None  # (no rows at its start: none in its rest either)
             if found is not None and end < hi:  # the rows end there: go on from it
-                chunks.append((end, hi, True))
+                chunks.append((end, hi, True, bits[end - 2 - base:]))
         if (found is None and rings is not None and hi - lo >= 2 * FAST_MIN
                 and modulus <= MAX_RING_MODULUS):
             # A copy boundary somewhere inside: no stretch starts before the first element
@@ -85,7 +87,7 @@ def scan_pass(values: torch.Tensor, alpha: Alphabet, modulus: int,
                 add(_first_stretch(bits, alpha, modulus))
             end = min(hi, start + FAST_MIN)
             if end < hi:
-                chunks.append((end, hi, try_rows))
+                chunks.append((end, hi, try_rows, bits[end - 2 - base:]))
             skip = max(start - 2, 0) - base
             bits, base, lo = bits[skip:end - base], base + skip, start
         uniform = False
