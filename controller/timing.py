@@ -44,6 +44,9 @@ Dests = Mapping[tuple[str, int, int, str], frozenset[int]]
 """(side, rank, round, stage) -> the rollout ranks that step writes into."""
 
 KERNEL_STAGES = ("pack", "assemble")
+LAND_STAGES = ("assemble", "stage")
+"""A rollout's land of a round: assembled into its parameters, or into a staging slot
+(receiver staging)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,15 +132,15 @@ class WriteTimeline:
 def write_timeline(timing: UpdateTiming, depth: int) -> WriteTimeline:
     """The trainers' write intervals of ``timing`` (``receive`` spans), their union's gaps,
     and the part of each gap spent before the round ``depth`` back had landed (its last
-    ``assemble`` span ended)."""
+    `LAND_STAGES` span on a rollout ended)."""
     writes = sorted((s, e, r) for (side, _), spans in timing.spans.items() if side == "trainer"
                     for stage, r, s, e in spans if stage == "receive")
     if not writes:
         raise ValueError("no trainer wrote in this update")
     landed: dict[int, int] = {}
-    for spans in timing.spans.values():
+    for (side, _), spans in timing.spans.items():
         for stage, r, _, e in spans:
-            if stage == "assemble":
+            if side == "rollout" and stage in LAND_STAGES:
                 landed[r] = max(landed.get(r, e), e)
     idle = wait = 0
     covered = writes[0][1]

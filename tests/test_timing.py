@@ -127,6 +127,10 @@ def test_the_write_timeline_splits_the_links_idle_time_at_the_buffer_it_waited_f
         (0.020, 0.004, 0.002, 0.005))
     # With depth 2 no round waits for a buffer: the gap is all trips.
     assert write_timeline(update_timing(spans, {}), depth=2).buffer_wait_s == 0
+    # Receiver staging lands round 0 in a slot ("stage"), not the parameters: the same wait.
+    staged = {**spans, ("rollout", 0): [("stage", 0, 11 * MS, 12 * MS),
+                                        ("stage", 1, 21 * MS, 25 * MS)]}
+    assert write_timeline(update_timing(staged, {}), depth=1).buffer_wait_s == pytest.approx(0.002)
 
 
 def test_a_write_timeline_needs_trainer_writes():
