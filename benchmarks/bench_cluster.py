@@ -9,10 +9,12 @@ ablations (in-house broadcast and P2P) on an emulated cluster whose links are th
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
 hosts it needs, and runs every mechanism on the same procs, model and links, one after the
-other (`controller/baselines/`): WeightBridge; ``gloo-broadcast`` (``dist.broadcast``, gloo's
-binomial tree), ``ring-broadcast`` (NCCL's ring pattern from gloo send/recv) and
-``bucketed-p2p``, through torch.distributed gloo over the hosts' links (``--bucket-kib``
-buckets of full tensors, each rollout runs its own load_weights per bucket); ``broadcast``
+other (`controller/baselines/`): WeightBridge (``weightbridge-rounds``: with one controller
+message per worker per round, `TransferConfig.round_control` "rounds"); ``gloo-broadcast``
+(``dist.broadcast``, gloo's binomial tree), ``ring-broadcast`` (NCCL's ring pattern from
+gloo send/recv) and ``bucketed-p2p``, through torch.distributed gloo over the hosts' links
+(``--bucket-kib`` buckets of full tensors, each rollout runs its own load_weights per
+bucket); ``broadcast``
 and ``p2p``, printed as ablations: WeightBridge's own data plane (Monarch RDMA) and plans with
 the baselines' traffic patterns (broadcast's head in one more proc on the first trainer host):
 
@@ -29,13 +31,16 @@ too; ``--fifo-links`` queues control messages behind bulk data (controller/clust
 priority).
 
 Prints EWTT, AGST, the ideal EWTT of Eq. (1) from the configured rate and the ratios (the last
-update of each run; every update is verified bit-exact), and writes out/cluster/bench_cluster.csv,
-out/cluster/bench_cluster.png and the Chrome trace of one WeightBridge update at 4 replicas.
+update of each run; every update is verified bit-exact), the controller's messages per round
+that drive the rounds (WeightBridge's), the per-round timeline at 4 replicas, and writes
+out/cluster/bench_cluster.csv, out/cluster/bench_cluster.png and the Chrome trace of one
+WeightBridge update at 4 replicas.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import dataclasses
 import json
@@ -64,8 +69,14 @@ def configs(rollout_procs: int) -> list[tuple[str, int, str, str]]:
 MODES = {"weightbridge-ss": "ss", "weightbridge-rs": "rs", "weightbridge-async": "async"}
 """WeightBridge in the staging modes (``weightbridge`` is sync): the same rounds, with the
 trainers' stall the staged copy (SS, async) and the rollouts' the install (RS, async)."""
-MECHANISMS = ("weightbridge", *MODES, "gloo-broadcast", "ring-broadcast", "bucketed-p2p",
-              "broadcast", "p2p")
+ROUNDS = "weightbridge-rounds"
+"""WeightBridge (sync) with one controller message per worker per round, the writers telling
+their readers (`TransferConfig.round_control` "rounds"); ``weightbridge`` runs the default,
+the controller starting every stage ("stages")."""
+MECHANISMS = ("weightbridge", ROUNDS, *MODES, "gloo-broadcast", "ring-broadcast",
+              "bucketed-p2p", "broadcast", "p2p")
+STEP_CALLS = ("send_round", "forward", "land", "round")
+"""The controller's calls that drive the rounds (`weightbridge.coordination.session`)."""
 LABELS = {"broadcast": "broadcast (ablation)", "p2p": "p2p (ablation)"}
 """Printed names where not the mechanism's: the in-house broadcast and P2P run on WeightBridge's
 own data plane (Monarch RDMA, its plans), so they are same-data-plane ablations, not the
@@ -115,7 +126,10 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     from weightbridge import TransferConfig
     from weightbridge.config import Mode
 
+    from weightbridge.mesh.registry import calls
+
     tspec, rspec = TrainerSpec.parse(tspec_text), RolloutSpec.parse(rspec_text)
+    messages: dict[str, float] = {}
     rate = args.link_mbit * 1e6 / 8
     config = TransferConfig(round_bytes=args.round_kib << 10, depth=args.depth)
     with attached(addrs, tspec, rspec, head="broadcast" in args.mechanisms) as procs:
@@ -135,19 +149,26 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                     kw["config"] = dataclasses.replace(
                         config, sender_staging=mode.sender_staging,
                         receiver_staging=mode.receiver_staging)
+                if mech == ROUNDS:
+                    kw["config"] = dataclasses.replace(config, round_control="rounds")
                 runner = MeshTransfer(tspec, rspec, args.model,
                                       reroute=p2p_plan if mech == "p2p" else None, **kw)
             with runner:
-                if isinstance(runner, MeshTransfer):
-                    runner.connect()
+                rounds = runner.connect().num_rounds if isinstance(runner, MeshTransfer) else 0
                 if mech == "weightbridge":
                     ideal = runner.ideal_s
-                reports = [_one_update(runner, v) for v in range(1, args.updates + 1)]
+                reports = []
+                for v in range(1, args.updates + 1):
+                    before = collections.Counter(calls)
+                    reports.append(_one_update(runner, v))
+                if rounds:  # the last update's messages from the controller, per round
+                    messages[mech] = sum(calls["sent", c] - before["sent", c]
+                                         for c in STEP_CALLS) / rounds
             bad = [r for r, _ in reports if r.mismatched]
             if bad:
                 raise SystemExit(f"{mech}: {bad[0].line()}")
             results[mech] = reports[-1]
-        return {"ideal": ideal, **results}
+        return {"ideal": ideal, "messages": messages, **results}
 
 
 def _one_update(runner, version: int):
@@ -220,6 +241,9 @@ def main() -> int:
                              "transport": TRANSPORTS.get(mech, "monarch rdma")})
                 ring = res["ring-broadcast"][1] if "ring-broadcast" in res else None
                 vs_ring = f"  AGST/ring {agst / ring:.2f}" if ring else ""
+                if mech in res["messages"]:
+                    vs_ring += (f"  controller messages/round "
+                                f"{res['messages'][mech]:.1f}")
                 print(f"[{sweep}={x}] {LABELS.get(mech, mech):<20} EWTT {t.ewtt_s:.3f}s  "
                       f"AGST {agst:.3f}s  ideal {ideal:.3f}s  EWTT/ideal {t.ewtt_s / ideal:.2f}"
                       f"  vs WeightBridge {t.ewtt_s / wb.ewtt_s:.2f}x{vs_ring}  "
@@ -230,12 +254,16 @@ def main() -> int:
 
                 path = OUT / "trace_weightbridge_4replicas.json"
                 path.write_text(json.dumps(chrome_trace(wb, label="WeightBridge, 4 replicas")))
-                tl = write_timeline(wb, args.depth)
-                print(f"[{sweep}={x}] weightbridge timeline: trainers' writes {tl.writes_s:.3f}s "
-                      f"(ideal {ideal:.3f}s), the link idle {tl.idle_s:.3f}s of it "
-                      f"({tl.buffer_wait_s:.3f}s before round r-{args.depth} had landed, "
-                      f"{tl.idle_s - tl.buffer_wait_s:.3f}s from then to the next write); "
-                      f"after the last write {tl.drain_s:.3f}s (forwards, assembly)", flush=True)
+                for mech in ("weightbridge", ROUNDS):
+                    if mech not in res:
+                        continue
+                    tl = write_timeline(res[mech][0].timing, args.depth)
+                    print(f"[{sweep}={x}] {mech} timeline: trainers' writes {tl.writes_s:.3f}s "
+                          f"(ideal {ideal:.3f}s), the link idle {tl.idle_s:.3f}s of it "
+                          f"({tl.buffer_wait_s:.3f}s before round r-{args.depth} had landed, "
+                          f"{tl.idle_s - tl.buffer_wait_s:.3f}s from then to the next write); "
+                          f"after the last write {tl.drain_s:.3f}s (forwards, assembly)",
+                          flush=True)
     with open(OUT / "bench_cluster.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

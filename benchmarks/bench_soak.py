@@ -282,6 +282,8 @@ def main() -> int:
     parser.add_argument("--writes", default="per-range",
                         help="with --modes: TransferConfig.rdma_writes, or 'per-range,batched' "
                              "to run each mode once per way")
+    parser.add_argument("--round-control", default="stages", choices=("stages", "rounds"),
+                        help="with --modes: TransferConfig.round_control")
     parser.add_argument("--per-call", type=int,
                         help="with --modes: updates each endpoint call of the soak loop drives "
                              "(default --sample-every; 1: a call per update, as a training "
@@ -393,7 +395,8 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
             name = mode if "," not in args.writes else f"{mode} {writes}"
             ss, rs = STAGING[mode.split("-")[0]]
             config = TransferConfig(round_bytes=args.round_kib << 10, timeout_s=60,
-                                    sender_staging=ss, receiver_staging=rs, rdma_writes=writes)
+                                    sender_staging=ss, receiver_staging=rs, rdma_writes=writes,
+                                    round_control=args.round_control)
             group = TransferGroup.spawn(tp, rp, engine_size=ENGINE_TP, config=config)
             try:
                 trainers.setup.call(name, group).get()
@@ -447,12 +450,14 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
             for side, name in (("trainer", "t"), ("rollout", "r")):
                 for rank in (0, 1):
                     sent = sum(counted[(side, rank)]["sent"].values()) / n
+                    posted = sum(counted[(side, rank)]["posted"].values()) / n
                     served = sum(counted[(side, rank)]["served"].values()) / n
                     local = sum(counted[(side, rank)]["local"].values()) / n
                     writes = sum(counted[(side, rank)]["write"].values()) / n
                     top = counted[(side, rank)]["sent"].most_common(3)
                     lines.append(f"{'':>12}{name}{rank} peer calls/update: sent {sent:.1f} "
-                                 f"(messages), served {served:.1f}, on itself {local:.1f} (no "
+                                 f"(messages), posted {posted:.1f} (one-way), served "
+                                 f"{served:.1f}, on itself {local:.1f} (no "
                                  f"message); RDMA writes started {writes:.1f}; most sent: "
                                  + ", ".join(f"{c} {k / n:.1f}" for c, k in top))
             for who, grew in heap.items():
@@ -478,12 +483,14 @@ def soak_modes(args, modes: tuple[str, ...]) -> int:
 
 
 def _calls(trainers, rollouts) -> dict:
-    """(side, rank) -> {"sent" | "served" | "local" | "write": Counter (`registry.calls`)}."""
+    """(side, rank) -> {"sent" | "posted" | "served" | "local" | "write": Counter
+    (`registry.calls`)}."""
     out = {}
     for side, mesh in (("trainer", trainers), ("rollout", rollouts)):
         for p, counts in mesh.calls.call().get().items():
             by = out[(side, p.rank)] = {kind: collections.Counter()
-                                        for kind in ("sent", "served", "local", "write")}
+                                        for kind in ("sent", "posted", "served", "local",
+                                                     "write")}
             for (kind, call), k in counts.items():
                 by[kind][call] += k
     return out

@@ -34,6 +34,7 @@ from meshes.qwen3_moe import SIZES, checkpoint_spec  # noqa: E402
 from weightbridge.specs import TrainerSpec  # noqa: E402
 from weightbridge.specs import RolloutSpec
 from weightbridge import TransferConfig  # noqa: E402
+from weightbridge.config import ROUND_CONTROLS  # noqa: E402
 from weightbridge.mesh.transport import configure_transport  # noqa: E402
 
 SIZES_KIB = (256, 1024, 4096, 8192, 16384)
@@ -48,13 +49,18 @@ def main() -> int:
                         help="round buffer sizes per worker, KiB")
     parser.add_argument("--depth", type=int, default=TransferConfig().depth,
                         help="round buffers per worker (default: TransferConfig's)")
+    parser.add_argument("--round-control", nargs="+", choices=ROUND_CONTROLS,
+                        default=[TransferConfig().round_control],
+                        help="how the controller drives the rounds (TransferConfig."
+                             "round_control); two: each size runs both, interleaved")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured updates per size")
     parser.add_argument("--updates", type=int, default=7, help="measured updates per size")
     args = parser.parse_args()
     tspec, rspec = TrainerSpec.parse(args.trainer), RolloutSpec.parse(args.rollout)
     try:
-        configs = {kib: TransferConfig(round_bytes=kib << 10, depth=args.depth)
-                   for kib in args.sizes_kib}
+        configs = {(kib, how): TransferConfig(round_bytes=kib << 10, depth=args.depth,
+                                              round_control=how)
+                   for kib in args.sizes_kib for how in args.round_control}
         tspec.validate(SIZES[args.model])
         rspec.validate(SIZES[args.model])
         if args.updates < 1 or args.warmup < 0:
@@ -62,6 +68,8 @@ def main() -> int:
     except ValueError as e:
         parser.error(str(e))
     spec = checkpoint_spec(SIZES[args.model])
+    both = len(args.round_control) > 1
+    width = 17 if both else 10
     print(f"model {args.model}: {spec.numel * 2 / 1e6:.1f} MB bf16; trainer [{args.trainer}] "
           f"-> rollout [{args.rollout}]; depth {args.depth}; {args.warmup} warm-up + "
           f"{args.updates} measured updates per size, interleaved", flush=True)
@@ -70,32 +78,32 @@ def main() -> int:
     t_start = time.perf_counter()
     configure_transport()  # before spawning: children read the config at start-up
     meshes, runs = [], {}
-    ewtt: dict[int, list[float]] = {kib: [] for kib in configs}
-    wall: dict[int, list[float]] = {kib: [] for kib in configs}
-    moved: dict[int, int] = {}
+    ewtt: dict[tuple, list[float]] = {key: [] for key in configs}
+    wall: dict[tuple, list[float]] = {key: [] for key in configs}
+    moved: dict[tuple, int] = {}
     try:
         host = this_host()
         meshes.append(host.spawn_procs(per_host={"worker": tspec.num_workers}, name="trainer"))
         meshes.append(host.spawn_procs(per_host={"worker": rspec.num_workers}, name="rollout"))
-        for kib, config in configs.items():
+        for key, config in configs.items():
             t0 = time.perf_counter()
             mt = MeshTransfer(tspec, rspec, args.model, config=config, procs=tuple(meshes))
-            runs[kib] = mt.__enter__()
+            runs[key] = mt.__enter__()
             plan = mt.connect()
-            print(f"  {kib:>6} KiB: connect {time.perf_counter() - t0:.1f}s, "
+            print(f"  {_label(key, both)}: connect {time.perf_counter() - t0:.1f}s, "
                   f"{plan.num_rounds} rounds", flush=True)
         sizes = list(configs)
         for n in range(args.warmup + args.updates):
             order = sizes[n % len(sizes):] + sizes[:n % len(sizes)]
-            for kib in order:
-                report = runs[kib].update(n + 1)
+            for key in order:
+                report = runs[key].update(n + 1)
                 if report.mismatched:
-                    print(f"{kib} KiB: {report.line()}")
+                    print(f"{_label(key, both)}: {report.line()}")
                     return 1
                 if n >= args.warmup:
-                    ewtt[kib].append(report.timing.ewtt_s)
-                    wall[kib].append(report.transfer_s)
-                    moved[kib] = report.rdma_bytes
+                    ewtt[key].append(report.timing.ewtt_s)
+                    wall[key].append(report.transfer_s)
+                    moved[key] = report.rdma_bytes
             print(f"  pass {n + 1}/{args.warmup + args.updates}"
                   f"{' (warm-up)' if n < args.warmup else ''} done", flush=True)
     finally:
@@ -103,20 +111,27 @@ def main() -> int:
             mt.close()
         for mesh in meshes:
             mesh.stop().get(timeout=60)
-    med_e = {kib: statistics.median(xs) for kib, xs in ewtt.items()}
-    med_w = {kib: statistics.median(xs) for kib, xs in wall.items()}
+    med_e = {key: statistics.median(xs) for key, xs in ewtt.items()}
+    med_w = {key: statistics.median(xs) for key, xs in wall.items()}
     best_e, best_w = min(med_e.values()), min(med_w.values())
-    print(f"median of {args.updates} updates per size (all bit-exact); ratios against the "
+    print(f"median of {args.updates} updates per run (all bit-exact); ratios against the "
           f"best size")
-    print(f"{'round size':>10}  {'EWTT':>8}  {'x best':>6}  {'transfer':>8}  {'x best':>6}  "
+    print(f"{'round size':>{width}}  {'EWTT':>8}  {'x best':>6}  {'transfer':>8}  {'x best':>6}  "
           f"{'RDMA bytes per update':>24}")
-    for kib in configs:
-        label = f"{kib >> 10} MiB" if kib % 1024 == 0 else f"{kib} KiB"
-        print(f"{label:>10}  {med_e[kib]:7.3f}s  {med_e[kib] / best_e:5.2f}x  "
-              f"{med_w[kib]:7.3f}s  {med_w[kib] / best_w:5.2f}x  "
-              f"{moved[kib]:>13,} ({moved[kib] / 1e6:6.2f} MB)", flush=True)
+    for key in configs:
+        print(f"{_label(key, both):>{width}}  {med_e[key]:7.3f}s  {med_e[key] / best_e:5.2f}x  "
+              f"{med_w[key]:7.3f}s  {med_w[key] / best_w:5.2f}x  "
+              f"{moved[key]:>13,} ({moved[key] / 1e6:6.2f} MB)", flush=True)
     print(f"total {time.perf_counter() - t_start:.0f}s")
     return 0
+
+
+def _label(key: tuple[int, str], both: bool) -> str:
+    """A run's name in the table: its round size, and how its rounds are driven when the
+    run compares both ways."""
+    kib, how = key
+    size = f"{kib >> 10} MiB" if kib % 1024 == 0 else f"{kib} KiB"
+    return f"{size} {how}" if both else size
 
 
 if __name__ == "__main__":

@@ -19,14 +19,17 @@
                  FORWARD(r, EXTERNAL), then INTERNAL  ------------->  RDMA to peers' arena
                  LAND(r)       ------------------------------------>  arena -> parameters
                  SEND_ROUND(r + depth) once LAND(r) returned everywhere
-      [RS, async: LAND(r) puts round r in the engine's staging slot instead]
+      [round_control="rounds": one ROUND(r) per worker; the writers tell their readers
+       (WRITTEN, peer to peer) when a stage's bytes landed]
+      [RS, async: round r lands in the engine's staging slot instead]
       checksums(v)            <------------------------------------  live vs own load_weights(v)
     poll_requests() (between generation steps; RS, async):
                  INSTALL(slot, v) ------------------------------------>  staging slot -> parameters
 
-Handles travel on the control plane (`MeshControl`), bytes only through RDMA writes. Steps are
-issued as their inputs are done (a trainer serves its sends in order; rollouts forward and land
-concurrently). Every wait is bounded; a failure is one `TransferFailed` naming round and step.
+Handles travel on the control plane (`MeshControl`), bytes only through RDMA writes. Steps
+are issued as their inputs are done (a trainer serves its sends in order; rollouts forward
+and land concurrently). Every wait is bounded; a failure is one `TransferFailed` naming
+round and step.
 The group's state (maps, the plan in force and its generation, who is out, the staging-slot
 ledger) is its `GroupLeader`; what was sent and what the rollouts hold, a `VersionBook`.
 

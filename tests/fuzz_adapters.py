@@ -116,7 +116,7 @@ class _Fuzz:
         self.rng = random.Random(s.seed * 7919 + 1)
         ss, rs = s.staging
         self.config = TransferConfig(timeout_s=s.timeout_s, sender_staging=ss,
-                                     receiver_staging=rs)
+                                     receiver_staging=rs, round_control=s.round_control)
         self.bound = 12 * s.timeout_s + 10  # a trainer call that takes longer: a hang
         self.control = LocalControl()
         self.trainers: list[tuple[Model, SenderAdapter]] = []

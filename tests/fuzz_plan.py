@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightbridge.config import ROUND_CONTROLS
+
 MODES = ("sync", "ss", "rs", "async")
 """Mode of seed s: MODES[s % 4]."""
 SHAPES = {"w": ((3,), torch.bfloat16), "v": ((5,), torch.float32), "m": ((4, 6), torch.bfloat16)}
@@ -102,6 +104,9 @@ class Scenario:
     ops: tuple[Op, ...]
     think_s: tuple[float, ...]
     """Per engine (joined ones cycle through it), the pause between its inference steps."""
+    round_control: str = "stages"
+    """`TransferConfig.round_control`: every other run of four seeds (one per mode) drives
+    its rounds whole ("rounds")."""
 
     @property
     def staging(self) -> tuple[bool, bool]:
@@ -109,7 +114,8 @@ class Scenario:
         return self.mode in ("ss", "async"), self.mode in ("rs", "async")
 
     def describe(self) -> str:
-        return (f"seed {self.seed}: {self.mode}, {self.num_trainers} trainers -> "
+        return (f"seed {self.seed}: {self.mode}, {self.round_control}, "
+                f"{self.num_trainers} trainers -> "
                 f"{self.num_engines} x {self.engine_size}-rank engines, timeout_s="
                 f"{self.timeout_s:g}: " + ", ".join(op.describe() for op in self.ops))
 
@@ -178,7 +184,8 @@ def scenario_of(seed: int, *, num_ops: int = 8, timeout_s: float = 1.0,
     misuse = random.Random(seed * 7907 + 3)  # (its own draws: the others stay as they were)
     if rebinds and misuse.random() < REBIND_SHARE:
         ops.insert(misuse.randint(1, len(ops)), Op("rebind"))
-    return Scenario(seed, mode, trainers, engines, size, timeout_s, tuple(ops), think)
+    return Scenario(seed, mode, trainers, engines, size, timeout_s, tuple(ops), think,
+                    ROUND_CONTROLS[seed // len(MODES) % len(ROUND_CONTROLS)])
 
 
 def _delay(rng: random.Random) -> float:

@@ -3,7 +3,7 @@
 Trainer TP2 -> two TP2 engines (`meshes/adapter_actors.py`, as in `examples/rl_loop.py`) on
 proc meshes of their own, one `TransferGroup` over both; rollout worker R1 (engine 0) calls
 ``os._exit`` (or stops itself with SIGSTOP: alive, answering nothing) at the third round of
-the second transfer (in its adapter's ``on_forward``,
+the second transfer (in its adapter's ``on_land``,
 which the group's agent runs for trainer 0's sequencer; the adapter class is substituted with
 ``group.receiver(..., cls=...)``). Checked: trainer 0 raises a `TransferFailed` naming R1,
 engine 0, version 2, the round and the stage within ``timeout_s`` of the fault; engine 1 runs one
@@ -24,7 +24,6 @@ import pytest
 from meshes.adapter_actors import RLRollout, RLTrainer
 from meshprocs import bootstrap_children, proc_pair
 from weightbridge import ReceiverAdapter, TransferConfig, TransferGroup
-from weightbridge.types import Stage
 
 pytestmark = pytest.mark.mesh
 
@@ -40,16 +39,20 @@ stopped)."""
 
 
 class DiesInSecondTransfer(ReceiverAdapter):
-    """Rollout worker VICTIM's process exits at round 3 of the second transfer."""
+    """Rollout worker VICTIM's process exits as it lands a round from round 3 on of the
+    second transfer. A transfer starts with the first round it assembles in (whichever way
+    the rounds are driven it lands that one; rounds from two after it on cannot land before
+    it, with two round buffers, though lands may run side by side)."""
 
-    forwards = 0
+    transfers = 0
 
-    def on_forward(self, r: int, stage: Stage) -> None:
-        if stage == Stage.EXTERNAL and self.worker.index == VICTIM:
-            self.forwards += 1
-            if self.forwards == self.executor.num_rounds + 3:
+    def on_land(self, r: int, slots=None, expected=None) -> None:
+        if self.worker.index == VICTIM:
+            first = min(i for i, part in enumerate(self.executor.plan.rounds) if part.assemble)
+            self.transfers += r == first
+            if self.transfers == 2 and r >= max(3, first + 2):
                 self.fault()
-        super().on_forward(r, stage)
+        super().on_land(r, slots, expected)
 
     def fault(self) -> None:
         _fault_at()
@@ -186,9 +189,11 @@ def _check(run: dict, ss: bool, fault_at: float) -> None:
     _, message, end = failures[0]
     elapsed = end - fault_at  # (one monotonic clock for all procs)
     assert "R1 (engine 0) failed during the transfer of version 2" in message, message[-2000:]
-    # The step that meets the dead worker first names it: a trainer's send, a forward of
-    # either stage (a peer writing into it, or it writing on), or its land.
-    stage = r"(trainers' send|rollouts' (external|internal) forward|rollouts' land)"
+    # The step that meets the dead worker first names it: its round (a peer waiting for its
+    # bytes, a trainer writing into it, its own round unanswered); with round_control
+    # "stages", a trainer's send, a forward of either stage, or its land.
+    stage = (r"(send, forwards and land|trainers' send|rollouts' (external|internal) forward|"
+             r"rollouts' land)")
     assert re.search(r"round \d+, " + stage, message), message[-2000:]
     assert "Engine [0] is excluded" in message and "add_engines()" in message, message[-2000:]
     # Within timeout_s of the fault: peers count as lost after peer_timeout_s, the rest of the

@@ -75,6 +75,18 @@ def test_one_rdma_action_per_step_is_bit_identical_too(procs, rollout):
         assert {"receive", "external"} <= stages or {"receive", "internal"} <= stages
 
 
+@pytest.mark.parametrize("rollout", ["engines=2,nodes=1,gpus=2,tp=2", "engines=4,nodes=1,gpus=1"],
+                         ids=["2xtp2", "4xtp1"])
+def test_rounds_whose_stages_hand_over_peer_to_peer_are_bit_identical_too(procs, rollout):
+    """Issue 43, item 2: one `ROUND` per worker per round, the writers telling their readers
+    (``round_control="rounds"``), with every stage taking part."""
+    for report in _two_bit_identical_updates("nodes=1,gpus=4,tp=2,ep=2", rollout,
+                                             dataclasses.replace(CONFIG, round_control="rounds"),
+                                             procs):
+        stages = {stage for spans in report.timing.spans.values() for stage, *_ in spans}
+        assert {"receive", "external"} <= stages or {"receive", "internal"} <= stages
+
+
 def test_a_third_arena_is_bit_identical_too(procs):
     with MeshTransfer(TrainerSpec.parse("nodes=2,gpus=2,tp=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
@@ -241,7 +253,9 @@ def test_update_reports_ewtt_agst_ideal_and_a_trace_with_one_event_per_rank_stag
     assert len(steps) == len(set(steps)) and set(steps) == want
 
 
-def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_busy(procs):
+@pytest.mark.parametrize("round_control", ["stages", "rounds"])
+def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_busy(
+        procs, round_control):
     """The spans (one host clock) must show the data dependencies the sequencer keeps: a
     rollout forwards a stage's bytes only after the earlier stages' writes into it ended,
     assembles only after every write into it ended, and a writer writes round r into a peer's
@@ -249,7 +263,8 @@ def test_each_step_starts_after_its_inputs_landed_and_no_arena_is_reused_while_b
     order = ("receive", "external", "internal")
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
                       RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
-                      config=CONFIG, procs=procs) as mt:
+                      config=dataclasses.replace(CONFIG, round_control=round_control),
+                      procs=procs) as mt:
         mt.connect()
         reports = [mt.update(v) for v in (1, 2)]
         dests = mt._dests
@@ -300,7 +315,9 @@ class FailsInRound1Rollout(RolloutActor):
     worker_class = FailsInRound1
 
 
-def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
+@pytest.mark.parametrize("round_control,step", [("stages", "rollouts' land"),
+                                                ("rounds", "send, forwards and land")])
+def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs, round_control, step):
     import time
 
     with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=2,tp=2"),
@@ -308,10 +325,11 @@ def test_a_failing_worker_aborts_the_update_with_its_error_at_once(procs):
                       procs=(procs[0].slice(worker=slice(0, 2)),
                              procs[1].slice(worker=slice(0, 2))),
                       rollout_actor=FailsInRound1Rollout,
-                      config=TransferConfig(round_bytes=64 << 10, timeout_s=60)) as mt:
+                      config=TransferConfig(round_bytes=64 << 10, timeout_s=60,
+                                            round_control=round_control)) as mt:
         mt.connect()
         t0 = time.monotonic()
-        with pytest.raises(TransferFailed, match=r"update 1 failed: round 1, rollouts' land: "
+        with pytest.raises(TransferFailed, match=rf"update 1 failed: round 1, {step}: "
                                                 r".*OSError: rollout 1: assemble kernel failed"):
             mt.update(1)
         # Nobody waited out the 60 s timeout.

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from weightbridge.coordination.sequencer import LAND, run_rounds
+from weightbridge.coordination.sequencer import LAND, run_rounds, run_whole_rounds
 from weightbridge.errors import StepFailed
 from weightbridge.types import Stage
 
@@ -108,3 +108,36 @@ def test_a_failed_step_is_one_step_failed_naming_it_and_the_others_are_cancelled
     running = {(r, s) for e, r, s in steps.log if e == "start"} - {
         (r, s) for e, r, s in steps.log if e in ("end", "cancelled")}
     assert running == {(2, what)}, running
+
+
+class LoggingRounds(LoggingSteps):
+    """`run_whole_rounds`'s step: a whole round, logged as (event, r, "round")."""
+
+    async def round(self, r):
+        await self._run(r, "round")
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_whole_round_starts_once_round_r_minus_depth_ended_and_in_order(depth, seed):
+    n = 9
+    steps = LoggingRounds(seed)
+    asyncio.run(run_whole_rounds(steps, frozenset(range(n)), n, depth))
+    started = [r for e, r, _ in steps.log if e == "start"]
+    assert started == list(range(n))  # issued in order
+    for r in range(depth, n):
+        assert steps.at("end", r - depth, "round") < steps.at("start", r, "round")
+    # ...and no later: round r starts as soon as round r - depth ended (or round r - 1 was
+    # issued), so up to depth rounds are in flight at once.
+    assert max(sum(1 for e, q, _ in steps.log[:i] if e == "start") -
+               sum(1 for e, q, _ in steps.log[:i] if e == "end")
+               for i in range(len(steps.log) + 1)) == depth
+
+
+def test_rounds_without_a_write_are_skipped_and_the_first_failure_names_its_round():
+    steps = LoggingRounds(0, fail=(3, "round"))
+    with pytest.raises(StepFailed, match=r"round 3, send, forwards and land: RuntimeError: "
+                                         r"step round of round 3 failed"):
+        asyncio.run(run_whole_rounds(steps, frozenset({0, 1, 3, 4, 5}), 6, 2))
+    started = [r for e, r, _ in steps.log if e == "start"]
+    assert 2 not in started and started[:3] == [0, 1, 3]

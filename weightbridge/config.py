@@ -39,6 +39,9 @@ TRAINER_RESTORES = ("host-copy", "none")
 """`TransferConfig.trainer_restore` choices."""
 RDMA_WRITES = ("per-range", "batched")
 """`TransferConfig.rdma_writes` choices."""
+ROUND_CONTROLS = ("stages", "rounds")
+"""`TransferConfig.round_control` choices."""
+DEFAULT_ROUND_CONTROL = "stages"
 DEFAULT_SOURCE_MAP_CACHE = "~/.cache/weightbridge/source-maps"
 """`TransferConfig.source_map_cache` unless told otherwise: the user's cache directory, on each
 host (``~`` is the home of the user each worker runs as)."""
@@ -161,6 +164,18 @@ class TransferConfig:
     action's ranges one after another, and it did not measure faster there
     (docs/performance.md, "Batched RDMA writes"); for an ibverbs NIC, measure it."""
 
+    round_control: str = DEFAULT_ROUND_CONTROL
+    """How the controller drives an update's rounds (`weightbridge.coordination.sequencer`):
+    ``"stages"`` (default): it starts each stage of a round on its workers and hears it end
+    (send, the forwards between and within nodes, land: up to four trips through it per
+    round, a message per worker per stage); ``"rounds"``: one message per worker per round,
+    and the writers of a stage tell their readers directly when their bytes landed
+    (`weightbridge.coordination.signals`): one trip through the controller per round and
+    fewer messages through it, but not a faster update on this project's emulated cluster
+    (docs/performance.md, "Trips through the controller"); measure it where the controller
+    drives many workers. The adapters on meshes refuse it (`TransferGroup.sender`): their
+    first whole round does not finish there yet."""
+
     source_map_cache: str | None = DEFAULT_SOURCE_MAP_CACHE
     """Directory where connect keeps each worker's source map across restarts
     (`weightbridge.discovery.cache`; a few KiB per worker), or None to probe every time. A
@@ -207,6 +222,9 @@ class TransferConfig:
         if self.rdma_writes not in RDMA_WRITES:
             raise ValueError(f"rdma_writes must be one of {RDMA_WRITES} (how a step's RDMA "
                              f"writes are started), got {self.rdma_writes!r}")
+        if self.round_control not in ROUND_CONTROLS:
+            raise ValueError(f"round_control must be one of {ROUND_CONTROLS} (how the "
+                             f"controller drives the rounds), got {self.round_control!r}")
         if self.source_map_cache is not None and (
                 not isinstance(self.source_map_cache, str) or not self.source_map_cache):
             raise ValueError(f"source_map_cache must be a directory path (str) or None (no "

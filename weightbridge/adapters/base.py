@@ -33,8 +33,8 @@ class AdapterWorker(TransferWorker):
     def __init__(self, params, load_weights, spec, *, rank: int, placement, control: ControlPlane,
                  transport, config: TransferConfig, kernels=None):
         super().__init__(self.side, params, load_weights, spec, rank=rank, placement=placement,
-                         transport=transport, config=config, kernels=kernels)
-        self.control = control
+                         transport=transport, config=config, kernels=kernels,
+                         control=control)
         self.spans = collections.deque(maxlen=ADAPTER_SPANS)
 
     @property

@@ -332,8 +332,8 @@ class SenderAdapter(AdapterWorker):
         super()._setup(plan)  # (the staged copy is laid out anew)
         self.stage.drop()  # (so no transfer reads a version staged for the old plan)
 
-    def on_set_peers(self, handles: dict) -> None:
-        super().on_set_peers(handles)
+    def on_set_peers(self, handles: dict, addresses: dict | None = None) -> None:
+        super().on_set_peers(handles, addresses)
         self._connected.set()
 
     def on_ready(self) -> int | None:

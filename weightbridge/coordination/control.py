@@ -40,6 +40,9 @@ class PeerCall(enum.Enum):
     SEND_ROUND = "send_round"
     FORWARD = "forward"
     LAND = "land"
+    ROUND = "round"
+    WRITTEN = "written"
+    ABANDON = "abandon"
     STAGE = "stage"
     INSTALL = "install"
     FAIL = "fail"
@@ -72,6 +75,21 @@ class PeerCall(enum.Enum):
         """Calls that may take longer than a peer timeout: probing and building tables grow
         with the model."""
         return self in (PeerCall.SOURCE_MAP, PeerCall.SETUP)
+
+    def ordered(self, side: str) -> bool:
+        """Whether a worker of ``side`` serves this call one at a time, in the order the calls
+        arrive (on one thread): a trainer's sends, and every worker's rounds. (Rollouts
+        serving their rounds side by side measured slower on the emulated cluster: round
+        r + 1's forwards then share the rollout links with round r's, and round r lands
+        later; docs/notes/emulated-cluster.md.)"""
+        return self is PeerCall.SEND_ROUND or self is PeerCall.ROUND
+
+    @property
+    def posted(self) -> bool:
+        """One-way messages (`ControlPlane.post`): nothing answers them, and the receiver
+        serves them at once, beside its other calls. A lost one is noticed by whoever
+        waits for what it said (bounded by the peer timeout)."""
+        return self in (PeerCall.WRITTEN, PeerCall.ABANDON)
 
     @property
     def notice(self) -> bool:
@@ -126,7 +144,23 @@ class ControlPlane(Protocol):
         ...
 
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
-        """`call`, awaited (the round sequencer issues many steps at once)."""
+        """`call`, awaited (the round sequencer issues many steps at once); the first peer's
+        error is raised as soon as it comes, not once every peer answered."""
+        ...
+
+    def post(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> None:
+        """Send ``call`` (a `PeerCall.posted` one) to each of ``peers`` and return at once:
+        no answer, no error (a peer that is gone drops it)."""
+        ...
+
+    def addresses(self, peers: Sequence[WorkerId]) -> Mapping[WorkerId, Any]:
+        """Where ``peers`` take messages, as another worker's plane can use them (`learn`):
+        picklable; empty where every plane reaches every worker by itself."""
+        ...
+
+    def learn(self, addresses: Mapping[WorkerId, Any]) -> None:
+        """Reach these peers at these `addresses` from now on (peers that joined the group
+        after this plane was built)."""
         ...
 
 

@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from weightbridge.config import DEFAULT_DEPTH, TransferConfig
+from weightbridge.config import DEFAULT_DEPTH, DEFAULT_ROUND_CONTROL, TransferConfig
 from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.sequencer import active_steps
@@ -33,7 +33,8 @@ from weightbridge.views import memory_order
 
 def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, torch.Tensor]],
                      rollout_params: Sequence[Mapping[str, torch.Tensor]], *,
-                     kernels: CopyKernels | None = None, depth: int = DEFAULT_DEPTH) -> None:
+                     kernels: CopyKernels | None = None, depth: int = DEFAULT_DEPTH,
+                     round_control: str = DEFAULT_ROUND_CONTROL) -> None:
     """Move the trainers' parameter bytes into the rollouts' parameters as ``plan`` says.
 
     Args:
@@ -45,11 +46,13 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
     Keyword Args:
         kernels: Pack/assemble implementation; `TorchCopyKernels` when None.
         depth: Round buffers per worker (`TransferConfig.depth`).
+        round_control: How the rounds are driven (`TransferConfig.round_control`).
 
     Raises:
         ValueError: wrong number of workers, or a parameter missing or of another shape/dtype.
     """
-    config = TransferConfig(round_bytes=plan.round_bytes, depth=depth)
+    config = TransferConfig(round_bytes=plan.round_bytes, depth=depth,
+                            round_control=round_control)
     kernels = kernels or TorchCopyKernels()
     for side, given, want in (("trainer", trainer_params, plan.trainers),
                               ("rollout", rollout_params, plan.rollouts)):
@@ -63,14 +66,15 @@ def run_plan_locally(plan: TransferPlan, trainer_params: Sequence[Mapping[str, t
     for w, params in zip(plan.workers, shadows):
         control.add(TransferWorker(w.side, params, _no_loader, None, rank=w.index,
                                    placement=Placement(w.side), transport=control.transport,
-                                   config=config, kernels=kernels))
+                                   config=config, kernels=kernels, control=control))
     ranges = incoming_ranges(plans.values(), depth)
     for w in plan.workers:
         control.call([w], PeerCall.SETUP, plans[w], sorted(ranges.get(w, ())))
         control.call([w], PeerCall.SET_PEERS, dict.fromkeys(outgoing_ranges(plans[w], depth)))
     rollouts = tuple(w for w in plan.workers if w.side == "rollout")
     run_update(control, ConnectedGroup(plan=plan, active=active_steps(plans.values()),
-                                       live_rollouts=rollouts, num_handles=0, depth=depth))
+                                       live_rollouts=rollouts, num_handles=0, depth=depth,
+                                       round_control=config.round_control))
     for params, shadow in zip(rollout_params, shadows[len(trainer_params):]):
         for name, target in params.items():
             if shadow[name] is not target:

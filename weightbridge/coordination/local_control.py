@@ -23,6 +23,7 @@ but probing and set-up is bounded as on a mesh (`TransferConfig.peer_timeout_s`,
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 import time
 from typing import Sequence
@@ -47,6 +48,10 @@ class LocalControl:
         self._serving = threading.Condition()
         self._calls_in: dict[WorkerId, int] = {}
         """Worker -> calls to it not yet answered (waiting on its stall, or being served)."""
+        self._ordered: dict[WorkerId, collections.deque] = {}
+        """Worker -> the calls it serves in order (`PeerCall.ordered`) not yet ended, served
+        one at a time in this order (a mesh's agent serves them so) by one daemon thread
+        while any is queued."""
 
     def kill(self, worker: WorkerId) -> None:
         """Stand-in for a process that died: every later call or write to it fails."""
@@ -130,16 +135,27 @@ class LocalControl:
         returns the errors in place of results). A peer that does not answer within
         `timeout` (``call``) counts as failed with a `TimeoutError`; its thread is left to
         end by itself (daemon), as a mesh leaves an unanswered message."""
+        return self._collect(self._issue(peers, call, args), return_errors)
+
+    def _issue(self, peers: Sequence[WorkerId], call: PeerCall, args: Sequence[tuple],
+               failed=None):
+        """Start ``call`` on every peer (an ordered one joins its peer's queue here, in the
+        order of these calls); `_collect` waits for the answers. ``failed(error)`` is
+        called as soon as a peer's call raised (the caller need not wait for the others)."""
         served: list = [None] * len(peers)
         ended = [threading.Event() for _ in peers]
+        started: list = [None] * len(peers)
 
         def one(i: int, peer: WorkerId, a: tuple) -> None:
+            started[i] = time.monotonic()
             try:
                 self.target(peer)
                 self._gate(peer)  # a stopped process answers once it goes on
                 served[i] = call.serve(self.target(peer), *a)
             except Exception as e:  # noqa: BLE001  (handed to the caller below)
                 served[i] = PeerFailed(e)
+                if failed is not None:
+                    failed(served[i])
             finally:
                 ended[i].set()
                 with self._serving:
@@ -150,18 +166,36 @@ class LocalControl:
             for peer in peers:
                 self._calls_in[peer] = self._calls_in.get(peer, 0) + 1
         for i, (peer, a) in enumerate(zip(peers, args)):
-            threading.Thread(target=one, args=(i, peer, a), daemon=True,
-                             name=f"local-{call.value}-{peer}").start()
+            if call.ordered(peer.side):
+                self._in_order(peer, call, one, (i, peer, a))
+            else:
+                threading.Thread(target=one, args=(i, peer, a), daemon=True,
+                                 name=f"local-{call.value}-{peer}").start()
+        return peers, call, served, ended, started, time.monotonic()
+
+    def _collect(self, issued, return_errors: bool) -> list:
+        peers, call, served, ended, started, at = issued
         timeout = self.timeout(call)
-        end = None if timeout is None else time.monotonic() + timeout
+
+        def clock(i: int) -> float:
+            """When call i's time started: an ordered call's when its peer started serving
+            it (the ones before it in its queue are bounded themselves), as on a mesh."""
+            return started[i] if started[i] is not None and call.ordered(peers[i].side) else at
+
         out = []
         for i, peer in enumerate(peers):
-            if ended[i].wait(None if end is None else max(0.0, end - time.monotonic())):
-                out.append(served[i])
-            else:
+            while True:
+                begun = clock(i)
+                left = None if timeout is None else begun + timeout - time.monotonic()
+                if ended[i].wait(None if left is None else max(0.0, left)):
+                    out.append(served[i])
+                    break
+                if clock(i) != begun:
+                    continue  # (it started meanwhile: its own clock)
                 out.append(PeerFailed(TimeoutError(
                     f"{call.value} to {peer} did not answer within {timeout:g}s "
                     f"(TransferConfig.timeout_s): a peer is stalled or its process died")))
+                break
         return gathered(out, return_errors)
 
     def call(self, peers: Sequence[WorkerId], call: PeerCall, *args,
@@ -169,7 +203,87 @@ class LocalControl:
         return self.call_each(peers, call, [args] * len(peers), return_errors=return_errors)
 
     async def call_async(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> list:
-        return await asyncio.to_thread(self.call, peers, call, *args)
+        # Issued here, in the caller's order (an ordered call queues behind the ones issued
+        # before it), and awaited on a daemon thread of its own: not the loop's executor,
+        # whose few threads would queue the waits of many calls in flight, and which
+        # `asyncio.run` waits for at its end (a call given up on would hold it).
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+
+        def failed(error: PeerFailed) -> None:  # the first error, at once (as on a mesh)
+            try:
+                gathered([error], False)
+            except BaseException as e:  # noqa: BLE001  (raised in the awaiting task)
+                try:
+                    loop.call_soon_threadsafe(_settle, answered, None, e)
+                except RuntimeError:  # the loop ended: nobody awaits it any more
+                    pass
+
+        issued = self._issue(peers, call, [args] * len(peers), failed)
+
+        def collect() -> None:
+            try:
+                out, error = self._collect(issued, False), None
+            except BaseException as e:  # noqa: BLE001  (raised in the awaiting task)
+                out, error = None, e
+            try:
+                loop.call_soon_threadsafe(_settle, answered, out, error)
+            except RuntimeError:  # the loop ended: nobody awaits it any more
+                pass
+
+        threading.Thread(target=collect, daemon=True, name=f"local-{call.value}-wait").start()
+        return await answered
+
+    def post(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> None:
+        """Serve ``call`` on each of ``peers`` here and now, or, on a stalled one, once it
+        goes on; a dead one drops it. Nothing is answered, no error raised."""
+        for peer in peers:
+            if peer in self.dead:
+                continue
+            if self.stalled(peer):
+                threading.Thread(target=self._post_later, args=(peer, call, args),
+                                 daemon=True, name=f"local-{call.value}-{peer}").start()
+                continue
+            try:
+                call.serve(self.target(peer), *args)
+            except Exception:  # noqa: BLE001  (a posted message has no answer to carry it)
+                pass
+
+    def addresses(self, peers: Sequence[WorkerId]) -> dict:
+        return {}  # (every worker is reached directly)
+
+    def learn(self, addresses) -> None:
+        pass
+
+    def _post_later(self, peer: WorkerId, call: PeerCall, args: tuple) -> None:
+        self._gate(peer)
+        self.post([peer], call, *args)
+
+    def _in_order(self, peer: WorkerId, call: PeerCall, fn, args: tuple) -> None:
+        with self._serving:
+            queue = self._ordered.setdefault(peer, collections.deque())
+            queue.append((fn, args))
+            if len(queue) > 1:  # the thread serving the ones before takes it
+                return
+        threading.Thread(target=self._serve_in_order, args=(peer,), daemon=True,
+                         name=f"local-{call.value}-{peer}").start()
+
+    def _serve_in_order(self, peer: WorkerId) -> None:
+        while True:
+            with self._serving:
+                fn, args = self._ordered[peer][0]
+            fn(*args)
+            with self._serving:
+                queue = self._ordered[peer]
+                queue.popleft()
+                if not queue:
+                    return
+
+
+def _settle(future: asyncio.Future, out, error) -> None:
+    if future.done():  # (cancelled: its awaiting task was)
+        return
+    future.set_exception(error) if error is not None else future.set_result(out)
 
 
 class LocalTransport:

@@ -63,37 +63,77 @@ async def run_rounds(steps: RoundSteps, active: frozenset, num_rounds: int, dept
     Raises:
         StepFailed: a step raised (the first failure; the other steps are cancelled).
     """
+    def send(r: int):
+        return steps.send(r) if (r, Stage.RECEIVE) in active else None
+
+    async def rest(r: int) -> None:
+        for stage in FORWARD_STAGES:
+            if (r, stage) in active:
+                await _step(r, f"rollouts' {stage.value} forward", steps.forward(r, stage))
+        if (r, LAND) in active:
+            await _step(r, "rollouts' land", steps.land(r))
+
+    await _pipelined(num_rounds, depth, first, send, "trainers' send", rest)
+
+
+class WholeRounds(Protocol):
+    """A round as one step on every worker taking part (`TransferConfig.round_control`
+    "rounds": the stages hand over peer to peer, `weightbridge.coordination.signals`)."""
+
+    async def round(self, r: int) -> None: ...
+
+
+async def run_whole_rounds(steps: WholeRounds, active: frozenset[int], num_rounds: int,
+                           depth: int, *, first: int = 0) -> None:
+    """`run_rounds` with one step per round: round r (``active``: the rounds with a write)
+    is issued once round r - depth ended on every worker and round r - 1 was issued.
+
+    Raises:
+        StepFailed: a round failed on some worker (the first failure; the others are
+            cancelled here, and the caller abandons them on the workers).
+    """
+    def whole(r: int):
+        return steps.round(r) if r in active else None
+
+    async def nothing(r: int) -> None:
+        return None
+
+    await _pipelined(num_rounds, depth, first, whole, "send, forwards and land", nothing)
+
+
+async def _step(r: int, what: str, coro) -> None:
+    try:
+        await coro
+    except Exception as e:
+        text = " ".join(describe(e).split())  # the worker's own error, not Monarch's wrapper
+        raise StepFailed(f"round {r}, {what}: {text[:600]}") from e
+
+
+async def _pipelined(num_rounds: int, depth: int, first: int, issue, what: str, rest) -> None:
+    """The order both sequencers share: round r's first step (``issue(r)``: a coroutine, or
+    None when the round has none) starts once round r - depth ended (its buffer is free) and
+    round r - 1's first step was issued; ``rest(r)`` runs after it."""
     assert depth >= 2, depth  # TransferConfig validates it
     landed: list[asyncio.Future] = []
-    sent_issued: list[asyncio.Event] = [asyncio.Event() for _ in range(num_rounds)]
-
-    async def step(r: int, what: str, coro) -> None:
-        try:
-            await coro
-        except Exception as e:
-            text = " ".join(describe(e).split())  # the worker's own error, not Monarch's wrapper
-            raise StepFailed(f"round {r}, {what}: {text[:600]}") from e
+    issued: list[asyncio.Event] = [asyncio.Event() for _ in range(num_rounds)]
 
     async def run(r: int) -> None:
         if r < first:
-            sent_issued[r].set()
+            issued[r].set()
             return
         if r >= depth:
             await landed[r - depth]
         if r > 0:
-            await sent_issued[r - 1].wait()
-        if (r, Stage.RECEIVE) in active:
-            send = asyncio.ensure_future(step(r, "trainers' send", steps.send(r)))
-            await asyncio.sleep(0)  # the send is issued before the next round's
-            sent_issued[r].set()
-            await send
+            await issued[r - 1].wait()
+        coro = issue(r)
+        if coro is not None:
+            started = asyncio.ensure_future(_step(r, what, coro))
+            await asyncio.sleep(0)  # issued before the next round's
+            issued[r].set()
+            await started
         else:
-            sent_issued[r].set()
-        for stage in FORWARD_STAGES:
-            if (r, stage) in active:
-                await step(r, f"rollouts' {stage.value} forward", steps.forward(r, stage))
-        if (r, LAND) in active:
-            await step(r, "rollouts' land", steps.land(r))
+            issued[r].set()
+        await rest(r)
 
     landed.extend(asyncio.ensure_future(run(r)) for r in range(num_rounds))
     try:

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
-from weightbridge.coordination.sequencer import active_steps, run_rounds
-from weightbridge.errors import ConfigMismatch, LayoutError, ReplicaMismatch
+from weightbridge.coordination.sequencer import active_steps, run_rounds, run_whole_rounds
+from weightbridge.coordination.signals import round_parts
+from weightbridge.errors import ConfigMismatch, LayoutError, ReplicaMismatch, describe
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, scaled_tensor
@@ -72,6 +74,8 @@ class ConnectedGroup:
     handles: dict = field(default_factory=dict)
     """(rollout, range) -> its registered handle: the writers' `PeerCall.SET_PEERS` table
     (kept, so a join hands the trainers the old rollouts' handles again)."""
+    round_control: str = "stages"
+    """`TransferConfig.round_control` of the group: how `run_update` drives the rounds."""
 
 
 def probe_group(control: ControlPlane) -> GroupMaps:
@@ -140,12 +144,11 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
     everyone = live + ts
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
-    control.call_each(everyone, PeerCall.SET_PEERS, [
-        ({k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles},)
-        for w in everyone])
+    set_peers(control, everyone, plans, handles, config.depth)
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
+                          round_control=config.round_control,
                           # Replicas by their whole maps (a delta plan's are partial).
                           replicas=(replicated_params(_emptied(maps.trainers,
                                                                        excluded_trainers))
@@ -259,6 +262,21 @@ def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int, *
           f"replicas (e.g. broadcast from one) and send again")
 
 
+def set_peers(control: ControlPlane, writers: Sequence[WorkerId], plans: Mapping,
+              handles: Mapping, depth: int) -> None:
+    """Give each of ``writers`` what it writes into and whom it tells (`PeerCall.SET_PEERS`):
+    the handle of every peer range its plan writes into, and the control plane's address
+    of every such peer (`ControlPlane.addresses`): a rollout of an engine that joined later
+    is one its writers' own control plane cannot name by itself."""
+    tables = [{k: handles[k] for k in outgoing_ranges(plans[w], depth) if k in handles}
+              for w in writers]
+    peers = {k[0] for table in tables for k in table}
+    where = control.addresses(sorted(peers, key=lambda w: (w.side, w.index)))
+    control.call_each(writers, PeerCall.SET_PEERS, [
+        (table, {p: where[p] for p in {k[0] for k in table} if p in where})
+        for table in tables])
+
+
 def connect_group(control: ControlPlane, config: TransferConfig, *,
                   reroute: Callable[[TransferPlan], TransferPlan] | None = None
                   ) -> tuple[GroupMaps, ConnectedGroup]:
@@ -302,6 +320,41 @@ class ControlSteps:
                                       self.sums.pop(r, ()))
 
 
+class WholeRoundSteps:
+    """The rounds as one `PeerCall.ROUND` per worker taking part (`TransferConfig
+    .round_control` "rounds"): the writers tell their readers themselves when a stage
+    landed, with its checksums (`weightbridge.coordination.signals`)."""
+
+    def __init__(self, control: ControlPlane, group: ConnectedGroup,
+                 slots: Mapping[int, int] | None = None):
+        self.control, self.slots = control, dict(slots or {})
+        self.update = secrets.randbits(62)
+        """Names this update's messages: a late one of an update given up on is not taken
+        for one of the next."""
+        self.parts = round_parts(group.plan)
+        self.workers = sorted({w for p in self.parts.values() for w in p.workers},
+                              key=lambda w: (w.side, w.index))
+
+    async def round(self, r: int) -> None:
+        """Round r on every worker taking part; the first to fail fails the round at once
+        (the others may be waiting for the bytes of the one that failed)."""
+        part = self.parts[r]
+        await self.control.call_async(list(part.workers), PeerCall.ROUND, self.update, r,
+                                      self.slots, part)
+
+    async def run(self, num_rounds: int, depth: int, first: int) -> None:
+        """Every round (`run_whole_rounds`); when one fails (or the whole is cancelled: the
+        deadline), every worker of the update is told to give it up, before the rounds
+        still in flight are awaited no more: their waits on the failed round's writers end
+        at once, not after their peer timeout."""
+        try:
+            await run_whole_rounds(self, frozenset(self.parts), num_rounds, depth, first=first)
+        except BaseException as e:
+            self.control.post(self.workers, PeerCall.ABANDON, self.update,
+                              f"the controller gave up on the update: {describe(e)[:300]}")
+            raise
+
+
 def run_update(control: ControlPlane, group: ConnectedGroup, *,
                slots: Mapping[int, int] | None = None, deadline_s: float | None = None,
                version: int | None = None, first_round: int = 0) -> None:
@@ -320,9 +373,12 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     """
     if version is not None:
         check_replicas(control, group, version, every_trainer=True)
-    steps = ControlSteps(control, group, slots)
-    rounds = run_rounds(steps, group.active, group.plan.num_rounds, group.depth,
-                        first=first_round)
+    if group.round_control == "rounds":
+        whole = WholeRoundSteps(control, group, slots)
+        rounds = whole.run(group.plan.num_rounds, group.depth, first_round)
+    else:
+        rounds = run_rounds(ControlSteps(control, group, slots), group.active,
+                            group.plan.num_rounds, group.depth, first=first_round)
     asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
 
 

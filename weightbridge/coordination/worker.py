@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from weightbridge.config import TransferConfig
-from weightbridge.coordination.control import Transport
+from weightbridge.coordination.control import ControlPlane, PeerCall, Transport
 from weightbridge.discovery.cache import (SourceMapCache, cache_key, probe_and_keep,
                                           verified_map)
 # Defined in weightbridge.errors (one hierarchy); importable from here as before.
@@ -39,6 +39,7 @@ from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
                                               param_digest, rebound_error, storage_of)
+from weightbridge.coordination.signals import STAGES, RoundPart, RoundSignals
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
@@ -143,7 +144,8 @@ class TransferWorker:
 
     def __init__(self, side: str, params: Mapping[str, torch.Tensor], load_weights: LoadWeights,
                  spec: CheckpointSpec, *, rank: int, placement: Placement, transport: Transport,
-                 config: TransferConfig, kernels: CopyKernels | None = None):
+                 config: TransferConfig, kernels: CopyKernels | None = None,
+                 control: ControlPlane | None = None):
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
         if not isinstance(config, TransferConfig):
@@ -157,6 +159,12 @@ class TransferWorker:
         self.load_weights, self.spec = load_weights, spec
         self.worker, self.placement = WorkerId(side, rank), placement
         self.transport, self.config, self.kernels = transport, config, kernels
+        self.control = control
+        """Its calls on its peers: the WRITTEN messages of `on_round` (None: a worker whose
+        rounds the controller drives stage by stage)."""
+        self.signals = RoundSignals()
+        """What its peers said of the rounds of an update (`TransferConfig.round_control`
+        "rounds")."""
         self.executor: WorkerExecutor | None = None
         self.source_map: SourceMap | None = None
         """What the probe found (set by `on_source_map`)."""
@@ -325,8 +333,12 @@ class TransferWorker:
                                        host_arenas=self.config.arenas == "host")
         self.staged.reset(self.executor)  # (laid out for this plan; allocated when taken)
 
-    def on_set_peers(self, handles: Mapping) -> None:
+    def on_set_peers(self, handles: Mapping, addresses: Mapping | None = None) -> None:
+        """The handles of the peer ranges this worker writes into, and the control plane's
+        addresses of those peers (its `PeerCall.WRITTEN` messages go there)."""
         self.transport.set_peers(handles)
+        if addresses and self.control is not None:
+            self.control.learn(addresses)
 
     # -- the rounds of an update --------------------------------------------------------------
 
@@ -363,6 +375,54 @@ class TransferWorker:
     def on_forward(self, r: int, stage: Stage) -> Checksums:
         """Rollouts: write this stage's bytes of round r (they arrived in an earlier stage)."""
         return () if self.beyond(r) else self._write(r, stage)
+
+    def on_round(self, update: int, r: int, slots: Mapping[int, int] | None,
+                 part: RoundPart) -> None:
+        """This worker's whole part of round r (`TransferConfig.round_control` "rounds"):
+        a trainer sends; a rollout waits for each stage's bytes (its writers say when they
+        landed: `on_written`), forwards them, and lands the round. Every worker it wrote into
+        is told once its writes landed, with their checksums.
+
+        Raises:
+            TimeoutError: a writer's bytes did not land within the peer timeout (named).
+            weightbridge.coordination.signals.Abandoned: the update was given up on.
+        """
+        if self.beyond(r):
+            return
+        if self.side == "trainer":
+            self._tell(update, r, Stage.RECEIVE, self.on_send_round(r))
+            return
+        writers, timeout = part.writers_of(self.worker), self.config.peer_timeout_s
+        mine = {w.stage for w in self.executor.plan.rounds[r].writes}
+        sums: list[int] = []
+        waited = 0  # the stages before STAGES[waited] have landed here
+        for i, stage in enumerate(STAGES[1:], 1):
+            if stage in mine:
+                sums += self.signals.wait(self.worker, update, r, writers, STAGES[waited:i],
+                                          timeout)
+                waited = i
+                self._tell(update, r, stage, self.on_forward(r, stage))
+        sums += self.signals.wait(self.worker, update, r, writers, STAGES[waited:], timeout)
+        self.on_land(r, slots, tuple(sums))
+
+    def _tell(self, update: int, r: int, stage: Stage, sums: Checksums) -> None:
+        """Tell every worker this one wrote into in (round r, ``stage``) that the writes
+        landed, each with the checksums of its own ranges."""
+        peers = {w.peer for w in self.executor.plan.rounds[r].writes if w.stage is stage}
+        for peer in peers:
+            own = tuple(x for k in range(0, len(sums), RECORD) if sums[k] == peer.index
+                        for x in sums[k:k + RECORD])
+            self.control.post([peer], PeerCall.WRITTEN, update, r, STAGES.index(stage),
+                              self.worker, own)
+
+    def on_written(self, update: int, r: int, stage: int, writer: WorkerId,
+                   sums: Checksums) -> None:
+        """``writer``'s writes of (round r, stage number ``stage``) into this worker landed."""
+        self.signals.written(update, r, stage, writer, sums)
+
+    def on_abandon(self, update: int, why: str) -> None:
+        """The controller gave up on ``update``: this worker's waits in it end at once."""
+        self.signals.abandon(update, why)
 
     def beyond(self, r: int) -> bool:
         """Round r comes after this worker's plan: engines joined since it was set up, and

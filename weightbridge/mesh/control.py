@@ -60,8 +60,9 @@ class MeshControl:
         sends through (about 10 KB each, never freed), so a slice per call grew every
         process by that much per peer call (docs/failures.md, "Memory over many
         updates")."""
-        self._last_send: asyncio.Future | None = None
-        """The newest `PeerCall.SEND_ROUND` in flight (`call_async`)."""
+        self._last_ordered: dict[tuple, asyncio.Future] = {}
+        """(call, peers) -> the newest call to them that they serve in order
+        (`PeerCall.ordered`; `call_async`)."""
         self._box: Mailbox | None = None
         self._own_box = False
         self._inboxes: dict[WorkerId, object] = {}
@@ -199,6 +200,28 @@ class MeshControl:
         return self._mailbox().wait(self._agent(peer).inbox.call_one(self.group.name),
                                     self.group.config.peer_timeout_s)
 
+    def post(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> None:
+        """``call`` to each of ``peers``' mailboxes, one message each, no answer; a peer
+        that cannot be reached is skipped (its waits are bounded)."""
+        me = self._me(peers)
+        for peer in peers:
+            try:
+                if peer == me:
+                    call.serve(registry.lookup(self.group.name), *args)
+                else:
+                    self._mailbox().post(self._inbox(peer), call, args)
+            except Exception:  # noqa: BLE001  (nothing answers a posted message)
+                pass
+
+    def addresses(self, peers: Sequence[WorkerId]) -> dict:
+        """Each peer's mailbox inbox port (asked for once): a worker's `learn` takes them."""
+        return {p: self._inbox(p) for p in peers}
+
+    def learn(self, addresses) -> None:
+        """Take these peers' inbox ports (`addresses`): posts reach them without slicing
+        their agents, which a worker built before they joined cannot."""
+        self._inboxes.update(addresses)
+
     def close(self) -> None:
         """End the threads of this object's own mailbox (a controller's); a worker's is its
         agent's, closed with the group."""
@@ -275,11 +298,12 @@ class MeshControl:
                           _one_value(_awaitable(self._issue(run[0], call, args))))
         answers = asyncio.ensure_future(_surfaced(_flattened(pieces, None if me is None else
                                                              list(peers).index(me))))
-        if call is PeerCall.SEND_ROUND:
-            # A trainer serves its sends in order, so this one's clock starts once the one
-            # before it answered (bounded itself): a stalled trainer surfaces within one peer
-            # timeout of its stall, not depth of them.
-            before, self._last_send = self._last_send, answers
+        if peers and all(call.ordered(p.side) for p in peers):
+            # A worker serves its sends (its rounds) in order, so this one's clock starts once
+            # the one before it to the same workers answered (bounded itself): a stalled
+            # worker surfaces within one peer timeout of its stall, not depth of them.
+            key = (call, tuple(peers))
+            before, self._last_ordered[key] = self._last_ordered.get(key), answers
             if before is not None and before.get_loop() is asyncio.get_running_loop():
                 await asyncio.wait([before])
         try:

@@ -99,6 +99,12 @@ class Mailbox:
             raise
         return Pending(future, call)
 
+    def post(self, inbox, call: PeerCall, args: tuple) -> None:
+        """Send ``call`` (a `PeerCall.posted` one) to the peer whose inbox is ``inbox``; no
+        answer comes back, and the peer serves it on its inbox's thread, at once."""
+        registry.calls["posted", call.value] += 1
+        inbox.send((None, call, args, None))
+
     def _forget(self, key: int) -> None:
         with self._lock:
             self._pending.pop(key, None)
@@ -121,8 +127,14 @@ class Mailbox:
         while (message := requests.recv().get()) is not None:
             key, call, args, reply = message
             group = self.group
-            reply.return_undeliverable = False  # a caller that stopped: the answer is dropped
             registry.calls["served", call.value] += 1
+            if reply is None:  # posted (`post`): only records and wakes; nothing answers it
+                try:
+                    call.serve(registry.lookup(group), *args)
+                except Exception:  # noqa: BLE001  (its sender asked for no answer)
+                    pass
+                continue
+            reply.return_undeliverable = False  # a caller that stopped: the answer is dropped
             try:
                 # The call's thread runs in this one's context (Monarch's current actor).
                 context = contextvars.copy_context()
