@@ -76,13 +76,14 @@ class PeerCall(enum.Enum):
         with the model."""
         return self in (PeerCall.SOURCE_MAP, PeerCall.SETUP)
 
-    def ordered(self, side: str) -> bool:
-        """Whether a worker of ``side`` serves this call one at a time, in the order the calls
-        arrive (on one thread): a trainer's sends, and every worker's rounds. (Rollouts
-        serving their rounds side by side measured slower on the emulated cluster: round
-        r + 1's forwards then share the rollout links with round r's, and round r lands
-        later; docs/notes/emulated-cluster.md.)"""
-        return self is PeerCall.SEND_ROUND or self is PeerCall.ROUND
+    @property
+    def ordered(self) -> bool:
+        """Calls a worker serves one at a time, in the order they arrive (on one thread): a
+        trainer's sends, and every worker's rounds. (Rollouts serving their rounds side by
+        side measured slower on the emulated cluster: round r + 1's forwards then share the
+        rollout links with round r's, and round r lands later;
+        docs/notes/emulated-cluster.md.)"""
+        return self in (PeerCall.SEND_ROUND, PeerCall.ROUND)
 
     @property
     def posted(self) -> bool:

@@ -166,7 +166,7 @@ class LocalControl:
             for peer in peers:
                 self._calls_in[peer] = self._calls_in.get(peer, 0) + 1
         for i, (peer, a) in enumerate(zip(peers, args)):
-            if call.ordered(peer.side):
+            if call.ordered:
                 self._in_order(peer, call, one, (i, peer, a))
             else:
                 threading.Thread(target=one, args=(i, peer, a), daemon=True,
@@ -180,7 +180,7 @@ class LocalControl:
         def clock(i: int) -> float:
             """When call i's time started: an ordered call's when its peer started serving
             it (the ones before it in its queue are bounded themselves), as on a mesh."""
-            return started[i] if started[i] is not None and call.ordered(peers[i].side) else at
+            return started[i] if started[i] is not None and call.ordered else at
 
         out = []
         for i, peer in enumerate(peers):

@@ -298,7 +298,7 @@ class MeshControl:
                           _one_value(_awaitable(self._issue(run[0], call, args))))
         answers = asyncio.ensure_future(_surfaced(_flattened(pieces, None if me is None else
                                                              list(peers).index(me))))
-        if peers and all(call.ordered(p.side) for p in peers):
+        if call.ordered:
             # A worker serves its sends (its rounds) in order, so this one's clock starts once
             # the one before it to the same workers answered (bounded itself): a stalled
             # worker surfaces within one peer timeout of its stall, not depth of them.

@@ -7,8 +7,7 @@ forgets it when the group closes (`take`). One worker per process and group.
 
 The calls on a worker run on its group's threads here (`submit`): those the agent serves and
 those the worker makes on itself, which `MeshControl` runs here without a Monarch message. A
-trainer's sends and rounds run on one thread, in order; a rollout's rounds on a pool of their
-own.
+worker's sends and rounds run on one thread, in order.
 
 `calls` counts the peer calls this process issued and served, per `PeerCall`: Monarch keeps
 state for every message (docs/failures.md, "Memory over many updates"), so the counts are
@@ -76,30 +75,21 @@ def mailbox(group: str, make=None):
         return box
 
 
-_pools: dict[str, dict[str, ThreadPoolExecutor]] = {}
+_pools: dict[str, dict[bool, ThreadPoolExecutor]] = {}
 _pools_lock = threading.Lock()
-ROUND_THREADS = 32
-"""Threads a rollout's rounds may hold at once: each waits in its round for its writers
-(at most `TransferConfig.depth` rounds are in flight)."""
 
 
 def submit(group: str, call: PeerCall, fn, *args) -> Future:
     """Run ``fn(*args)`` on ``group``'s threads for ``call``: one thread for the calls a worker
-    serves in order (`PeerCall.ordered`: a trainer's sends and rounds; a queued one starts the
-    moment the one before it ended), a pool for a rollout's rounds (they wait for their
-    writers side by side, so they have threads of their own), a pool for every other call."""
-    worker = _registry.get(group)
-    side = getattr(getattr(worker, "worker", None), "side", "trainer")
-    kind = ("ordered" if call.ordered(side) else
-            "rounds" if call is PeerCall.ROUND else "other")
+    serves in order (`PeerCall.ordered`: sends and rounds; a queued one starts the moment
+    the one before it ended), a pool for every other call."""
+    ordered = call.ordered
     with _pools_lock:
         pools = _pools.setdefault(group, {})
-        pool = pools.get(kind)
+        pool = pools.get(ordered)
         if pool is None:
-            pool = pools[kind] = (
-                ThreadPoolExecutor(1, "weightbridge-send") if kind == "ordered" else
-                ThreadPoolExecutor(ROUND_THREADS, "weightbridge-round") if kind == "rounds"
-                else ThreadPoolExecutor(thread_name_prefix="weightbridge-agent"))
+            pool = pools[ordered] = (ThreadPoolExecutor(1, "weightbridge-send") if ordered else
+                                     ThreadPoolExecutor(thread_name_prefix="weightbridge-agent"))
     return pool.submit(fn, *args)
 
 
