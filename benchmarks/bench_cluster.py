@@ -5,6 +5,7 @@ ablations (in-house broadcast and P2P) on an emulated cluster whose links are th
     .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
     .venv/bin/python benchmarks/bench_cluster.py --rollout-procs 2   # 2 procs per rollout node
     .venv/bin/python benchmarks/bench_cluster.py --depth 2 --model tiny --fifo-links
+    .venv/bin/python benchmarks/bench_cluster.py --points replicas=4 --mechanisms weightbridge-rounds
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
@@ -204,7 +205,14 @@ def main() -> int:
                         choices=MECHANISMS, help="weightbridge is always run (the reference)")
     parser.add_argument("--fifo-links", action="store_true",
                         help="no control priority on the links: one FIFO queue each")
+    parser.add_argument("--points", nargs="+", metavar="SWEEP=X",
+                        help="run only these points, e.g. replicas=4 'trainer nodes=2' "
+                             "(default: every point)")
     args = parser.parse_args()
+    every = [f"{sweep}={x}" for sweep, x, _, _ in configs(args.rollout_procs)]
+    if args.points and set(args.points) - set(every):
+        parser.error(f"--points: no such point {sorted(set(args.points) - set(every))}; "
+                     f"the points are {every}")
     args.mechanisms = ["weightbridge"] + [m for m in args.mechanisms if m != "weightbridge"]
     reason = unavailable_reason()
     if reason:
@@ -225,6 +233,8 @@ def main() -> int:
               f"per rollout node, {args.updates} updates per run (figures: the last update)",
               flush=True)
         for sweep, x, tspec, rspec in configs(args.rollout_procs):
+            if args.points and f"{sweep}={x}" not in args.points:
+                continue
             res = run_config(cluster.addresses, tspec, rspec, args)
             ideal, wb = res["ideal"], res["weightbridge"][0].timing
             for mech in args.mechanisms:

@@ -14,10 +14,10 @@ one line per violation kind with the number of seeds showing it (per mode), the 
 that do and one example; then a summary line. Exit status 1 when any seed violates.
 
 ``--path controller`` fuzzes the controller's path instead (`tests/fuzz_controller.py`: a
-long-lived `MeshTransfer` per mode on real local Monarch meshes; joins after a train step,
-membership changes from another thread, padded parameters, storage rebinding; ``--ops``
-operations per seed, each followed by a bit-exact check of every live engine), in this
-process.
+long-lived `MeshTransfer` per mode and round control on real local Monarch meshes; joins
+after a train step, membership changes from another thread, padded parameters, storage
+rebinding; ``--ops`` operations per seed, each followed by a bit-exact check of every live
+engine), in this process.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _controller(seeds, args) -> int:
     example: dict[str, str] = {}
     for r in results:
         if args.verbose or r.violations:
-            print(f"seed {r.seed} ({r.mode}) {list(r.ops)} [{r.wall_s:.1f}s]"
+            print(f"seed {r.seed} ({r.mode}, {r.round_control}) {list(r.ops)} [{r.wall_s:.1f}s]"
                   + "".join(f"\n    {v.kind}: {v.detail[:300]}" for v in r.violations))
         for v in r.violations:
             by_kind[v.kind][r.mode].add(r.seed)
@@ -141,8 +141,10 @@ def _controller(seeds, args) -> int:
     ops = collections.Counter(op for r in results for op in r.ops)
     refusals = sum(len(r.refusals) for r in results)
     bad = [r.seed for r in results if r.violations]
+    controls = collections.Counter(r.round_control for r in results)
     print(f"fuzz_protocol (controller): {len(results)} seeds ("
-          + ", ".join(f"{m} {per_mode[m]}" for m in fuzz.MODES)
+          + ", ".join(f"{m} {per_mode[m]}" for m in fuzz.MODES) + "; "
+          + ", ".join(f"{c} {controls[c]}" for c in sorted(controls))
           + f"), {sum(ops.values())} operations ("
           + ", ".join(f"{op} {n}" for op, n in sorted(ops.items()))
           + f"), {refusals} documented refusals, timeout_s={args.timeout_s:g}: "

@@ -63,6 +63,7 @@ class LoopReport:
 
 def run_loop(mode: str, procs, *, num_versions: int = 3, model: str = "tiny",
              timeout_s: float = 30.0, round_bytes: int = 256 << 10,
+             round_control: str = "stages",
              generate_after_training: bool = False) -> LoopReport:
     """One RL run in ``mode`` on (trainer procs, rollout procs): a fresh transfer group and
     fresh actors, closed and stopped after (the procs stay the caller's; any axis names).
@@ -74,7 +75,7 @@ def run_loop(mode: str, procs, *, num_versions: int = 3, model: str = "tiny",
     """
     ss, rs = MODES[mode]
     config = TransferConfig(sender_staging=ss, receiver_staging=rs, timeout_s=timeout_s,
-                            round_bytes=round_bytes)
+                            round_bytes=round_bytes, round_control=round_control)
     tp, rp = procs
     if tp.size() != TRAINER_TP or rp.size() != ENGINES * ENGINE_TP:
         raise ValueError(f"run_loop needs {TRAINER_TP} trainer procs and {ENGINES * ENGINE_TP} "
@@ -185,6 +186,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=[*MODES, "all"], default="all")
     parser.add_argument("--versions", type=int, default=3)
+    parser.add_argument("--round-control", choices=("stages", "rounds"), default="stages",
+                        help="TransferConfig.round_control")
     args = parser.parse_args()
     configure_transport()  # before spawning: children read the config at start-up
     host = this_host()
@@ -194,7 +197,8 @@ def main() -> None:
         rp = host.spawn_procs(per_host={"replica": ENGINES, "gpus": ENGINE_TP}, name="rollout")
         try:
             for mode in (MODES if args.mode == "all" else [args.mode]):
-                print(run_loop(mode, (tp, rp), num_versions=args.versions).line(), flush=True)
+                print(run_loop(mode, (tp, rp), num_versions=args.versions,
+                               round_control=args.round_control).line(), flush=True)
         finally:
             rp.stop().get(timeout=60)
     finally:

@@ -1,11 +1,12 @@
 """A protocol fuzz of the controller's path (`MeshTransfer`) on real local Monarch meshes.
 
 Each seed runs a few random operations on a long-lived `MeshTransfer` of its mode (``seed %
-4``: sync, SS, RS, async; DP2 trainers, two engines of the tiny demo model at first, whose
-rollouts pad the vocabulary rows of the embedding and lm_head): full and delta updates, a
-join after the next train step, a join or a ``remove_engine`` from another thread while an
-update runs, a ``replan``, and a train step that rebinds every trainer parameter's storage
-(``p.data = copy``; restored afterwards). After every operation it waits for the stream
+4``: sync, SS, RS, async; every other run of four seeds with ``round_control="rounds"``;
+DP2 trainers, two engines of the tiny demo model at first, whose rollouts pad the
+vocabulary rows of the embedding and lm_head): full and delta updates, a join after the
+next train step, a join or a ``remove_engine`` from another thread while an update runs, a
+``replan``, and a train step that rebinds every trainer parameter's storage (``p.data =
+copy``; restored afterwards). After every operation it waits for the stream
 (`MeshTransfer.wait`), polls (`poll_requests`) and compares every live engine's parameters,
 bit for bit (checksums on the rollouts), with their own load_weights of the version of each
 tensor that this fuzz, not the controller's books, says they hold. The kinds of `Violation`:
@@ -43,6 +44,7 @@ from monarch.actor import endpoint
 from controller.driver import MeshTransfer
 from meshes.actors import TrainerActor
 from weightbridge import CatchUpRefused, ParameterRebound, TransferConfig, WeightBridgeError
+from weightbridge.config import ROUND_CONTROLS
 from weightbridge.driver import Mode, RolloutSpec, TrainerSpec
 from fuzz_adapters import Violation  # (kind: one of this module's KINDS)
 
@@ -63,6 +65,7 @@ DELTA = ("model.norm.weight", "lm_head.weight")
 class SeedResult:
     seed: int
     mode: str
+    round_control: str
     ops: tuple[str, ...]
     violations: tuple[Violation, ...]
     refusals: tuple[str, ...]
@@ -92,37 +95,44 @@ class RebindingTrainer(TrainerActor):
 
 def run_seeds(seeds: Iterable[int], *, num_ops: int = 4, timeout_s: float = 5.0
               ) -> list[SeedResult]:
-    """Every seed of ``seeds``, each on the `MeshTransfer` of its mode (kept for
-    `SEEDS_PER_GROUP` seeds, or until one shows ``error``)."""
+    """Every seed of ``seeds``, each on the `MeshTransfer` of its mode and round control
+    (`round_control`; kept for `SEEDS_PER_GROUP` seeds, or until one shows ``error``)."""
     results, open_ = [], {}
     try:
         for seed in seeds:
-            mode = MODES[seed % len(MODES)]
-            if mode not in open_:
-                open_[mode] = _Group(mode, timeout_s)
-            result = open_[mode].run(seed, num_ops)
+            key = MODES[seed % len(MODES)], round_control(seed)
+            if key not in open_:
+                open_[key] = _Group(*key, timeout_s)
+            result = open_[key].run(seed, num_ops)
             results.append(result)
             if any(v.kind == "error" for v in result.violations) \
-                    or open_[mode].seeds >= SEEDS_PER_GROUP:
-                open_.pop(mode).close()
+                    or open_[key].seeds >= SEEDS_PER_GROUP:
+                open_.pop(key).close()
     finally:
         for group in open_.values():
             group.close()
     return results
 
 
+def round_control(seed: int) -> str:
+    """`TransferConfig.round_control` of ``seed``: every other run of four seeds (one per
+    mode) drives its rounds whole, as the adapters' fuzz does (`fuzz_plan`)."""
+    return ROUND_CONTROLS[seed // len(MODES) % len(ROUND_CONTROLS)]
+
+
 class _Group:
     """One mode's `MeshTransfer` and what its engines must hold (this fuzz's own books)."""
 
-    def __init__(self, mode: str, timeout_s: float):
+    def __init__(self, mode: str, round_control: str, timeout_s: float):
         m = Mode(mode)
-        self.mode, self.timeout_s = mode, timeout_s
+        self.mode, self.round_control, self.timeout_s = mode, round_control, timeout_s
         self.mt = MeshTransfer(TrainerSpec.parse("nodes=2,gpus=1"),
                                RolloutSpec.parse("engines=2,nodes=1,gpus=1"), "tiny",
                                trainer_actor=RebindingTrainer,
                                config=TransferConfig(round_bytes=64 << 10, timeout_s=timeout_s,
                                                      sender_staging=m.sender_staging,
-                                                     receiver_staging=m.receiver_staging))
+                                                     receiver_staging=m.receiver_staging,
+                                                     round_control=round_control))
         self.mt.__enter__()
         self.mt.connect()
         self.version, self.seeds = 0, 0
@@ -147,8 +157,8 @@ class _Group:
             self._check(op)
             if any(v.kind == "error" for v in self.violations):
                 break
-        return SeedResult(seed, self.mode, ops, tuple(self.violations), tuple(self.refusals),
-                          time.monotonic() - t0)
+        return SeedResult(seed, self.mode, self.round_control, ops, tuple(self.violations),
+                          tuple(self.refusals), time.monotonic() - t0)
 
     # -- calls --------------------------------------------------------------------------------
 

@@ -33,9 +33,11 @@ def procs():
         yield meshes
 
 
+@pytest.mark.parametrize("round_control", ["stages", "rounds"])
 @pytest.mark.parametrize("mode", list(rl_loop.MODES))
-def test_rl_loop_installs_consistent_bit_exact_versions_in_order(mode, procs):
-    report = rl_loop.run_loop(mode, procs, num_versions=NUM_VERSIONS)
+def test_rl_loop_installs_consistent_bit_exact_versions_in_order(mode, round_control, procs):
+    report = rl_loop.run_loop(mode, procs, num_versions=NUM_VERSIONS,
+                              round_control=round_control)
     assert report.inexact == 0 and report.installs > 0
     assert report.mixed_steps == 0
     assert report.final_versions == [NUM_VERSIONS] * rl_loop.ENGINES

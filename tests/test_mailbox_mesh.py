@@ -7,6 +7,7 @@ import asyncio
 import contextvars
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -33,6 +34,7 @@ class Peer:
 
     def __init__(self, worker: WorkerId):
         self.worker = worker
+        self.written: list = []
 
     def on_ping(self):
         return True
@@ -43,6 +45,9 @@ class Peer:
     def on_ready(self):
         raise ValueError("not ready")
 
+    def on_written(self, update: int, r: int, stage: int, writer: WorkerId, sums: tuple):
+        self.written.append((update, r))
+
 
 class Host(Actor):
     """A user's actor: builds this rank's `Peer` and calls the other side through a
@@ -50,7 +55,7 @@ class Host(Actor):
 
     @endpoint
     def setup(self, group, side: str) -> None:
-        self.me = WorkerId(side, current_rank().rank)
+        self.me, self.group_name = WorkerId(side, current_rank().rank), group.name
         registry.register(group.name, Peer(self.me))
         self.control = MeshControl(group)
 
@@ -77,6 +82,38 @@ class Host(Actor):
         except TimeoutError as e:
             return str(e)
         return "answered"
+
+    @endpoint
+    def at_once(self, peer, threads: int, each: int) -> list:
+        """``threads`` threads at once, each posting ``each`` WRITTEN messages to ``peer``
+        and calling it between them, as a leading trainer's sequencer and its own round
+        do: every thread's errors (none expected)."""
+        errors: list = []
+        start = threading.Barrier(threads)
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # (threads take turns often, as on a loaded host)
+
+        def one(t: int) -> None:
+            start.wait()
+            for k in range(each):
+                try:
+                    self.control.post([peer], PeerCall.WRITTEN, t, k, 1, self.me, ())
+                    self.control.call([peer], PeerCall.PING)
+                except Exception as e:  # noqa: BLE001  (returned to the test)
+                    errors.append(f"{type(e).__name__}: {e}")
+
+        workers = [threading.Thread(target=contextvars.copy_context().run, args=(one, t))
+                   for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+        sys.setswitchinterval(switch)
+        return errors
+
+    @endpoint
+    def written(self) -> list:
+        return sorted(registry.lookup(self.group_name).written)
 
     @endpoint
     def pending(self) -> int:
@@ -154,6 +191,18 @@ def test_bounded_calls_answer_through_the_mailboxes_and_keep_nothing(hosts):
     # The peer's error is the caller's, as through the agent's endpoint.
     assert trainer.ready_error.call_one(PEER).get(timeout=60) == "ValueError: not ready"
     assert trainer.pending.call_one().get(timeout=60) == 0
+
+
+def test_threads_sending_to_one_peer_at_once_lose_nothing(hosts):
+    """Monarch's ports fail a send from a second thread while one is under way ("Already
+    borrowed"): posts from a leading trainer's round were lost while its sequencer sent the
+    next round, and the rollouts waited for them until the peer timeout
+    (`bench_soak.py --round-control rounds`)."""
+    _, trainer, rollouts, _ = hosts
+    threads, each = 4, 50
+    assert trainer.at_once.call_one(PEER, threads, each).get(timeout=120) == []
+    written = [w for w in rollouts.written.call().get(timeout=60).values() if w]
+    assert written == [sorted((t, k) for t in range(threads) for k in range(each))]
 
 
 def test_a_peer_whose_agent_stopped_times_out_and_the_caller_lives_on(hosts):

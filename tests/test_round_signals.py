@@ -14,7 +14,7 @@ from weightbridge.config import ROUND_CONTROLS
 from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.sequencer import active_steps
-from weightbridge.coordination.session import ConnectedGroup, run_update
+from weightbridge.coordination.session import ConnectedGroup, run_update, set_peers
 from weightbridge.coordination.signals import Abandoned, RoundSignals, round_parts
 from weightbridge.coordination.worker import TransferWorker
 from weightbridge.errors import StepFailed
@@ -218,17 +218,19 @@ def test_the_controller_sends_one_message_per_worker_per_round_and_none_per_stag
     assert sum(len(p.workers) for p in parts.values()) < 2 * len(plan.workers) * len(parts)
 
 
-@pytest.mark.parametrize("build", ["sender", "receiver"])
-def test_the_adapters_on_meshes_refuse_whole_rounds_before_building_anything(build):
-    """A group driven by its adapters on meshes hangs in its first whole round (found by
-    `benchmarks/bench_soak.py --round-control rounds`; not fixed yet): building an adapter
-    of such a group is refused with what to do instead."""
-    from weightbridge.mesh.group import TransferGroup
-
-    group = TransferGroup(name="g", trainer_agents=None, rollout_agents=None, num_trainers=1,
-                          num_engines=1, engine_size=1,
-                          config=TransferConfig(round_control="rounds"))
-    with pytest.raises(ValueError, match=r"round_control='rounds'\) is not supported by the "
-                                         r"adapters on meshes yet .* round_control=\"stages\", "
-                                         r"or drive it from a controller"):
-        getattr(group, build)({}, None, None)
+@pytest.mark.parametrize("how", ROUND_CONTROLS)
+def test_writers_are_given_their_readers_addresses_only_for_whole_rounds(how):
+    """Only whole rounds post (`WRITTEN`): with stages, connect does not ask the control
+    plane where each reader takes messages."""
+    trainers, rollouts, plan = _multi_node_plan(160)
+    config = TransferConfig(round_bytes=160, round_control=how)
+    control, _ = _local_group(plan, [loaded(m, checkpoint(seed=5)) for m, _ in trainers],
+                              [params_of(m) for m, _ in rollouts], config)
+    asked: list = []
+    control.addresses = lambda peers: asked.append(list(peers)) or {}
+    plans = plan.worker_plans()
+    handles = {k: None for w in plan.workers for k in outgoing_ranges(plans[w], config.depth)}
+    set_peers(control, plan.workers, plans, handles, config)
+    readers = sorted({k[0] for k in handles}, key=lambda w: (w.side, w.index))
+    assert asked == ([readers] if how == "rounds" else [])
+    assert readers

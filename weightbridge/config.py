@@ -173,8 +173,7 @@ class TransferConfig:
     (`weightbridge.coordination.signals`): one trip through the controller per round and
     fewer messages through it, but not a faster update on this project's emulated cluster
     (docs/performance.md, "Trips through the controller"); measure it where the controller
-    drives many workers. The adapters on meshes refuse it (`TransferGroup.sender`): their
-    first whole round does not finish there yet."""
+    drives many workers. The controller's path and the adapters both run it."""
 
     source_map_cache: str | None = DEFAULT_SOURCE_MAP_CACHE
     """Directory where connect keeps each worker's source map across restarts

@@ -151,7 +151,8 @@ class ControlPlane(Protocol):
 
     def post(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> None:
         """Send ``call`` (a `PeerCall.posted` one) to each of ``peers`` and return at once:
-        no answer, no error (a peer that is gone drops it)."""
+        no answer (a peer that is gone drops it). Raises, once every peer was tried, if a
+        message could not be sent."""
         ...
 
     def addresses(self, peers: Sequence[WorkerId]) -> Mapping[WorkerId, Any]:

@@ -87,7 +87,7 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     # engine only take their new writes (their buffers and registered ranges stay).
     control.call_each(changed, PeerCall.SETUP, [
         (plans[w],) if w.side == "trainer" else (plans[w], None) for w in changed])
-    set_peers(control, changed + joining, plans, handles, config.depth)
+    set_peers(control, changed + joining, plans, handles, config)
     appended = plan.num_rounds > group.plan.num_rounds
     return grown, dataclasses.replace(
         group, plan=plan, active=group.active | active_steps(plans.values()),
@@ -110,7 +110,7 @@ def leave_group(control: ControlPlane, group: ConnectedGroup, config: TransferCo
     control.call_each(writers, PeerCall.SETUP, [(plans[w], None) for w in writers])
     gone = set(leaving)
     handles = {k: h for k, h in group.handles.items() if k[0] not in gone}
-    set_peers(control, writers, plans, handles, config.depth)
+    set_peers(control, writers, plans, handles, config)
     return dataclasses.replace(
         group, plan=plan, live_rollouts=tuple(w for w in group.live_rollouts if w not in gone),
         num_handles=len(handles), handles=handles)

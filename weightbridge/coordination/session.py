@@ -24,6 +24,7 @@ Typical usage::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import secrets
 from dataclasses import dataclass, field
@@ -144,7 +145,7 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
     everyone = live + ts
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
-    set_peers(control, everyone, plans, handles, config.depth)
+    set_peers(control, everyone, plans, handles, config)
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
@@ -263,15 +264,17 @@ def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int, *
 
 
 def set_peers(control: ControlPlane, writers: Sequence[WorkerId], plans: Mapping,
-              handles: Mapping, depth: int) -> None:
+              handles: Mapping, config: TransferConfig) -> None:
     """Give each of ``writers`` what it writes into and whom it tells (`PeerCall.SET_PEERS`):
-    the handle of every peer range its plan writes into, and the control plane's address
-    of every such peer (`ControlPlane.addresses`): a rollout of an engine that joined later
-    is one its writers' own control plane cannot name by itself."""
-    tables = [{k: handles[k] for k in outgoing_ranges(plans[w], depth) if k in handles}
+    the handle of every peer range its plan writes into, and, with whole rounds (where
+    writers tell their readers: `TransferConfig.round_control`), the control plane's
+    address of every such peer (`ControlPlane.addresses`): a rollout of an engine that
+    joined later is one its writers' own control plane cannot name by itself."""
+    tables = [{k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles}
               for w in writers]
     peers = {k[0] for table in tables for k in table}
-    where = control.addresses(sorted(peers, key=lambda w: (w.side, w.index)))
+    where = (control.addresses(sorted(peers, key=lambda w: (w.side, w.index)))
+             if config.round_control == "rounds" else {})
     control.call_each(writers, PeerCall.SET_PEERS, [
         (table, {p: where[p] for p in {k[0] for k in table} if p in where})
         for table in tables])
@@ -350,8 +353,11 @@ class WholeRoundSteps:
         try:
             await run_whole_rounds(self, frozenset(self.parts), num_rounds, depth, first=first)
         except BaseException as e:
-            self.control.post(self.workers, PeerCall.ABANDON, self.update,
-                              f"the controller gave up on the update: {describe(e)[:300]}")
+            # (A worker that could not be told waits out its peer timeout; the round's own
+            # failure is the error to raise, not that one.)
+            with contextlib.suppress(Exception):
+                self.control.post(self.workers, PeerCall.ABANDON, self.update,
+                                  f"the controller gave up on the update: {describe(e)[:300]}")
             raise
 
 

@@ -34,7 +34,7 @@ from typing import Sequence
 from monarch.actor import ActorError
 
 from weightbridge.coordination.control import PeerCall, PeerFailed, gathered
-from weightbridge.errors import surfaced
+from weightbridge.errors import describe, surfaced
 from weightbridge.mesh import registry
 from weightbridge.mesh.mailbox import Mailbox, Pending
 from weightbridge.mesh.registry import calls
@@ -201,17 +201,24 @@ class MeshControl:
                                     self.group.config.peer_timeout_s)
 
     def post(self, peers: Sequence[WorkerId], call: PeerCall, *args) -> None:
-        """``call`` to each of ``peers``' mailboxes, one message each, no answer; a peer
-        that cannot be reached is skipped (its waits are bounded)."""
+        """``call`` to each of ``peers``' mailboxes, one message each, no answer (a peer
+        whose process stopped drops it). A message that could not be sent (its peer's inbox
+        not found within the peer timeout) raises, once every peer was tried."""
         me = self._me(peers)
+        failed: list[tuple[WorkerId, Exception]] = []
         for peer in peers:
             try:
                 if peer == me:
                     call.serve(registry.lookup(self.group.name), *args)
                 else:
                     self._mailbox().post(self._inbox(peer), call, args)
-            except Exception:  # noqa: BLE001  (nothing answers a posted message)
-                pass
+            except Exception as e:  # noqa: BLE001  (the others are still told; raised below)
+                failed.append((peer, e))
+        if failed:
+            peer, error = failed[0]
+            raise RuntimeError(f"{call.value} could not be sent to {peer}"
+                               f"{f' and {len(failed) - 1} more' if len(failed) > 1 else ''}: "
+                               f"{describe(error)}") from error
 
     def addresses(self, peers: Sequence[WorkerId]) -> dict:
         """Each peer's mailbox inbox port (asked for once): a worker's `learn` takes them."""
@@ -220,6 +227,8 @@ class MeshControl:
     def learn(self, addresses) -> None:
         """Take these peers' inbox ports (`addresses`): posts reach them without slicing
         their agents, which a worker built before they joined cannot."""
+        for port in addresses.values():  # (as `_inbox` does; a port is rebuilt on arrival)
+            port.return_undeliverable = False
         self._inboxes.update(addresses)
 
     def close(self) -> None:

@@ -244,15 +244,6 @@ class TransferGroup:
             raise GroupClosed(f"transfer group {self.name} was closed (TransferGroup.close()); "
                               f"spawn a new group to {what}")
 
-    def _check_adapters(self) -> None:
-        if self.config.round_control != "stages":
-            raise ValueError(
-                f"TransferConfig(round_control={self.config.round_control!r}) is not supported "
-                f"by the adapters on meshes yet (a transfer's first round does not finish "
-                f"there; docs/performance.md, \"Trips through the controller\"): give this "
-                f"group round_control=\"stages\", or drive it from a controller "
-                f"(controller.MeshTransfer), which supports both")
-
     def _wiring(self) -> dict:
         return {"control": MeshControl(self),
                 "transport": MeshTransport(self.config.peer_timeout_s,
@@ -266,7 +257,6 @@ class TransferGroup:
         from weightbridge.adapters.sender import SenderAdapter
 
         self._check_open("build workers in")
-        self._check_adapters()
 
         worker = (cls or SenderAdapter)(params, load_weights, spec, rank=current_rank().rank,
                                placement=placement, kernels=kernels, **self._wiring())
@@ -281,7 +271,6 @@ class TransferGroup:
         from weightbridge.adapters.receiver import ReceiverAdapter
 
         self._check_open("build workers in")
-        self._check_adapters()
 
         rank = current_rank().rank + self.rollout_base
         worker = (cls or ReceiverAdapter)(params, load_weights, spec, rank=rank,

@@ -55,6 +55,13 @@ class Mailbox:
         self._ids = itertools.count()
         self._closed: str | None = None
         """Why this mailbox was closed (`close`); None while it is open."""
+        self._sending = threading.Lock()
+        """Held while a message goes out (`send`, `post`): a Monarch 0.7 port cannot be sent
+        through from two threads at once (the second send fails, "RuntimeError: Already
+        borrowed"), and a peer's inbox port is shared by every thread of this process that
+        calls that peer: a leading trainer's sequencer sends the rounds while its own round
+        tells the rollouts what it wrote (`bench_soak.py --round-control rounds` lost such
+        messages and hung)."""
         self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
         self._ports = [self._reply]
@@ -93,7 +100,8 @@ class Mailbox:
         future.add_done_callback(lambda _: self._forget(key))
         registry.calls["sent", call.value] += 1
         try:
-            inbox.send((key, call, args, self._reply))
+            with self._sending:
+                inbox.send((key, call, args, self._reply))
         except BaseException:
             future.cancel()
             raise
@@ -103,7 +111,8 @@ class Mailbox:
         """Send ``call`` (a `PeerCall.posted` one) to the peer whose inbox is ``inbox``; no
         answer comes back, and the peer serves it on its inbox's thread, at once."""
         registry.calls["posted", call.value] += 1
-        inbox.send((None, call, args, None))
+        with self._sending:
+            inbox.send((None, call, args, None))
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -168,8 +177,9 @@ class Mailbox:
             self._closed = (f"this process left transfer group {self.group} ({why}) while the "
                             f"call was waiting for its answer")
             pending, self._pending = list(self._pending.values()), {}
-        for port in self._ports:
-            port.send(None)
+        with self._sending:
+            for port in self._ports:
+                port.send(None)
         for future in pending:
             try:
                 future.set_exception(MailboxClosed(self._closed))
