@@ -5,7 +5,7 @@ ablations (in-house broadcast and P2P) on an emulated cluster whose links are th
     .venv/bin/python benchmarks/bench_cluster.py --link-mbit 100 --updates 3
     .venv/bin/python benchmarks/bench_cluster.py --rollout-procs 2   # 2 procs per rollout node
     .venv/bin/python benchmarks/bench_cluster.py --depth 2 --model tiny --fifo-links
-    .venv/bin/python benchmarks/bench_cluster.py --points replicas=4 --mechanisms weightbridge-rounds
+    .venv/bin/python benchmarks/bench_cluster.py --points replicas=4   # one point only
 
 One emulated cluster of 8 hosts (controller/cluster.py: a namespace per host, every host link
 shaped by tc to --link-mbit each direction); per configuration the controller attaches to the
