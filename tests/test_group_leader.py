@@ -11,6 +11,7 @@ import pytest
 from tinygroup import build
 
 from weightbridge import TransferConfig, TransferFailed
+from weightbridge.coordination.control import PeerCall
 from weightbridge.coordination.leader import GroupLeader
 from weightbridge.types import WorkerId
 
@@ -48,6 +49,33 @@ def test_a_replan_takes_a_new_generation_and_a_delta_plan_only_when_the_set_chan
     assert leader.restrict(frozenset({"w"})) is False
     assert leader.restrict(None) is True and _moved(leader) == {"w", "v", "m"}
     assert leader.generation == 3
+
+
+def test_connect_sets_up_unbounded_and_every_replan_bounded():
+    """A re-plan sets up workers that were set up before: `RESETUP`, bounded, which the
+    meshes send through the mailboxes; connect's `SETUP` stays an endpoint call (unbounded),
+    whose state Monarch keeps in the caller, so a delta update re-planning every update
+    grew trainer 0 by about 1.5 KB per other worker per update
+    (`bench_soak.py --modes sync-delta --round-kib 8192`)."""
+    control, _, _ = build(CONFIG, num_engines=2)
+    issued: list = []
+    issue = control._issue
+
+    def counting(peers, call, args, failed=None):
+        issued.extend([call] * len(peers))
+        return issue(peers, call, args, failed)
+
+    control._issue = counting
+    leader = GroupLeader(control, CONFIG)
+    leader.connect()
+    setups = {PeerCall.SETUP, PeerCall.RESETUP}
+    assert [c for c in issued if c in setups] == [PeerCall.SETUP] * 4  # 2 rollouts, 2 trainers
+    assert not PeerCall.RESETUP.unbounded and PeerCall.SETUP.unbounded
+    for tensors in (frozenset({"w"}), frozenset({"v"}), None):
+        issued.clear()
+        assert leader.restrict(tensors)
+        assert [c for c in issued if c in setups] == [PeerCall.RESETUP] * 4
+    assert _moved(leader) == {"w", "v", "m"}
 
 
 def test_an_excluded_engine_is_told_why_and_stays_out_across_replans():

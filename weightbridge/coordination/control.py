@@ -36,6 +36,7 @@ class PeerCall(enum.Enum):
     PING = "ping"
     DIGEST = "digest"
     SETUP = "setup"
+    RESETUP = "resetup"
     SET_PEERS = "set_peers"
     SEND_ROUND = "send_round"
     FORWARD = "forward"
@@ -73,7 +74,10 @@ class PeerCall(enum.Enum):
     @property
     def unbounded(self) -> bool:
         """Calls that may take longer than a peer timeout: probing and building tables grow
-        with the model."""
+        with the model. (A re-plan of a connected group sets its workers up with `RESETUP`,
+        the same work bounded by the peer timeout: on meshes an unbounded call is an
+        endpoint call, whose state Monarch keeps in the caller for good, and delta updates
+        whose tensors change may re-plan every update.)"""
         return self in (PeerCall.SOURCE_MAP, PeerCall.SETUP)
 
     @property

@@ -146,7 +146,7 @@ class GroupLeader:
                                 excluded=self._excluded_rollouts(),
                                 excluded_trainers=frozenset(self.out_trainers),
                                 generation=self.generation, tensors=self.tensors,
-                                reroute=self.reroute)
+                                reroute=self.reroute, replan=True)
         self._unplanned = False
 
     def restrict(self, tensors: frozenset[str] | None) -> bool:

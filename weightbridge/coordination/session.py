@@ -115,7 +115,7 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
                excluded: frozenset[int] = frozenset(),
                excluded_trainers: frozenset[int] = frozenset(), generation: int = 0,
                reroute: Callable[[TransferPlan], TransferPlan] | None = None,
-               tensors: frozenset[str] | None = None) -> ConnectedGroup:
+               tensors: frozenset[str] | None = None, replan: bool = False) -> ConnectedGroup:
     """Plan from ``maps`` and set every worker up on it: buffers, registered ranges, handles.
 
     Rollout workers whose index is in ``excluded`` get an empty source map, so no byte is
@@ -126,6 +126,8 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     staging slots (a re-plan keeps a slot an engine is installing from). ``reroute`` rewrites
     the plan before it is handed out (the same-data-plane P2P ablation). ``tensors`` restricts
     the plan to those checkpoint tensors (a delta update: the others stay as they are).
+    ``replan``: every worker was set up before (`PeerCall.RESETUP`, bounded by the peer
+    timeout, rather than connect's unbounded `PeerCall.SETUP`).
     """
     planned = maps if tensors is None else GroupMaps(
         *(tuple((_restricted(m, tensors), p) for m, p in side)
@@ -138,11 +140,12 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     ranges = incoming_ranges(plans.values(), config.depth)
     # (Engines the control plane has beyond the maps, added but not joined, are not planned.)
     live = [w for w in rollouts(control)[:len(maps.rollouts)] if w.index not in excluded]
-    found = control.call_each(live, PeerCall.SETUP, [
+    setup = PeerCall.RESETUP if replan else PeerCall.SETUP
+    found = control.call_each(live, setup, [
         (plans[w], sorted(ranges.get(w, ())), generation) for w in live])
     handles = {(w, key): h for w, hs in zip(live, found) for key, h in hs.items()}
     ts = [w for w in trainers(control) if w.index not in excluded_trainers]
-    control.call_each(ts, PeerCall.SETUP, [(plans[w],) for w in ts])
+    control.call_each(ts, setup, [(plans[w],) for w in ts])
     everyone = live + ts
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
     set_peers(control, everyone, plans, handles, config)

@@ -327,6 +327,11 @@ class TransferWorker:
                 self.slots.add(generation, self.executor)
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
+    def on_resetup(self, plan: WorkerPlan, ranges: list[Range] | None = (),
+                   generation: int = 0) -> dict:
+        """`on_setup` asked by a re-plan of the connected group (`PeerCall.RESETUP`)."""
+        return self.on_setup(plan, ranges, generation)
+
     def _setup(self, plan: WorkerPlan) -> None:
         params = self._registered if self.side == "trainer" else self.params
         self.executor = WorkerExecutor(plan, params, self.kernels, depth=self.config.depth,
