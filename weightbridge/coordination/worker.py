@@ -413,12 +413,12 @@ class TransferWorker:
     def _tell(self, update: int, r: int, stage: Stage, sums: Checksums) -> None:
         """Tell every worker this one wrote into in (round r, ``stage``) that the writes
         landed, each with the checksums of its own ranges."""
-        peers = {w.peer for w in self.executor.plan.rounds[r].writes if w.stage is stage}
-        for peer in peers:
-            own = tuple(x for k in range(0, len(sums), RECORD) if sums[k] == peer.index
-                        for x in sums[k:k + RECORD])
+        own: dict[int, list[int]] = collections.defaultdict(list)
+        for k in range(0, len(sums), RECORD):  # (each record starts with its reader's index)
+            own[sums[k]] += sums[k:k + RECORD]
+        for peer in {w.peer for w in self.executor.plan.rounds[r].writes if w.stage is stage}:
             self.control.post([peer], PeerCall.WRITTEN, update, r, STAGES.index(stage),
-                              self.worker, own)
+                              self.worker, tuple(own.get(peer.index, ())))
 
     def on_written(self, update: int, r: int, stage: int, writer: WorkerId,
                    sums: Checksums) -> None:

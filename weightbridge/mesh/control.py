@@ -60,9 +60,8 @@ class MeshControl:
         sends through (about 10 KB each, never freed), so a slice per call grew every
         process by that much per peer call (docs/failures.md, "Memory over many
         updates")."""
-        self._last_ordered: dict[tuple, asyncio.Future] = {}
-        """(call, peers) -> the newest call to them that they serve in order
-        (`PeerCall.ordered`; `call_async`)."""
+        self._last_ordered: dict[PeerCall, asyncio.Future] = {}
+        """`PeerCall.ordered` call -> the newest one issued (`call_async`)."""
         self._box: Mailbox | None = None
         self._own_box = False
         self._inboxes: dict[WorkerId, object] = {}
@@ -309,10 +308,10 @@ class MeshControl:
                                                              list(peers).index(me))))
         if call.ordered:
             # A worker serves its sends (its rounds) in order, so this one's clock starts once
-            # the one before it to the same workers answered (bounded itself): a stalled
-            # worker surfaces within one peer timeout of its stall, not depth of them.
-            key = (call, tuple(peers))
-            before, self._last_ordered[key] = self._last_ordered.get(key), answers
+            # the one issued before it answered (bounded itself): a stalled worker surfaces
+            # within one peer timeout of its stall, not depth of them. (Keyed by the call
+            # alone: consecutive rounds may reach different workers that share some.)
+            before, self._last_ordered[call] = self._last_ordered.get(call), answers
             if before is not None and before.get_loop() is asyncio.get_running_loop():
                 await asyncio.wait([before])
         try:
