@@ -17,7 +17,12 @@ gloo send/recv) and ``bucketed-p2p``, through torch.distributed gloo over the ho
 (``--bucket-kib`` buckets of full tensors, each rollout runs its own load_weights per
 bucket); ``broadcast``
 and ``p2p``, printed as ablations: WeightBridge's own data plane (Monarch RDMA) and plans with
-the baselines' traffic patterns (broadcast's head in one more proc on the first trainer host):
+the baselines' traffic patterns (broadcast's head in one more proc on the first trainer host);
+and, not mechanisms, ``plain-tcp`` and ``plain-tcp-p2p``: the links' own reference,
+WeightBridge's plan's bytes between hosts (and the P2P pattern's: every byte straight from its
+trainer) over plain TCP with no Monarch, no rounds and no controller (`benchmarks/plain_tcp.py`),
+so that EWTT / ideal splits into what TCP under ``tc`` loses on that traffic and what the
+mechanism adds:
 
 - rollout replicas 1, 2, 4 (one trainer node: TP2 over 2 procs; one TP1 engine per node);
 - trainer nodes 1, 2, 4 (one proc per node, EP over the nodes; four one-proc rollout nodes).
@@ -74,8 +79,14 @@ ROUNDS = "weightbridge-rounds"
 """WeightBridge (sync) with one controller message per worker per round, the writers telling
 their readers (`TransferConfig.round_control` "rounds"); ``weightbridge`` runs the default,
 the controller starting every stage ("stages")."""
+PLAIN_TCP = {"plain-tcp": "WeightBridge's plan", "plain-tcp-p2p": "P2P traffic"}
+"""Not mechanisms: the links' own reference (`benchmarks/plain_tcp.py`), a traffic pattern's bytes
+between hosts over plain TCP, pipelined without rounds, the median of ``PLAIN_TCP_RUNS``:
+WeightBridge's plan, and the same plan with every byte sent straight from its trainer
+(`p2p_plan`: the traffic of bucketed P2P and of the p2p ablation)."""
+PLAIN_TCP_RUNS = 3
 MECHANISMS = ("weightbridge", ROUNDS, *MODES, "gloo-broadcast", "ring-broadcast",
-              "bucketed-p2p", "broadcast", "p2p")
+              "bucketed-p2p", "broadcast", "p2p", *PLAIN_TCP)
 STEP_CALLS = ("send_round", "forward", "land", "round")
 """The controller's calls that drive the rounds (`weightbridge.coordination.session`)."""
 LABELS = {"broadcast": "broadcast (ablation)", "p2p": "p2p (ablation)"}
@@ -134,8 +145,11 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
     rate = args.link_mbit * 1e6 / 8
     config = TransferConfig(round_bytes=args.round_kib << 10, depth=args.depth)
     with attached(addrs, tspec, rspec, head="broadcast" in args.mechanisms) as procs:
-        results, ideal = {}, 0.0
+        results, ideal, plan = {}, 0.0, None  # weightbridge runs first: it sets both
         for mech in args.mechanisms:
+            if mech in PLAIN_TCP:
+                results[mech] = _plain_tcp(p2p_plan(plan) if mech == "plain-tcp-p2p" else plan)
+                continue
             kw = dict(procs=procs[:2], config=config, link_rate=rate)
             if mech == "broadcast":
                 runner = Broadcast(tspec, rspec, args.model, head_procs=procs[2], **kw)
@@ -157,7 +171,7 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
             with runner:
                 rounds = runner.connect().num_rounds if isinstance(runner, MeshTransfer) else 0
                 if mech == "weightbridge":
-                    ideal = runner.ideal_s
+                    ideal, plan = runner.ideal_s, runner.plan
                 reports = []
                 for v in range(1, args.updates + 1):
                     before = collections.Counter(calls)
@@ -170,6 +184,18 @@ def run_config(addrs, tspec_text, rspec_text, args) -> dict:
                 raise SystemExit(f"{mech}: {bad[0].line()}")
             results[mech] = reports[-1]
         return {"ideal": ideal, "messages": messages, **results}
+
+
+def _plain_tcp(plan) -> tuple[float, int]:
+    """(the median seconds of `PLAIN_TCP_RUNS` plain-TCP runs of ``plan``'s bytes between
+    hosts, those bytes)."""
+    from controller.cluster import NS_PREFIX, host_address
+    from benchmarks.plain_tcp import measure, pipes
+
+    flows = pipes(plan)
+    hosts = [host_address(i) for i in range(1 + max(max(p.src_host, p.dst_host) for p in flows))]
+    times = sorted(measure(flows, hosts, NS_PREFIX) for _ in range(PLAIN_TCP_RUNS))
+    return times[len(times) // 2], sum(p.nbytes for p in flows)
 
 
 def _one_update(runner, version: int):
@@ -237,7 +263,11 @@ def main() -> int:
                 continue
             res = run_config(cluster.addresses, tspec, rspec, args)
             ideal, wb = res["ideal"], res["weightbridge"][0].timing
+            wb_row: dict = {}  # weightbridge's row, the first
             for mech in args.mechanisms:
+                if mech in PLAIN_TCP:
+                    _print_plain_tcp(sweep, x, mech, res[mech], ideal, wb_row, rows)
+                    continue
                 report, agst = res[mech]
                 t = report.timing
                 rows.append({"sweep": sweep, "x": x, "trainer": tspec, "rollout": rspec,
@@ -249,6 +279,8 @@ def main() -> int:
                              "depth": args.depth, "rollout_procs": args.rollout_procs,
                              "links": "fifo" if args.fifo_links else "control priority",
                              "transport": TRANSPORTS.get(mech, "monarch rdma")})
+                if mech == "weightbridge":
+                    wb_row = rows[-1]
                 ring = res["ring-broadcast"][1] if "ring-broadcast" in res else None
                 vs_ring = f"  AGST/ring {agst / ring:.2f}" if ring else ""
                 if mech in res["messages"]:
@@ -282,6 +314,19 @@ def main() -> int:
     print(f"wrote {OUT}/bench_cluster.csv, bench_cluster.png, trace_weightbridge_4replicas.json "
           f"in {time.perf_counter() - t0:.0f}s")
     return 0
+
+
+def _print_plain_tcp(sweep, x, mech: str, measured: tuple[float, int], ideal: float,
+                     wb_row: dict, rows) -> None:
+    seconds, nbytes = measured
+    rows.append({**wb_row, "mechanism": mech, "ewtt_s": round(seconds, 4), "agst_s": "",
+                 "ewtt_over_ideal": round(seconds / ideal, 3),
+                 "speedup_of_weightbridge": round(seconds / wb_row["ewtt_s"], 2),
+                 "rdma_mb": round(nbytes / 1e6, 2), "transport": "plain TCP"})
+    print(f"[{sweep}={x}] {mech:<20} time {seconds:.3f}s  ideal {ideal:.3f}s  "
+          f"time/ideal {seconds / ideal:.2f}  vs WeightBridge {seconds / wb_row['ewtt_s']:.2f}x"
+          f"  ({nbytes / 1e6:.1f} MB of {PLAIN_TCP[mech]} between hosts over plain TCP, "
+          f"no rounds; median of {PLAIN_TCP_RUNS})", flush=True)
 
 
 def plot(rows, path: Path, mbit: float, mechanisms, model: str) -> None:

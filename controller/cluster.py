@@ -13,9 +13,8 @@ Layout (root only; names and addresses are ours alone, so teardown finds them by
     host i:         namespace wb-h{i}; veth wb-v{i} (on the bridge) <-> eth0 (10.77.0.{i+2}/24)
                     tc tbf at the link rate on both ends: wb-v{i} shapes what the host receives,
                     eth0 shapes what it sends; no default route, so nothing leaves the bridge;
-                    under each tbf a two-band priority queue (htb + u32 on the IP length):
-                    packets under 1408 bytes (control messages, TCP ACKs) go before full
-                    1500-byte data segments
+                    under each tbf a two-band priority queue (htb + u32): the controller's
+                    connections and packets under 64 bytes (TCP ACKs) go before the rest
                     a Monarch worker: python -m controller.worker tls://10.77.0.{i+2}:4444
                     (its own TLS files; tcp:// and --insecure when the cluster is insecure)
 
@@ -26,9 +25,11 @@ memory. Procs that the controller spawns on a worker run inside that worker's na
 Control priority: on a cluster, actor messages travel on the frontend network and RDMA on the
 backend NICs, so a control message never waits behind bulk RDMA data. Here Monarch's RDMA
 fallback and its actor messages share one shaped link, and a plain FIFO queue of 200 ms would
-hold a 300-byte notification behind up to 1.25 MB of data (tens of ms at 50 Mbit/s). The small
-packets' band restores the separation without changing the link rate (tbf still shapes all of
-it). ``control_priority=False`` gives the plain FIFO.
+hold a 300-byte notification behind up to 1.25 MB of data (tens of ms at 50 Mbit/s). The
+control band restores the separation for the controller's own connections, and lets ACKs pass
+the bulk, without changing the link rate (tbf still shapes all of it). It never splits a
+stream's data segments between the bands: served out of order, they draw TCP's spurious
+retransmissions. ``control_priority=False`` gives the plain FIFO.
 
 `EmulatedCluster` is a context manager: leaving it (also on errors and Ctrl-C) kills every
 process in its namespaces and deletes the links, the namespaces and the bridge.
@@ -75,10 +76,13 @@ CONTROLLER_ADDRESS = f"{SUBNET}.1"
 WORKER_PORT = 4444
 QUEUE_S = 0.2
 """Each link's queue holds this much traffic (TCP sees few drops)."""
-SMALL_PACKETS = (("0x0000", "0xfc00"), ("0x0400", "0xff00"), ("0x0500", "0xff80"))
-"""IP total length (value, mask) pairs of the control band: < 1024, 1024-1279, 1280-1407 bytes.
-Bulk data travels in full 1500-byte segments; control messages, ACKs and segment tails are
-shorter."""
+TINY_PACKETS = ("0x0000", "0xffc0")
+"""IP total length (value, mask) of the control band's packets from any connection: under 64
+bytes, i.e. pure TCP ACKs (52 bytes with timestamps). A longer cut (everything short of a full
+segment, as before 7 Dec 2026) also sends a stream's short packets (Monarch sends a message's
+frames as packets of their own) ahead of the full segments queued before them; TCP took the
+reordering for loss and retransmitted 4.2 MB of one 72 MB update at 4 trainer nodes, none of
+it dropped (docs/notes/emulated-cluster.md, "Plain TCP and the control band, 7 Dec 2026")."""
 MAX_HOSTS = 200
 REPO = Path(__file__).resolve().parents[1]
 
@@ -144,8 +148,8 @@ class EmulatedCluster:
             (`controller_security` is then None: give the controller its own files).
         insecure: Plaintext trust-all ``tcp://`` workers (the workers warn what it exposes).
         log_dir: Where the workers' output goes (a temporary folder by default).
-        control_priority: Serve packets shorter than a full segment before bulk data on every
-            link (see the module doc); False: one FIFO queue per link.
+        control_priority: Serve the controller's connections and TCP ACKs before bulk data on
+            every link (see the module doc); False: one FIFO queue per link.
     """
 
     def __init__(self, hosts: int, *, link_mbit: float, tls_dir: str | None = None,
@@ -245,8 +249,9 @@ class EmulatedCluster:
 
     def _add_priority_bands(self, dev: str, ns: str | None) -> None:
         # htb here only orders (its classes' rates are far above the link's); tbf shapes. Band 1
-        # (prio 0): IP packets shorter than a full segment (SMALL_PACKETS: matched on the 16-bit
-        # total length at byte 2); band 2: everything else, in a byte FIFO as long as tbf's was.
+        # (prio 0): every packet to or from the controller (whole connections, so nothing in a
+        # stream is reordered) and tiny packets (TINY_PACKETS: the 16-bit IP total length at
+        # byte 2); band 2: everything else, in a byte FIFO as long as tbf's was.
         tc = lambda *a: netns_run("tc", *a, ns=ns)  # noqa: E731
         tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "2")
         for band in (1, 2):
@@ -254,9 +259,11 @@ class EmulatedCluster:
                "rate", "10gbit", "quantum", "65536", "prio", str(band - 1))
         tc("qdisc", "add", "dev", dev, "parent", "10:2", "bfifo", "limit",
            str(int(self.link_bytes_per_s * QUEUE_S)))
-        for value, mask in SMALL_PACKETS:
+        value, mask = TINY_PACKETS
+        for match in (("u16", value, mask, "at", "2"), ("ip", "src", f"{CONTROLLER_ADDRESS}/32"),
+                      ("ip", "dst", f"{CONTROLLER_ADDRESS}/32")):
             tc("filter", "add", "dev", dev, "parent", "10:", "protocol", "ip", "prio", "1",
-               "u32", "match", "u16", value, mask, "at", "2", "flowid", "10:1")
+               "u32", "match", *match, "flowid", "10:1")
 
     def _tbf(self) -> list[str]:
         burst = link_burst_bytes(self.link_bytes_per_s)

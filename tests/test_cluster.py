@@ -93,3 +93,53 @@ def test_down_with_nothing_up_is_a_no_op():
     done = subprocess.run([sys.executable, "-m", "controller.cluster", "down"], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "removed" in done.stdout, done.stdout + done.stderr
+
+
+_STREAM = """
+import socket, sys, time
+if sys.argv[1] == "recv":
+    srv = socket.create_server((sys.argv[2], 5600))
+    print("ready", flush=True)
+    conn, _ = srv.accept()
+    while conn.recv(1 << 16):
+        pass
+else:
+    c = socket.create_connection((sys.argv[2], 5600))
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for _ in range(100):  # a message's bulk, then a short frame of its own (as Monarch's are)
+        c.sendall(bytes(8000))
+        c.sendall(bytes(100))
+        time.sleep(0.002)
+    c.close()
+"""
+
+
+def _band_bytes_and_packets(ns: str, band: int) -> tuple[int, int]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "class", "show", "dev", "eth0"],
+                         capture_output=True, text=True, check=True).stdout
+    block = out.split(f"class htb 10:{band} ")[1]
+    sent = block.split("Sent ")[1].split()
+    return int(sent[0]), int(sent[2])
+
+
+def test_the_control_band_never_takes_a_streams_data_segments():
+    """Bug (7 Dec 2026): the control band took every packet shorter than a full segment, so a
+    stream's short tail segments overtook its full ones, and TCP retransmitted 4.2 MB of one
+    72 MB update spuriously. Only the controller's connections and pure ACKs go first now."""
+    with EmulatedCluster(2, link_mbit=200, start_workers=False):
+        peer = f"{SUBNET}.3"
+        recv = subprocess.Popen(["ip", "netns", "exec", "wb-h1", sys.executable, "-c", _STREAM,
+                                 "recv", peer], stdout=subprocess.PIPE, text=True)
+        try:
+            assert recv.stdout.readline().strip() == "ready"
+            before = _band_bytes_and_packets("wb-h0", 1)
+            subprocess.run(["ip", "netns", "exec", "wb-h0", sys.executable, "-c", _STREAM,
+                            "send", peer], check=True, timeout=60)
+            recv.wait(timeout=60)
+        finally:
+            recv.kill()
+        nbytes, packets = (a - b for a, b in zip(_band_bytes_and_packets("wb-h0", 1), before))
+        bulk, _ = _band_bytes_and_packets("wb-h0", 2)
+    assert bulk >= 100 * 8100  # the data went through the bulk band
+    assert packets > 0 and nbytes / packets < 64 + 14  # only ACK-sized frames (+ Ethernet)
+    _assert_clean()
