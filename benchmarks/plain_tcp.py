@@ -75,7 +75,15 @@ def measure(pipes_: list[Pipe], addresses: list[str], namespace: str,
             timeout_s: float = 120.0) -> float:
     """Seconds from a common start until every pipe's bytes have arrived; ``addresses[h]`` is
     host h's IP, ``namespace + str(h)`` its network namespace. Raises RuntimeError when a node
-    fails or the run takes longer than ``timeout_s``."""
+    fails or the run takes longer than ``timeout_s``; ValueError, before any process starts,
+    for no pipes or a host without an address."""
+    if not pipes_:
+        raise ValueError("plain tcp: no pipes: the plan writes nothing between hosts (all its "
+                         "workers on one node?)")
+    missing = max(max(p.src_host, p.dst_host) for p in pipes_) + 1 - len(addresses)
+    if missing > 0:
+        raise ValueError(f"plain tcp: the pipes use {len(addresses) + missing} hosts but "
+                         f"{len(addresses)} addresses were given; give one per host")
     used = sorted({p.src_host for p in pipes_} | {p.dst_host for p in pipes_})
     spec = json.dumps([p.__dict__ for p in pipes_])
     procs: dict[int, subprocess.Popen] = {}
@@ -131,7 +139,7 @@ def _node(me: int, addresses: list[str]) -> None:
     inbound = [p for p in ps if p.dst_host == me]
     outbound = [p for p in ps if p.src_host == me]
     expected = sum(p.nbytes for p in inbound)
-    received = {"total": 0}
+    received = 0
     # A forwarding rollout's credit: its RECEIVE bytes landed so far / all it will receive.
     landed: dict[int, int] = defaultdict(int)
     to_land = defaultdict(int)
@@ -146,7 +154,8 @@ def _node(me: int, addresses: list[str]) -> None:
     sys.stdin.readline()
 
     def receive(conn: socket.socket) -> None:
-        src, dst, nbytes = _HEADER.unpack(_read(conn, _HEADER.size))
+        nonlocal received
+        src, dst, nbytes = _HEADER.unpack(conn.recv(_HEADER.size, socket.MSG_WAITALL))
         fwd = next(p.forwards for p in inbound if p.src == src and p.dst == dst)
         buf = bytearray(STEP)
         left = nbytes
@@ -158,9 +167,9 @@ def _node(me: int, addresses: list[str]) -> None:
             with cond:
                 if not fwd:
                     landed[dst] += n
-                received["total"] += n
+                received += n
                 cond.notify_all()
-                if received["total"] == expected:
+                if received == expected:
                     done.set()
 
     def accept() -> None:
@@ -200,19 +209,10 @@ def _node(me: int, addresses: list[str]) -> None:
     sys.stdin.readline()  # the parent kills us once every host has reported
 
 
-def _read(conn: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = conn.recv(n - len(out))
-        if not chunk:
-            raise RuntimeError("connection closed in its header")
-        out += chunk
-    return out
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--node":
         _node(int(sys.argv[2]), json.loads(sys.argv[3]))
     else:
-        raise SystemExit(f"run through benchmarks/bench_cluster.py --mechanisms plain-tcp "
-                         f"(this file's --node is its per-host half); {Path(__file__).name}")
+        raise SystemExit(f"{Path(__file__).name} runs inside benchmarks/bench_cluster.py "
+                         f"(--mechanisms plain-tcp plain-tcp-p2p); --node HOST ADDRESSES is "
+                         f"the per-host half that `measure` starts")

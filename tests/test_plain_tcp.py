@@ -42,3 +42,10 @@ def test_plain_tcp_carries_a_relayed_pattern_no_faster_than_the_links():
     assert 0.9 * line_rate < seconds < 10 * line_rate
     ps = subprocess.run(["pgrep", "-f", "plain_tcp.py --node"], capture_output=True, text=True)
     assert ps.stdout == ""  # every node process is gone
+
+
+def test_measure_refuses_no_pipes_and_hosts_without_addresses_before_starting_anything():
+    with pytest.raises(ValueError, match="writes nothing between hosts"):
+        measure([], ["10.77.0.2"], NS_PREFIX)
+    with pytest.raises(ValueError, match="use 3 hosts but 2 addresses"):
+        measure([Pipe(0, 0, 1, 2, 10, False)], ["10.77.0.2", "10.77.0.3"], NS_PREFIX)
