@@ -14,7 +14,7 @@ Layout (root only; names and addresses are ours alone, so teardown finds them by
                     tc tbf at the link rate on both ends: wb-v{i} shapes what the host receives,
                     eth0 shapes what it sends; no default route, so nothing leaves the bridge;
                     under each tbf a two-band priority queue (htb + u32): the controller's
-                    connections and packets under 64 bytes (TCP ACKs) go before the rest
+                    connections and TCP segments without payload (ACKs) go before the rest
                     a Monarch worker: python -m controller.worker tls://10.77.0.{i+2}:4444
                     (its own TLS files; tcp:// and --insecure when the cluster is insecure)
 
@@ -76,13 +76,20 @@ CONTROLLER_ADDRESS = f"{SUBNET}.1"
 WORKER_PORT = 4444
 QUEUE_S = 0.2
 """Each link's queue holds this much traffic (TCP sees few drops)."""
-TINY_PACKETS = ("0x0000", "0xffc0")
-"""IP total length (value, mask) of the control band's packets from any connection: under 64
-bytes, i.e. pure TCP ACKs (52 bytes with timestamps). A longer cut (everything short of a full
-segment, as before 7 Dec 2026) also sends a stream's short packets (Monarch sends a message's
-frames as packets of their own) ahead of the full segments queued before them; TCP took the
-reordering for loss and retransmitted 4.2 MB of one 72 MB update at 4 trainer nodes, none of
-it dropped (docs/notes/emulated-cluster.md, "Plain TCP and the control band, 7 Dec 2026")."""
+PURE_ACKS = tuple(
+    ("ip", "protocol", "6", "0xff", "match", "u8", "0x45", "0xff", "at", "0",
+     "match", "u16", f"{20 + 4 * doff:#06x}", "0xffff", "at", "2",
+     "match", "u8", f"{doff << 4:#04x}", "0xf0", "at", "32")
+    for doff in range(5, 16))
+"""u32 matches of the TCP segments that carry no payload (ACKs, with or without SACK blocks;
+also SYN and FIN): IP total length equal to the IP header (20 bytes: version 4, IHL 5) plus
+the TCP header (its data offset, ``doff`` 32-bit words). They are the only packets of another
+connection the control band takes: a cut by size alone also takes a stream's own short data
+segments (Monarch sends a message's frames as packets of their own, down to a few bytes) ahead
+of the full segments queued before them, and TCP takes the reordering for loss. A cut at 1408
+bytes (before 7 Dec 2026) retransmitted 4.2 MB of one 72 MB update at 4 trainer nodes, one at
+64 bytes 0.41 MB, none of it dropped (docs/notes/emulated-cluster.md, "Plain TCP and the
+control band, 7 Dec 2026")."""
 MAX_HOSTS = 200
 REPO = Path(__file__).resolve().parents[1]
 
@@ -250,8 +257,8 @@ class EmulatedCluster:
     def _add_priority_bands(self, dev: str, ns: str | None) -> None:
         # htb here only orders (its classes' rates are far above the link's); tbf shapes. Band 1
         # (prio 0): every packet to or from the controller (whole connections, so nothing in a
-        # stream is reordered) and tiny packets (TINY_PACKETS: the 16-bit IP total length at
-        # byte 2); band 2: everything else, in a byte FIFO as long as tbf's was.
+        # stream is reordered) and segments without payload (PURE_ACKS); band 2: everything
+        # else, in a byte FIFO as long as tbf's was.
         tc = lambda *a: netns_run("tc", *a, ns=ns)  # noqa: E731
         tc("qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "htb", "default", "2")
         for band in (1, 2):
@@ -259,8 +266,7 @@ class EmulatedCluster:
                "rate", "10gbit", "quantum", "65536", "prio", str(band - 1))
         tc("qdisc", "add", "dev", dev, "parent", "10:2", "bfifo", "limit",
            str(int(self.link_bytes_per_s * QUEUE_S)))
-        value, mask = TINY_PACKETS
-        for match in (("u16", value, mask, "at", "2"), ("ip", "src", f"{CONTROLLER_ADDRESS}/32"),
+        for match in (*PURE_ACKS, ("ip", "src", f"{CONTROLLER_ADDRESS}/32"),
                       ("ip", "dst", f"{CONTROLLER_ADDRESS}/32")):
             tc("filter", "add", "dev", dev, "parent", "10:", "protocol", "ip", "prio", "1",
                "u32", "match", *match, "flowid", "10:1")
