@@ -53,6 +53,26 @@ def test_replicated_rollout_nodes_balance_forwarders_and_receivers():
     assert max(landed) <= 1.05 * min(landed), landed
 
 
+@pytest.mark.parametrize("round_bytes", [128, 512])
+def test_each_sender_writes_one_range_per_receiver_and_stage_of_a_round(round_bytes):
+    """Forwards were laid out in segment order in the receiver's buffer, but sit in the
+    forwarder's own in the order its senders wrote them: with several trainers a forward of
+    one contiguous part of the forwarder's buffer was cut into up to three writes (a third of
+    the writes of a 4-trainer-node plan, each a Monarch message of its own; here 27 extra at
+    512-byte rounds)."""
+    trainers = [(tp_trainer(0, 1, experts=[e]), Placement(f"t{e}")) for e in range(4)]
+    rollouts = [(fused_rollout(0, 1), Placement(f"r{e}", engine=e)) for e in range(4)]
+    plan = plan_transfer(trainers, rollouts, round_bytes=round_bytes)
+    check_invariants(plan, round_bytes)
+    forwards = 0
+    for worker in plan.workers:
+        for r in plan.for_worker(worker).rounds:
+            pairs = [(w.peer, w.stage) for w in r.writes]
+            assert len(pairs) == len(set(pairs)), (worker, r.index, r.writes)
+            forwards += sum(w.stage != Stage.RECEIVE for w in r.writes)
+    assert forwards > 0
+
+
 def test_round_bytes_smaller_than_the_largest_tensor_still_works():
     trainers, rollouts = _replicated(2, 2)
     plan = plan_transfer(trainers, rollouts, round_bytes=1024)  # tensor is 64 KiB

@@ -346,27 +346,18 @@ def _layout(router: _Router, num_rounds: int, segs, dels) -> RouteTables | None:
     stage, src, dst, seg = del_arr.T
     nbytes = seg_arr[seg, 2]
     rnd = seg_arr[seg, 3]
-    # Receive buffers: per (dst, round), ordered by (stage, src, seg): all bytes from one sender
-    # in one stage are contiguous, so each (sender, stage) pair is one write.
-    order = np.lexsort((seg, src, stage, rnd, dst))
-    dst_offset = _offsets(order, dst * num_rounds + rnd, nbytes)
+    # Forwards read the forwarder's own receive buffer, where the segment landed (`held`).
+    dst_offset, held = _receive_offsets(W, num_rounds, stage, src, dst, seg, rnd, nbytes)
     recv = np.bincount(dst * num_rounds + rnd, weights=nbytes, minlength=W * num_rounds)
     # Trainer send buffers: per (src, round), ordered by (dst, seg): the same order as the
     # receiver's, so each (trainer, receiver) pair is one contiguous write.
     is_send = stage == RECEIVE
     sidx = np.flatnonzero(is_send)
     order = sidx[np.lexsort((seg[sidx], dst[sidx], rnd[sidx], src[sidx]))]
-    src_offset = np.zeros(len(del_arr), dtype=np.int64)
+    src_offset = held
     src_offset[sidx] = _offsets(order, src * num_rounds + rnd, nbytes)[sidx]
     send = np.bincount(src[sidx] * num_rounds + rnd[sidx], weights=nbytes[sidx],
                        minlength=W * num_rounds)
-    # Forwards read the forwarder's own receive buffer, where the segment landed.
-    fidx = np.flatnonzero(~is_send)
-    if len(fidx):
-        key = seg * W + dst
-        korder = np.argsort(key, kind="stable")
-        pos = np.searchsorted(key[korder], seg[fidx] * W + src[fidx])
-        src_offset[fidx] = dst_offset[korder[pos]]
     if max(recv.max(initial=0), send.max(initial=0)) > router.round_bytes:
         return None
     return RouteTables(
@@ -378,6 +369,39 @@ def _layout(router: _Router, num_rounds: int, segs, dels) -> RouteTables | None:
         stage=stage, src=src, dst=dst, seg=seg, src_offset=src_offset, dst_offset=dst_offset,
         send_bytes=send.reshape(W, num_rounds).astype(np.int64),
         recv_bytes=recv.reshape(W, num_rounds).astype(np.int64))
+
+
+def _receive_offsets(W: int, num_rounds: int, stage, src, dst, seg, rnd,
+                     nbytes) -> tuple[np.ndarray, np.ndarray]:
+    """Every delivery's offset in its receiver's buffer of its round, and each forward's
+    offset in its forwarder's (where the segment landed; 0 for RECEIVE rows).
+
+    Per (dst, round), by stage, then sender: all bytes from one sender in one stage are
+    contiguous, so each (sender, stage) pair is one write. Within it, a trainer's segments go
+    in segment order (its send buffer's order), a forwarder's in the order they sit in its own
+    buffer: a forward of a contiguous part of that buffer is then one write, where segment
+    order would cut it wherever the forwarder's senders interleave (a third of the writes of
+    a 4-trainer-node plan). Each stage reads the offsets of the one before, so stages are
+    laid out in order."""
+    bucket = dst * num_rounds + rnd
+    dst_offset = np.zeros(len(stage), dtype=np.int64)
+    held = np.zeros(len(stage), dtype=np.int64)
+    laid = np.zeros(W * num_rounds, dtype=np.int64)  # bytes of earlier stages per bucket
+    received = np.argsort(seg * W + dst, kind="stable")
+    received_key = (seg * W + dst)[received]
+    for s in (RECEIVE, EXTERNAL, INTERNAL):
+        rows = np.flatnonzero(stage == s)
+        if not len(rows):
+            continue
+        if s == RECEIVE:
+            within = seg[rows]
+        else:  # where the forwarder holds the segment (received in an earlier stage)
+            at = np.searchsorted(received_key, seg[rows] * W + src[rows])
+            within = held[rows] = dst_offset[received[at]]
+        b = bucket[rows]
+        dst_offset[rows] = _offsets(np.lexsort((within, src[rows], b)), b, nbytes[rows]) + laid[b]
+        laid += np.bincount(b, weights=nbytes[rows], minlength=W * num_rounds).astype(np.int64)
+    return dst_offset, held
 
 
 def _offsets(order: np.ndarray, bucket: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
