@@ -38,7 +38,7 @@ priority).
 
 Prints EWTT, AGST, the ideal EWTT of Eq. (1) from the configured rate and the ratios (the last
 update of each run; every update is verified bit-exact), the controller's messages per round
-that drive the rounds (WeightBridge's), the per-round timeline at 4 replicas, and writes
+that drive the rounds (WeightBridge's), its per-round timeline at every point, and writes
 out/cluster/bench_cluster.csv, out/cluster/bench_cluster.png and the Chrome trace of one
 WeightBridge update at 4 replicas.
 """
@@ -251,6 +251,8 @@ def main() -> int:
                          control_priority=not args.fifo_links) as cluster:
         os.environ[TRANSPORT_ENV] = cluster.controller_transport  # before monarch starts
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        from controller.timing import chrome_trace, write_timeline
+
         print(f"load average at start: {os.getloadavg()[0]:.2f}; torchstore: not run "
               f"(docs/performance.md: torchstore 0.1.2 does not run beside torchmonarch 0.7)")
         print(f"emulated cluster: 8 hosts, {args.link_mbit:g} Mbit/s links "
@@ -292,20 +294,18 @@ def main() -> int:
                       f"({report.rdma_bytes / 1e6:.1f} MB over "
                       f"{TRANSPORTS.get(mech, 'RDMA')}, bit-exact)", flush=True)
             if sweep == "replicas" and x == 4:
-                from controller.timing import chrome_trace, write_timeline
-
                 path = OUT / "trace_weightbridge_4replicas.json"
                 path.write_text(json.dumps(chrome_trace(wb, label="WeightBridge, 4 replicas")))
-                for mech in ("weightbridge", ROUNDS):
-                    if mech not in res:
-                        continue
-                    tl = write_timeline(res[mech][0].timing, args.depth)
-                    print(f"[{sweep}={x}] {mech} timeline: trainers' writes {tl.writes_s:.3f}s "
-                          f"(ideal {ideal:.3f}s), the link idle {tl.idle_s:.3f}s of it "
-                          f"({tl.buffer_wait_s:.3f}s before round r-{args.depth} had landed, "
-                          f"{tl.idle_s - tl.buffer_wait_s:.3f}s from then to the next write); "
-                          f"after the last write {tl.drain_s:.3f}s (forwards, assembly)",
-                          flush=True)
+            for mech in ("weightbridge", ROUNDS):
+                if mech not in res:
+                    continue
+                tl = write_timeline(res[mech][0].timing, args.depth)
+                print(f"[{sweep}={x}] {mech} timeline: trainers' writes {tl.writes_s:.3f}s "
+                      f"(ideal {ideal:.3f}s), the link idle {tl.idle_s:.3f}s of it "
+                      f"({tl.buffer_wait_s:.3f}s before round r-{args.depth} had landed, "
+                      f"{tl.idle_s - tl.buffer_wait_s:.3f}s from then to the next write); "
+                      f"after the last write {tl.drain_s:.3f}s (forwards, assembly)",
+                      flush=True)
     with open(OUT / "bench_cluster.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
