@@ -264,3 +264,21 @@ def test_a_closed_mailbox_fails_its_calls_saying_why():
     with pytest.raises(MailboxClosed, match=r"left transfer group wb-test \(its agent stopped: "
                                             r"a test\)"):
         box.send(None, PeerCall.PING, ()).get(timeout=1)
+
+
+def test_a_call_names_its_reply_port_in_a_few_hundred_bytes():
+    """Bug (7 Dec 2026): a call carried its reply `Port`, which pickles the function that
+    rebuilds it by value (about 1.7 KB a message; 1% of a rollout's link on the emulated
+    cluster). It carries the port's address now (`monarch_api.reply_address`)."""
+    import cloudpickle  # what Monarch pickles messages with
+
+    class Inbox:
+        def send(self, message):
+            self.message = message
+
+    box, inbox = Mailbox("wb-test", serve=False), Inbox()
+    try:
+        box.send(inbox, PeerCall.LAND, (3, None))
+        assert len(cloudpickle.dumps(inbox.message)) < 400
+    finally:
+        box.close("the test ended")

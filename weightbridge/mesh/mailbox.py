@@ -5,7 +5,8 @@ about 1.5 KB in the caller and 0.6 KB in the callee per call (`benchmarks/messag
 most of a worker's memory growth over many updates. A mailbox opens two ports, once: peers
 send their calls to its inbox as plain messages naming the caller's reply port, and it answers
 each through that port, so a call costs tens of bytes (docs/failures.md, "Memory over many
-updates").
+updates"). A message names the reply port by its address (`monarch_api.reply_address`, about
+250 bytes pickled; a Port itself pickles to about 1.6 KB).
 
     caller's MeshControl                              peer's TransferAgent
     ---------------------                             --------------------
@@ -31,7 +32,7 @@ from monarch.actor import ActorError, Channel
 
 from weightbridge.coordination.control import PeerCall
 from weightbridge.errors import describe
-from weightbridge.mesh import registry
+from weightbridge.mesh import monarch_api, registry
 
 
 CLOSED_CHECK_S = 0.1
@@ -64,6 +65,7 @@ class Mailbox:
         messages and hung)."""
         self._owner = contextvars.copy_context()  # Monarch's current actor: the ports' owner
         self._reply, replies = Channel.open()
+        self._reply_address = monarch_api.reply_address(self._reply)
         self._ports = [self._reply]
         self._start(f"weightbridge-replies-{group}", self._read_replies, replies)
         if serve:
@@ -101,7 +103,7 @@ class Mailbox:
         registry.calls["sent", call.value] += 1
         try:
             with self._sending:
-                inbox.send((key, call, args, self._reply))
+                inbox.send((key, call, args, self._reply_address))
         except BaseException:
             future.cancel()
             raise
@@ -143,6 +145,7 @@ class Mailbox:
                 except Exception:  # noqa: BLE001  (its sender asked for no answer)
                     pass
                 continue
+            reply = monarch_api.reply_port(reply)
             reply.return_undeliverable = False  # a caller that stopped: the answer is dropped
             try:
                 # The call's thread runs in this one's context (Monarch's current actor).
