@@ -2,9 +2,11 @@
 
 `TransferAgent` answers its calls from its own threads (a sync actor that serves many calls at
 once), which takes Monarch's private ``Port._resolve_and_send_blocking``: what Monarch itself
-does with a sync endpoint's result. Private names can vanish in any release, so `check` looks
-for each of them once and fails with the installed version, the supported one and what to do,
-instead of an ``AttributeError`` deep inside a peer call.
+does with a sync endpoint's result; and a mailbox message names its reply port by the port's
+private reference and rank, rebuilt where it is served (`reply_address`, `reply_port`).
+Private names can vanish in any release, so `check` looks for each of them once and fails with
+the installed version, the supported one and what to do, instead of an ``AttributeError`` deep
+inside a peer call.
 
 Typical usage::
 
@@ -56,8 +58,8 @@ def check() -> None:
     if missing:
         raise ImportError(
             f"weightbridge's Monarch transfer groups need torchmonarch {SUPPORTED}.x, but the "
-            f"installed torchmonarch {installed_version()} lacks {', '.join(missing)} (a private "
-            f"Monarch API the agents answer calls with): install torchmonarch=={SUPPORTED}.* "
+            f"installed torchmonarch {installed_version()} lacks {', '.join(missing)} (private "
+            f"Monarch APIs the agents answer calls with): install torchmonarch=={SUPPORTED}.* "
             f"(pip install 'torchmonarch=={SUPPORTED}.*'), or update weightbridge/mesh/"
             f"monarch_api.py for this release")
 
