@@ -5,15 +5,18 @@
 Measured here, in this run: the probe's and the verification pass's throughput on one CPU rank
 of 1 GiB (the sweep's loader, `probe_sweep.ShardedRank`, one torch thread; a checkpoint over
 about 500 MiB of bf16 needs three index passes, as every deployment here does) and each
-deployment's planning time from its shape-only source maps (`weightbridge.shapes`). Derived,
-per deployment of Table 2: the largest worker's parameter bytes and largest parameter, the
-source maps gathered for planning (pickled, as they travel), and
+deployment's controller work from its shape-only source maps (`weightbridge.shapes`), which
+runs on the controller one step after another: unpickling every worker's map as it arrives
+(the gather), planning, building every worker's plan, and pickling each for its worker (the
+hand-out, with cloudpickle, Monarch's pickler). Derived, per deployment of Table 2: the
+largest worker's parameter bytes and largest parameter, the source maps gathered (pickled, as
+they travel), and
 
-    first connect  = largest rank / probe throughput  + plan
-    cached connect = largest rank / verification throughput + plan
+    first connect  = largest rank / probe throughput  + controller
+    cached connect = largest rank / verification throughput + controller
 
-(workers probe at once, so the largest rank sets the pace; setting up buffers and handles is
-left out). The probe's peak extra host memory is projected as the sweep measures it: a fixed
+(workers probe at once, so the largest rank sets the pace; the workers' own set-up of buffers
+and handles, at once, is left out). The probe's peak extra host memory is projected as the sweep measures it: a fixed
 part (measured here) plus, for parameters on a GPU, one parameter's host copy (the verification
 pass compares a parameter at a time) and the index and random rings (one checkpoint tensor of
 the largest size each).
@@ -21,11 +24,13 @@ the largest size each).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import time
 from pathlib import Path
 
+import cloudpickle
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,12 +64,26 @@ def deployment(dep) -> dict:
     ranks = [sum(_numel(p.shape) * _BYTES[p.dtype] for p in m.params) for m in maps]
     largest_param = max(_numel(p.shape) * _BYTES[p.dtype] for m in maps for p in m.params)
     largest_tensor = max(t.numel * _BYTES[t.dtype] for t in checkpoint(dep.model).tensors)
-    gathered = sum(len(pickle.dumps(m)) for m in maps)
-    t0 = time.perf_counter()
-    plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
+    blobs = [pickle.dumps(m) for m in maps]  # (each worker its own, at once)
+    steps = {}
+    with _timed(steps, "gather"):
+        [pickle.loads(b) for b in blobs]
+    with _timed(steps, "plan"):
+        plan = plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
+    with _timed(steps, "worker plans"):
+        plans = plan.worker_plans()
+    with _timed(steps, "hand-out"):
+        [cloudpickle.dumps(p) for p in plans.values()]
     return {"name": f"({dep.name}) {dep.model.name}", "workers": len(maps), "rank": max(ranks),
-            "param": largest_param, "tensor": largest_tensor, "gathered": gathered,
-            "plan_s": time.perf_counter() - t0}
+            "param": largest_param, "tensor": largest_tensor,
+            "gathered": sum(map(len, blobs)), "steps": steps}
+
+
+@contextlib.contextmanager
+def _timed(steps: dict, name: str):
+    t0 = time.perf_counter()
+    yield
+    steps[name] = time.perf_counter() - t0
 
 
 def _numel(shape) -> int:
@@ -81,18 +100,21 @@ def main() -> None:
           f"{probe_rate / 2**20:.0f} MiB/s, verification pass {verify_rate / 2**20:.0f} MiB/s, "
           f"probe peak extra host {fixed / 2**20:.1f} MiB")
     print("| deployment | workers | largest rank | probe (first connect) | verification "
-          "(cached) | peak extra host, GPU params | maps gathered | plan (measured) | "
-          "first connect | cached connect | cached / first |")
+          "(cached) | peak extra host, GPU params | maps gathered | controller, measured: "
+          "gather + plan + worker plans + hand-out | first connect | cached connect | "
+          "cached / first |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for dep in TABLE_2:
         d = deployment(dep)
         probe_s, verify_s = d["rank"] / probe_rate, d["rank"] / verify_rate
         host = fixed + d["param"] + d["tensor"]
-        first, cached = probe_s + d["plan_s"], verify_s + d["plan_s"]
+        controller = sum(d["steps"].values())
+        first, cached = probe_s + controller, verify_s + controller
+        parts = " + ".join(f"{s:.1f}" for s in d["steps"].values())
         print(f"| {d['name']} | {d['workers']} | {d['rank'] / 2**30:.1f} GiB | {probe_s:.0f} s "
               f"| {verify_s:.0f} s | {host / 2**30:.2f} GiB ({host / d['rank']:.3f}x) | "
-              f"{d['gathered'] / 2**20:.1f} MiB | {d['plan_s']:.1f} s | {first:.0f} s | "
-              f"{cached:.0f} s | {cached / first:.2f} |", flush=True)
+              f"{d['gathered'] / 2**20:.1f} MiB | {parts} = {controller:.1f} s | {first:.0f} s "
+              f"| {cached:.0f} s | {cached / first:.2f} |", flush=True)
     print(f"load after: {load()}")
 
 

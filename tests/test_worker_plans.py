@@ -157,3 +157,39 @@ def test_folded_sort_order_is_lexsorts_and_falls_back_to_it_when_keys_do_not_fit
     assert (_order([a, b, c], [5, 7]) == want).all()
     huge = c.astype(np.int64) << 60  # does not fold: lexsort
     assert (_order([a, b, huge], [5, 7]) == np.lexsort((huge, b, a))).all()
+
+
+def test_worker_plans_and_source_maps_pickle_as_plain_tuples_and_come_back_equal():
+    """Connect pickles every worker's plan on the controller and unpickles every source map
+    there: as plain tuples (no object per copy, write or piece), every field kept."""
+    import dataclasses
+    import pickle
+
+    from weightbridge.types import BoxCopy, BufferWrite, Piece, Region, WorkerRound
+    from weightbridge.types import maps as maps_module
+    from weightbridge.types import plans as plans_module
+
+    plan = dict(_small_layouts())["fp32 tp2 x ep2 -> 2 bf16 engines"]
+    plans = worker_plans(plan)
+    quantizing = BoxCopy(1, 8, (2, 4), (4, 1), 64, "float8_e4m3fn", (32, 32))
+    some = next(iter(plans.values()))
+    plans["block"] = dataclasses.replace(some, rounds=(dataclasses.replace(
+        some.rounds[0], pack=(quantizing,)),) + some.rounds[1:])
+    maps = [m for m in plan.trainer_maps + plan.rollout_maps]
+    maps.append(dataclasses.replace(maps[0], pieces=(Piece(
+        Region("w", (0, 4), (2, 8), (1, 2)), "p", 3, (8, 1), "float32", (32, 32)),),
+        unsourced=(("p", 5),), unused=("x",)))
+    for value in [*plans.values(), *maps]:
+        blob = pickle.dumps(value, protocol=5)
+        assert pickle.loads(blob) == value
+        for name in (b"BoxCopy", b"BufferWrite", b"WorkerRound", b"Piece", b"Region"):
+            assert name not in blob, name
+    # Every field is in the pickled form (a new field must be added there too).
+    assert len(plans_module._box_fields(quantizing)) == len(dataclasses.fields(BoxCopy))
+    writing = next(r for wp in plans.values() for r in wp.rounds if r.writes)
+    fields = plans_module._round_fields(writing)
+    assert (len(fields), len(fields[2][0])) == (len(dataclasses.fields(WorkerRound)),
+                                                len(dataclasses.fields(BufferWrite)))
+    piece = maps[-1].pieces[0]
+    assert len(maps_module._piece_fields(piece)) == (len(dataclasses.fields(Piece)) - 1
+                                                      + len(dataclasses.fields(Region)))

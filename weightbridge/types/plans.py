@@ -264,3 +264,34 @@ class WorkerPlan:
     """Size of each of the worker's round buffers: the largest round it takes part in."""
     rounds: tuple[WorkerRound, ...]
     """One entry per round of the plan (empty ones included, so indices line up)."""
+
+    def __reduce__(self):
+        # Pickled as plain tuples: connect hands every worker its plan, pickled on the
+        # controller one after another, and Monarch's pickler (cloudpickle) took 21 s over the
+        # 1.5M copies and writes of the paper's largest deployment with the default (one dict
+        # of slots per object), 5-6 s this way (benchmarks/connect_projection.py).
+        return (_worker_plan, (self.worker, self.placement, self.params, self.buffer_bytes,
+                               tuple(map(_round_fields, self.rounds))))
+
+
+def _box_fields(b: BoxCopy) -> tuple:
+    return (b.tensor, b.offset, b.shape, b.strides, b.buffer_offset, b.buffer_dtype, b.block)
+
+
+def _round_fields(r: WorkerRound) -> tuple:
+    return (r.index, tuple(map(_box_fields, r.pack)),
+            tuple((w.stage, w.peer, w.offset, w.peer_offset, w.nbytes) for w in r.writes),
+            tuple(map(_box_fields, r.assemble)), r.send_bytes, r.recv_bytes)
+
+
+def _worker_plan(worker, placement, params, buffer_bytes, rounds) -> WorkerPlan:
+    """A `WorkerPlan` from its pickled form (`WorkerPlan.__reduce__`)."""
+    return WorkerPlan(worker=worker, placement=placement, params=params,
+                      buffer_bytes=buffer_bytes, rounds=tuple(
+                          WorkerRound(index=i, pack=tuple(BoxCopy(*b) for b in pack),
+                                      writes=tuple(BufferWrite(stage=s, peer=p, offset=o,
+                                                               peer_offset=po, nbytes=n)
+                                                   for s, p, o, po, n in writes),
+                                      assemble=tuple(BoxCopy(*b) for b in assemble),
+                                      send_bytes=sent, recv_bytes=received)
+                          for i, pack, writes, assemble, sent, received in rounds))
