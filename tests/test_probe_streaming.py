@@ -177,6 +177,26 @@ def test_a_trainer_keeps_a_host_copy_only_when_its_config_asks(restore, monkeypa
     assert (len(copies), same) == ((1, True) if restore == "host-copy" else (0, False))
 
 
+def test_the_host_copy_keeps_every_parameters_bits_in_one_host_buffer():
+    from weightbridge.coordination.worker import _host_copy
+
+    gen = torch.Generator().manual_seed(3)
+    with emulated_cuda.active():
+        params = {"a": torch.randn(3, 5, generator=gen).bfloat16(),
+                  "b": torch.arange(7, dtype=torch.int8),
+                  "c": torch.randn(4, 6, generator=gen, dtype=torch.float64).t(),  # strided
+                  "d": torch.empty(0, 3), "e": torch.randn(1, generator=gen).half(),
+                  "f": torch.randn(9, generator=gen).to("cuda")}
+        saved = _host_copy(params)
+        for n, p in params.items():
+            host = p.cpu()
+            assert (saved[n].device.type, saved[n].shape, saved[n].dtype) == (
+                "cpu", host.shape, host.dtype), n
+            assert torch.equal(saved[n].reshape(-1).view(torch.uint8),
+                               host.reshape(-1).view(torch.uint8)), n
+    assert len({t.untyped_storage().data_ptr() for t in saved.values()}) == 1
+
+
 def test_an_unknown_trainer_restore_is_refused():
     from weightbridge import TransferConfig
 

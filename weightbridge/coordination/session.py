@@ -140,13 +140,13 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     ranges = incoming_ranges(plans.values(), config.depth)
     # (Engines the control plane has beyond the maps, added but not joined, are not planned.)
     live = [w for w in rollouts(control)[:len(maps.rollouts)] if w.index not in excluded]
-    setup = PeerCall.RESETUP if replan else PeerCall.SETUP
-    found = control.call_each(live, setup, [
-        (plans[w], sorted(ranges.get(w, ())), generation) for w in live])
-    handles = {(w, key): h for w, hs in zip(live, found) for key, h in hs.items()}
     ts = [w for w in trainers(control) if w.index not in excluded_trainers]
-    control.call_each(ts, setup, [(plans[w],) for w in ts])
     everyone = live + ts
+    # Both sides at once: a trainer registers nothing (its writes need the rollouts'
+    # handles, handed out below), so its set-up waits for no rollout's.
+    found = control.call_each(everyone, PeerCall.RESETUP if replan else PeerCall.SETUP, [
+        (plans[w], sorted(ranges.get(w, ())), generation) for w in everyone])
+    handles = {(w, key): h for w, hs in zip(everyone, found) for key, h in hs.items()}
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
     set_peers(control, everyone, plans, handles, config)
     return ConnectedGroup(plan=plan, active=active_steps(plans.values()),

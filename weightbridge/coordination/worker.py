@@ -40,7 +40,7 @@ from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
                                               param_digest, rebound_error, storage_of)
 from weightbridge.coordination.signals import STAGES, RoundPart, RoundSignals
-from weightbridge.coordination.staging import SlotBuffers, StagedCopy
+from weightbridge.coordination.staging import SlotBuffers, StagedCopy, host_buffer
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
                                 WorkerPlan)
@@ -71,13 +71,17 @@ class UnsourcedParameter(UserWarning):
 
 
 def _host_copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Host copies of the parameters (pinned for CUDA ones where CUDA is real): one
-    device-to-host copy each, no device memory."""
-    out = {}
-    for n, p in params.items():
-        host = torch.empty(p.shape, dtype=p.dtype, pin_memory=on_real_cuda(p.device))
-        out[n] = host.copy_(p.detach())
-    return out
+    """Host copies of the parameters in one host buffer (`staging.host_buffer`: pinned where
+    a parameter is on a real GPU): one device-to-host copy each, no device memory."""
+    starts, end = [], 0
+    for p in params.values():
+        end = -(-end // 64) * 64  # (every dtype's alignment)
+        starts.append(end)
+        end += p.numel() * p.element_size()
+    real = [p.device for p in params.values() if on_real_cuda(p.device)]
+    flat = host_buffer(end, real[0] if real else torch.device("cpu"))
+    return {n: flat[s:s + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+            .copy_(p.detach()) for s, (n, p) in zip(starts, params.items())}
 
 
 def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
