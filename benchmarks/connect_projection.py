@@ -16,10 +16,11 @@ they travel), and
     cached connect = largest rank / verification throughput + controller
 
 (workers probe at once, so the largest rank sets the pace; the workers' own set-up of buffers
-and handles, at once, is left out). The probe's peak extra host memory is projected as the sweep measures it: a fixed
-part (measured here) plus, for parameters on a GPU, one parameter's host copy (the verification
-pass compares a parameter at a time) and the index and random rings (one checkpoint tensor of
-the largest size each).
+and handles, at once, is left out). The four controller steps run with the cyclic collector
+paused, as connect runs them (`weightbridge.gc_pause`). The probe's peak extra host memory is
+projected as the sweep measures it: a fixed part (measured here) plus, for parameters on a
+GPU, one parameter's host copy (the verification pass compares a parameter at a time) and the
+index and random rings (one checkpoint tensor of the largest size each).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from benchmarks.machine import load  # noqa: E402
 from benchmarks.probe_sweep import PeakRss, ShardedRank  # noqa: E402
 from weightbridge import plan_transfer  # noqa: E402
 from weightbridge.discovery.probe import probe, reverify  # noqa: E402
+from weightbridge.gc_pause import gc_paused  # noqa: E402
 from weightbridge.shapes import TABLE_2, checkpoint, workers  # noqa: E402
 
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -66,14 +68,15 @@ def deployment(dep) -> dict:
     largest_tensor = max(t.numel * _BYTES[t.dtype] for t in checkpoint(dep.model).tensors)
     blobs = [pickle.dumps(m) for m in maps]  # (each worker its own, at once)
     steps = {}
-    with _timed(steps, "gather"):
+    with gc_paused(), _timed(steps, "gather"):  # (`session.probe_group`)
         [pickle.loads(b) for b in blobs]
-    with _timed(steps, "plan"):
-        plan = plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
-    with _timed(steps, "worker plans"):
-        plans = plan.worker_plans()
-    with _timed(steps, "hand-out"):
-        [cloudpickle.dumps(p) for p in plans.values()]
+    with gc_paused():  # (`session.plan_group`)
+        with _timed(steps, "plan"):
+            plan = plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
+        with _timed(steps, "worker plans"):
+            plans = plan.worker_plans()
+        with _timed(steps, "hand-out"):
+            [cloudpickle.dumps(p) for p in plans.values()]
     return {"name": f"({dep.name}) {dep.model.name}", "workers": len(maps), "rank": max(ranks),
             "param": largest_param, "tensor": largest_tensor,
             "gathered": sum(map(len, blobs)), "steps": steps}

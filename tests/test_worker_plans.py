@@ -136,7 +136,7 @@ def test_segment_chunks_are_every_segments_placed_chunks():
 
 
 def test_instances_equal_the_constructed_dataclasses():
-    from weightbridge.planning.box_copies import instances
+    from weightbridge.types.build import instances
     from weightbridge.types import BoxCopy
 
     values = [(1, 7, (2, 3), (3, 1), 64, None, ()), (0, 0, (), (), 0, "bfloat16", ()),

@@ -36,6 +36,7 @@ from weightbridge.coordination.sequencer import active_steps, run_rounds, run_wh
 from weightbridge.coordination.signals import round_parts
 from weightbridge.errors import ConfigMismatch, LayoutError, ReplicaMismatch, describe
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
+from weightbridge.gc_pause import with_gc_paused
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, scaled_tensor
 
@@ -79,6 +80,7 @@ class ConnectedGroup:
     """`TransferConfig.round_control` of the group: how `run_update` drives the rounds."""
 
 
+@with_gc_paused  # (the maps' pieces, unpickled as they arrive: `weightbridge.gc_pause`)
 def probe_group(control: ControlPlane) -> GroupMaps:
     """Probe every worker at once and check that they all read the same checkpoint.
 
@@ -111,6 +113,7 @@ def source_maps(control: ControlPlane, workers: Sequence[WorkerId]) -> list:
     return control.call(workers, PeerCall.SOURCE_MAP, "probe")
 
 
+@with_gc_paused  # (the plan, every worker's, each pickled for it: `weightbridge.gc_pause`)
 def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *,
                excluded: frozenset[int] = frozenset(),
                excluded_trainers: frozenset[int] = frozenset(), generation: int = 0,

@@ -2,15 +2,13 @@
 sub-boxes, once per piece of the map holding it (`Copies.build`, used by `worker_plans`); a
 sender's run of a block-quantized overlap, boxes of whole blocks (`quantizing`).
 
-Also `segment_chunks` (every segment's overlap runs, as columns) and `instances` (frozen
-dataclasses made column by column, for the millions of boxes of a paper-scale plan).
+Also `segment_chunks` (every segment's overlap runs, as columns).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from itertools import chain, repeat
 from operator import attrgetter
 
@@ -319,17 +317,3 @@ def segment_chunks(plan, needed: np.ndarray | None = None) -> tuple[np.ndarray, 
     cuts = np.searchsorted(seg, np.arange(len(seg_start) + 1))
     return cuts, o, lo // size[o], (hi - lo) // size[o], starts[i] + lo - seg_start[seg]
 
-
-def instances(cls, n: int, columns) -> list:
-    """``n`` instances of the frozen slots dataclass ``cls``, equal to ``cls(*values)`` for the
-    values taken from ``columns`` (one iterable per field, in field order).
-
-    Fields are set through their slot descriptors, column by column, in C loops: a frozen
-    dataclass's ``__init__`` sets each field through ``object.__setattr__`` from Python, twice
-    the time, which matters at the millions of boxes of a paper-scale plan."""
-    fields = dataclasses.fields(cls)
-    assert len(columns) == len(fields), (cls, len(columns))
-    made = list(map(object.__new__, repeat(cls, n)))
-    for field, column in zip(fields, columns):
-        deque(map(getattr(cls, field.name).__set__, made, column), maxlen=0)
-    return made

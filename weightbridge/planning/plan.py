@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from weightbridge.discovery.correspond import correspond
+from weightbridge.gc_pause import with_gc_paused
 from weightbridge.planning.route import STAGES, RouteTables, route
 from weightbridge.types import (QUANT_DTYPE, SCALE_DTYPE, Chunk, Correspondence, Placement, Round,
                                 SourceMap, Stage, Transfer, WorkerId, WorkerPlan, dtype_itemsize)
@@ -61,6 +62,7 @@ class StageBytes:
         return (self.sent, self.received)[i]
 
 
+@with_gc_paused  # (overlaps and segments by the million: `weightbridge.gc_pause`)
 def plan_transfer(trainers: Sequence[tuple[SourceMap, Placement]],
                   rollouts: Sequence[tuple[SourceMap, Placement]], *,
                   round_bytes: int) -> "TransferPlan":

@@ -15,14 +15,15 @@ Typical usage (an executor at connect)::
 
 from __future__ import annotations
 
-import gc
 import math
 
 import numpy as np
 
-from weightbridge.planning.box_copies import BOX_FIELDS, Copies, concat_ranges, instances
+from weightbridge.gc_pause import with_gc_paused
+from weightbridge.planning.box_copies import BOX_FIELDS, Copies, concat_ranges
 from weightbridge.planning.route import RECEIVE, STAGES
 from weightbridge.types import BoxCopy, BufferWrite, WorkerId, WorkerPlan, WorkerRound
+from weightbridge.types.build import instances
 
 
 def worker_plan(plan, worker: WorkerId) -> WorkerPlan:
@@ -30,6 +31,7 @@ def worker_plan(plan, worker: WorkerId) -> WorkerPlan:
     return worker_plans(plan, [worker])[worker]
 
 
+@with_gc_paused  # (millions of small acyclic objects: `weightbridge.gc_pause`)
 def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     """The `WorkerPlan` of every worker of ``plan`` (or of ``workers``), built together.
 
@@ -65,48 +67,40 @@ def worker_plans(plan, workers=None) -> dict[WorkerId, WorkerPlan]:
     else:
         into = by_dst
     packed = by_src[t.stage[by_src] == RECEIVE]
-    # Millions of small acyclic objects: generational collection would rescan the growing
-    # result again and again (half the time at Kimi-K2's scale) and can free nothing.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, into)
-        writes, write_rows = _all_writes(plan, by_src)
-        # Every worker's boxes in plan order, one tuple per side (a row's boxes, rows in
-        # order); a (worker, round) takes a slice of it, and of the writes.
-        pack, pack_cuts = _in_order(boxes, t.src[packed], rnd[packed], pack_at, pack_n,
-                                    num_workers, num_rounds)
-        assemble, asm_cuts = _in_order(boxes, t.dst[into], rnd[into], asm_at, asm_n,
-                                       num_workers, num_rounds)
-        writes = tuple(writes)
-        write_cuts = _cuts(t.src[write_rows], rnd[write_rows], num_workers, num_rounds)
-        repeated = _repeated_rounds(t.src[packed], rnd[packed], t.seg[packed], num_rounds,
-                                    len(t.seg_bytes))
-        out = {}
-        for worker, me in zip(workers, numbers):
-            smap = (plan.trainer_maps if worker.side == "trainer" else plan.rollout_maps)[
-                worker.index]
-            send, recv = t.send_bytes[me], t.recv_bytes[me]
-            at = me * num_rounds
-            rounds = []
-            for r, s, v in zip(range(num_rounds), send.tolist(), recv.tolist()):
-                i = at + r
-                packs = pack[pack_cuts[i]:pack_cuts[i + 1]]
-                # A segment written to several receivers in one round (a P2P plan: no
-                # forwarding) is packed once; WeightBridge's plans write each segment once.
-                if (me, r) in repeated:
-                    packs = tuple(dict.fromkeys(packs))
-                rounds.append(WorkerRound(
-                    index=r, pack=packs,
-                    writes=writes[write_cuts[i]:write_cuts[i + 1]],
-                    assemble=assemble[asm_cuts[i]:asm_cuts[i + 1]], send_bytes=s, recv_bytes=v))
-            out[worker] = WorkerPlan(
-                worker=worker, placement=plan.placement(worker), params=smap.params,
-                buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),
-                rounds=tuple(rounds))
-    finally:
-        if collecting:
-            gc.enable()
+    boxes, (pack_at, pack_n), (asm_at, asm_n) = _all_copies(plan, packed, into)
+    writes, write_rows = _all_writes(plan, by_src)
+    # Every worker's boxes in plan order, one tuple per side (a row's boxes, rows in
+    # order); a (worker, round) takes a slice of it, and of the writes.
+    pack, pack_cuts = _in_order(boxes, t.src[packed], rnd[packed], pack_at, pack_n,
+                                num_workers, num_rounds)
+    assemble, asm_cuts = _in_order(boxes, t.dst[into], rnd[into], asm_at, asm_n,
+                                   num_workers, num_rounds)
+    writes = tuple(writes)
+    write_cuts = _cuts(t.src[write_rows], rnd[write_rows], num_workers, num_rounds)
+    repeated = _repeated_rounds(t.src[packed], rnd[packed], t.seg[packed], num_rounds,
+                                len(t.seg_bytes))
+    out = {}
+    for worker, me in zip(workers, numbers):
+        smap = (plan.trainer_maps if worker.side == "trainer" else plan.rollout_maps)[
+            worker.index]
+        send, recv = t.send_bytes[me], t.recv_bytes[me]
+        at = me * num_rounds
+        rounds = []
+        for r, s, v in zip(range(num_rounds), send.tolist(), recv.tolist()):
+            i = at + r
+            packs = pack[pack_cuts[i]:pack_cuts[i + 1]]
+            # A segment written to several receivers in one round (a P2P plan: no
+            # forwarding) is packed once; WeightBridge's plans write each segment once.
+            if (me, r) in repeated:
+                packs = tuple(dict.fromkeys(packs))
+            rounds.append(WorkerRound(
+                index=r, pack=packs,
+                writes=writes[write_cuts[i]:write_cuts[i + 1]],
+                assemble=assemble[asm_cuts[i]:asm_cuts[i + 1]], send_bytes=s, recv_bytes=v))
+        out[worker] = WorkerPlan(
+            worker=worker, placement=plan.placement(worker), params=smap.params,
+            buffer_bytes=int(max(send.max(initial=0), recv.max(initial=0))),
+            rounds=tuple(rounds))
     return out
 
 

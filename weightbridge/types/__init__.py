@@ -11,7 +11,9 @@ whatever its storage strides are). A `Piece` ties the two together: one slice-co
 
 Three modules, imported in this order (each imports only the ones before it): `specs`
 (checkpoint and parameter specs), `maps` (source maps, box copies), `plans` (placement,
-correspondence, rounds, per-worker plans). Import the names from here.
+correspondence, rounds, per-worker plans); and `build.instances`, which makes them by the
+million (plans and source maps pickle as plain tuples and are rebuilt with it). Import the
+names from here.
 """
 
 from weightbridge.types.maps import (SCALE_SUFFIX, BoxCopy, Piece, Region, SourceMap,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable
 
+from weightbridge.types.build import instances
 from weightbridge.types.specs import ParamSpec
 
 
@@ -170,8 +171,11 @@ def _piece_fields(p: Piece) -> tuple:
 
 def _source_map(params, pieces, unsourced, unused) -> SourceMap:
     """A `SourceMap` from its pickled form (`SourceMap.__reduce__`)."""
-    return SourceMap(params, tuple(Piece(Region(t, s, c, k), n, o, st, cf, b)
-                                   for t, s, c, k, n, o, st, cf, b in pieces),
+    if not pieces:
+        return SourceMap(params, (), unsourced, unused)
+    tensor, start, count, step, *rest = zip(*pieces)
+    regions = instances(Region, len(pieces), (tensor, start, count, step))
+    return SourceMap(params, tuple(instances(Piece, len(pieces), (regions, *rest))),
                      unsourced, unused)
 
 
