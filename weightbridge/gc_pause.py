@@ -5,8 +5,8 @@ Connect unpickles every worker's source map, plans, builds every worker's plan a
 each: at the paper's largest deployment millions of small acyclic objects (pieces, copies,
 writes), which the collector rescans again and again as they pile up, freeing nothing. Paused,
 unpickling Kimi-K2's 512 maps took 1.9 s instead of 5.8 s and planning it 4.5 s instead of
-6.0-6.6 s (`benchmarks/connect_projection.py`). Reference counting still frees what is dropped
-meanwhile; cycles wait for the next collection after the pause.
+6.0-6.6 s (docs/notes/probe-speed.md, "Sixth round"). Reference counting still frees what is
+dropped meanwhile; cycles wait for the next collection after the pause.
 """
 
 from __future__ import annotations

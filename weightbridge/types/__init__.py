@@ -12,8 +12,8 @@ whatever its storage strides are). A `Piece` ties the two together: one slice-co
 Three modules, imported in this order (each imports only the ones before it): `specs`
 (checkpoint and parameter specs), `maps` (source maps, box copies), `plans` (placement,
 correspondence, rounds, per-worker plans); and `build.instances`, which makes them by the
-million (plans and source maps pickle as plain tuples and are rebuilt with it). Import the
-names from here.
+million (a worker plan's boxes and writes; a source map's pieces when it is unpickled: source
+maps and worker plans pickle as plain tuples). Import the names from here.
 """
 
 from weightbridge.types.maps import (SCALE_SUFFIX, BoxCopy, Piece, Region, SourceMap,
