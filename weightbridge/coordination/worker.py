@@ -73,15 +73,14 @@ class UnsourcedParameter(UserWarning):
 def _host_copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Host copies of the parameters in one host buffer (`staging.host_buffer`: pinned where
     a parameter is on a real GPU): one device-to-host copy each, no device memory."""
-    starts, end = [], 0
-    for p in params.values():
-        end = -(-end // 64) * 64  # (every dtype's alignment)
-        starts.append(end)
-        end += p.numel() * p.element_size()
-    real = [p.device for p in params.values() if on_real_cuda(p.device)]
-    flat = host_buffer(end, real[0] if real else torch.device("cpu"))
-    return {n: flat[s:s + p.numel() * p.element_size()].view(p.dtype).view(p.shape)
-            .copy_(p.detach()) for s, (n, p) in zip(starts, params.items())}
+    sizes = [p.numel() * p.element_size() for p in params.values()]
+    starts = [0]
+    for n in sizes:
+        starts.append(-(-(starts[-1] + n) // 64) * 64)  # (every dtype's alignment)
+    device = next((p.device for p in params.values() if on_real_cuda(p.device)), "cpu")
+    flat = host_buffer(starts[-1], torch.device(device))
+    return {name: flat[s:s + n].view(p.dtype).view(p.shape).copy_(p.detach())
+            for (name, p), s, n in zip(params.items(), starts, sizes)}
 
 
 def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:

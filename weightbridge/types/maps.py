@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Iterable
 
 from weightbridge.types.build import instances
@@ -163,19 +165,20 @@ class SourceMap:
                 f"{len(self.unused)} unused")
 
 
-def _piece_fields(p: Piece) -> tuple:
-    r = p.region
-    return (r.tensor, r.start, r.count, r.step, p.param, p.offset, p.strides, p.cast_from,
-            p.block)
+_REGION_FIELDS = tuple(f.name for f in dataclasses.fields(Region))
+assert dataclasses.fields(Piece)[0].name == "region"  # (`_source_map` rebuilds it first)
+_piece_fields = attrgetter(*(f"region.{name}" for name in _REGION_FIELDS),
+                           *(f.name for f in dataclasses.fields(Piece)[1:]))
+"""A piece's pickled form: its region's fields, then its own, in declaration order."""
 
 
 def _source_map(params, pieces, unsourced, unused) -> SourceMap:
     """A `SourceMap` from its pickled form (`SourceMap.__reduce__`)."""
     if not pieces:
         return SourceMap(params, (), unsourced, unused)
-    tensor, start, count, step, *rest = zip(*pieces)
-    regions = instances(Region, len(pieces), (tensor, start, count, step))
-    return SourceMap(params, tuple(instances(Piece, len(pieces), (regions, *rest))),
+    columns, k = tuple(zip(*pieces)), len(_REGION_FIELDS)
+    regions = instances(Region, len(pieces), columns[:k])
+    return SourceMap(params, tuple(instances(Piece, len(pieces), (regions, *columns[k:]))),
                      unsourced, unused)
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
+from operator import attrgetter
 
+from weightbridge.types.build import instances
 from weightbridge.types.maps import BoxCopy, Region
 from weightbridge.types.specs import ParamSpec, dtype_itemsize
 
@@ -274,24 +277,26 @@ class WorkerPlan:
                                tuple(map(_round_fields, self.rounds))))
 
 
-def _box_fields(b: BoxCopy) -> tuple:
-    return (b.tensor, b.offset, b.shape, b.strides, b.buffer_offset, b.buffer_dtype, b.block)
+_box_fields = attrgetter(*(f.name for f in dataclasses.fields(BoxCopy)))
+_write_fields = attrgetter(*(f.name for f in dataclasses.fields(BufferWrite)))
 
 
 def _round_fields(r: WorkerRound) -> tuple:
-    return (r.index, tuple(map(_box_fields, r.pack)),
-            tuple((w.stage, w.peer, w.offset, w.peer_offset, w.nbytes) for w in r.writes),
+    return (r.index, tuple(map(_box_fields, r.pack)), tuple(map(_write_fields, r.writes)),
             tuple(map(_box_fields, r.assemble)), r.send_bytes, r.recv_bytes)
+
+
+def _made(cls, rows: tuple) -> tuple:
+    """``cls`` instances of the pickled ``rows`` (each one's fields in declaration order)."""
+    return tuple(instances(cls, len(rows), tuple(zip(*rows)))) if rows else ()
 
 
 def _worker_plan(worker, placement, params, buffer_bytes, rounds) -> WorkerPlan:
     """A `WorkerPlan` from its pickled form (`WorkerPlan.__reduce__`)."""
     return WorkerPlan(worker=worker, placement=placement, params=params,
                       buffer_bytes=buffer_bytes, rounds=tuple(
-                          WorkerRound(index=i, pack=tuple(BoxCopy(*b) for b in pack),
-                                      writes=tuple(BufferWrite(stage=s, peer=p, offset=o,
-                                                               peer_offset=po, nbytes=n)
-                                                   for s, p, o, po, n in writes),
-                                      assemble=tuple(BoxCopy(*b) for b in assemble),
+                          WorkerRound(index=i, pack=_made(BoxCopy, pack),
+                                      writes=_made(BufferWrite, writes),
+                                      assemble=_made(BoxCopy, assemble),
                                       send_bytes=sent, recv_bytes=received)
                           for i, pack, writes, assemble, sent, received in rounds))
