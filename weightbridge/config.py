@@ -136,7 +136,9 @@ class TransferConfig:
     depth: int = DEFAULT_DEPTH
     """Round buffers per worker: round r uses buffer r % depth, so round r + depth may enter a
     worker only once round r was assembled there (2 in the paper; 3 hides a control round
-    trip per round where control messages are slow against a round)."""
+    trip per round where control messages are slow against a round; 4 also absorbs rounds
+    whose forwards run slow on shared links: docs/performance.md, "With a fourth round
+    buffer"). Each buffer is ``round_bytes`` of device memory per worker."""
     timeout_s: float = 60.0
     """Longest wait for a peer (a write, a peer's answer, a rollout that stops polling); a lost
     worker surfaces within about this long. Finite, at most `MAX_TIMEOUT_S` (a day)."""
