@@ -151,12 +151,29 @@ class FailsRound(TransferWorker):
         return super().on_send_round(r)
 
 
+class SlowFirstSend(TransferWorker):
+    """A trainer whose next send first sleeps ``delay`` seconds; ``ended``: when it ended."""
+
+    delay: float = 0.0
+    ended: float | None = None
+
+    def on_send_round(self, r):
+        if not self.delay:
+            return super().on_send_round(r)
+        time.sleep(self.delay)
+        self.delay = 0.0
+        try:
+            return super().on_send_round(r)
+        finally:
+            self.ended = time.monotonic()
+
+
 def _local_group(plan, tparams, rparams, config):
     """Every worker of ``plan`` on one `LocalControl`, set up as connect would (no probe);
-    trainer 1 a `FailsRound`."""
+    trainer 0 a `SlowFirstSend`, trainer 1 a `FailsRound`."""
     control = LocalControl()
     for w, params in zip(plan.workers, [*tparams, *rparams]):
-        cls = FailsRound if w == T1 else TransferWorker
+        cls = {T0: SlowFirstSend, T1: FailsRound}.get(w, TransferWorker)
         control.add(cls(w.side, params, None, None, rank=w.index, placement=Placement(w.side),
                         transport=control.transport, config=config, control=control))
     plans = plan.worker_plans()
@@ -192,6 +209,32 @@ def test_a_failed_round_fails_the_update_at_once_and_frees_the_waiting_workers()
     start = time.monotonic()
     run_update(control, group)
     assert time.monotonic() - start < 10
+    for (m, _), got in zip(rollouts, rparams):
+        want = loaded(m, checkpoint(seed=5), fill=7.0)
+        for name in want:
+            assert same_bytes(got[name], want[name]), name
+
+
+@pytest.mark.parametrize("round_control", ROUND_CONTROLS)
+def test_a_failed_update_returns_only_once_no_worker_runs_a_step_of_it(round_control):
+    """The bug: a step issued before another failed went on after `run_update` raised, and a
+    late write of it met the next update's in a round buffer (the next update failed its
+    checksum: `ChecksumMismatch` in round 0, seen once in CI). `run_update` now waits for
+    such steps (`PeerCall.DRAIN`) before it raises."""
+    trainers, rollouts, plan = _multi_node_plan(160)
+    config = TransferConfig(round_bytes=160, timeout_s=60, round_control=round_control)
+    tparams = [loaded(m, checkpoint(seed=5)) for m, _ in trainers]
+    rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
+    control, group = _local_group(plan, tparams, rparams, config)
+    slow = control.target(T0)
+    slow.delay = 0.5  # T0's send of round 0 still runs when T1's round 1 fails
+    control.target(T1).fail_at = 1
+    with pytest.raises(StepFailed, match="T1: injected failure in round 1"):
+        run_update(control, group)
+    raised = time.monotonic()
+    assert slow.ended is not None and slow.ended <= raised
+    control.target(T1).fail_at = None
+    run_update(control, group)
     for (m, _), got in zip(rollouts, rparams):
         want = loaded(m, checkpoint(seed=5), fill=7.0)
         for name in want:

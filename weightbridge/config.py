@@ -253,6 +253,14 @@ class TransferConfig:
         return (1 - PEER_SHARE) / 2 * self.timeout_s
 
     @property
+    def drain_timeout_s(self) -> float:
+        """How long `run_update` waits, after an update failed, for the steps of it still
+        running to end on every worker (`PeerCall.DRAIN`): half of `notice_timeout_s`, so
+        that with the pings that follow a failure a stall still surfaces within
+        ``timeout_s``."""
+        return self.notice_timeout_s / 2
+
+    @property
     def wait_s(self) -> float:
         """How long a caller waits for a whole transfer it joined or started (`send_weights`
         for rank 0's sequencing, a poll for the transfer to start, `wait_for_version`,

@@ -44,6 +44,7 @@ class PeerCall(enum.Enum):
     ROUND = "round"
     WRITTEN = "written"
     ABANDON = "abandon"
+    DRAIN = "drain"
     STAGE = "stage"
     INSTALL = "install"
     FAIL = "fail"
@@ -83,11 +84,12 @@ class PeerCall(enum.Enum):
     @property
     def ordered(self) -> bool:
         """Calls a worker serves one at a time, in the order they arrive (on one thread): a
-        trainer's sends, and every worker's rounds. (Rollouts serving their rounds side by
+        trainer's sends, and every worker's rounds; and DRAIN, so that it is served after
+        every send and round issued before it. (Rollouts serving their rounds side by
         side measured slower on the emulated cluster: round r + 1's forwards then share the
         rollout links with round r's, and round r lands later;
         docs/notes/emulated-cluster.md.)"""
-        return self in (PeerCall.SEND_ROUND, PeerCall.ROUND)
+        return self in (PeerCall.SEND_ROUND, PeerCall.ROUND, PeerCall.DRAIN)
 
     @property
     def posted(self) -> bool:
@@ -98,9 +100,11 @@ class PeerCall(enum.Enum):
 
     @property
     def notice(self) -> bool:
-        """Calls of the failure path, answered at once by a live worker: bounded by
-        `TransferConfig.notice_timeout_s`, not the peer timeout."""
-        return self in (PeerCall.PING, PeerCall.FAIL, PeerCall.FAILED, PeerCall.STATUS)
+        """Calls of the failure path, answered at once by a live worker (DRAIN once its
+        steps of a failed update ended): bounded by `TransferConfig.notice_timeout_s`, not
+        the peer timeout."""
+        return self in (PeerCall.PING, PeerCall.FAIL, PeerCall.FAILED, PeerCall.STATUS,
+                        PeerCall.DRAIN)
 
     def serve(self, target: Any, *args) -> Any:
         """Run this call on the worker object ``target`` (its ``on_<value>`` handler)."""

@@ -78,6 +78,10 @@ class ConnectedGroup:
     (kept, so a join hands the trainers the old rollouts' handles again)."""
     round_control: str = "stages"
     """`TransferConfig.round_control` of the group: how `run_update` drives the rounds."""
+    drain_timeout_s: float | None = None
+    """`TransferConfig.drain_timeout_s` of the group: the longest `run_update` waits, after
+    an update failed, for its steps to end on every worker (`drain`); None: as long as the
+    control plane bounds each `PeerCall.DRAIN`."""
 
 
 @with_gc_paused  # (the maps' pieces, unpickled as they arrive: `weightbridge.gc_pause`)
@@ -156,6 +160,7 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
                           round_control=config.round_control,
+                          drain_timeout_s=config.drain_timeout_s,
                           # Replicas by their whole maps (a delta plan's are partial).
                           replicas=(replicated_params(_emptied(maps.trainers,
                                                                        excluded_trainers))
@@ -391,7 +396,32 @@ def run_update(control: ControlPlane, group: ConnectedGroup, *,
     else:
         rounds = run_rounds(ControlSteps(control, group, slots), group.active,
                             group.plan.num_rounds, group.depth, first=first_round)
-    asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
+    try:
+        asyncio.run(asyncio.wait_for(rounds, deadline_s) if deadline_s else rounds)
+    except Exception:
+        drain(control, group)
+        raise
+
+
+def drain(control: ControlPlane, group: ConnectedGroup) -> None:
+    """After an update failed: wait until no worker of ``group`` runs a step of it any more
+    (`PeerCall.DRAIN`), at most ``group.drain_timeout_s``. The sequencer stops at the first
+    failure, but the steps already issued go on where they run: a send queued behind the
+    one that failed, a forward of a round that had landed its first stage. Unwaited, one of
+    them could write into a round buffer the next update is filling (a checksum refuses
+    that update then; with checksums off it would be assembled). A worker that cannot be
+    reached, or whose steps outlast the wait (a write to a peer that is gone), is not
+    waited for: the error to raise is the update's own."""
+    workers = [*(group.live_trainers or trainers(control)), *group.live_rollouts]
+
+    async def drained() -> None:
+        calls = asyncio.gather(*(control.call_async([w], PeerCall.DRAIN) for w in workers),
+                               return_exceptions=True)
+        await (calls if group.drain_timeout_s is None
+               else asyncio.wait_for(calls, group.drain_timeout_s))
+
+    with contextlib.suppress(Exception):
+        asyncio.run(drained())
 
 
 def unanswered(control: ControlPlane, workers: Sequence[WorkerId]) -> list[WorkerId]:

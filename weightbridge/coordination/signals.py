@@ -141,6 +141,12 @@ class RoundSignals:
             self._of(self._abandoned, update, lambda: why)
             self._cond.notify_all()
 
+    def given_up(self, update: int) -> str | None:
+        """Why the controller gave up on ``update`` (None: it has not, as far as this worker
+        was told)."""
+        with self._cond:
+            return self._abandoned.get(update)
+
     def wait(self, who: WorkerId, update: int, r: int, writers: dict[Stage, tuple],
              stages: tuple[Stage, ...], timeout: float) -> tuple[int, ...]:
         """Wait until every writer of ``stages`` of round ``r`` (``writers``, from

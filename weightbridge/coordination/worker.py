@@ -19,6 +19,7 @@ Typical usage (a worker of a controller-driven group; connect and the rounds cal
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import threading
@@ -39,7 +40,7 @@ from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
 from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
                                               param_digest, rebound_error, storage_of)
-from weightbridge.coordination.signals import STAGES, RoundPart, RoundSignals
+from weightbridge.coordination.signals import STAGES, Abandoned, RoundPart, RoundSignals
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy, host_buffer
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
 from weightbridge.types import (CheckpointSpec, Placement, Range, SourceMap, Stage, WorkerId,
@@ -63,6 +64,24 @@ SOURCE_MAP_WAYS = ("kept", "verify", "probe")
 """What `TransferWorker.on_source_map` may be asked to do."""
 _SEQ = itertools.count()
 """Process-wide event order (itertools.count is atomic under the GIL): tests compare it."""
+
+
+def _a_step(handler):
+    """A step of an update (a send, forward, land or whole round): counted while it runs, so
+    that `TransferWorker.on_drain` can wait for it."""
+
+    @functools.wraps(handler)
+    def counted(self, *args, **kwargs):
+        with self._stepping:
+            self._steps += 1
+        try:
+            return handler(self, *args, **kwargs)
+        finally:
+            with self._stepping:
+                self._steps -= 1
+                self._stepping.notify_all()
+
+    return counted
 
 
 class UnsourcedParameter(UserWarning):
@@ -177,6 +196,9 @@ class TransferWorker:
         """Whether `on_source_map` took the map from the source map cache (verified) instead
         of probing (`TransferConfig.source_map_cache`)."""
         self.cond = threading.Condition()
+        self._steps = 0
+        """Steps of an update running here now (`_a_step`), guarded by ``_stepping``."""
+        self._stepping = threading.Condition()
         self.spans: collections.deque = collections.deque(maxlen=MAX_SPANS)
         """(stage, round, start_ns, end_ns) of every step this worker ran (CLOCK_MONOTONIC)."""
         self.events: collections.deque = collections.deque(maxlen=MAX_EVENTS)
@@ -368,6 +390,7 @@ class TransferWorker:
         self.staged.take(self.executor, version)
         self.staged.digest = self.digest() if self.config.checksums else ()
 
+    @_a_step
     def on_send_round(self, r: int) -> Checksums:
         """Trainers: pack round r into its buffer and write its RECEIVE bytes (returns once
         they landed, with their checksums); with sender staging, write them from the staged
@@ -380,10 +403,12 @@ class TransferWorker:
             self._timed("pack", r, self.executor.pack, r)
         return self._write(r, Stage.RECEIVE)
 
+    @_a_step
     def on_forward(self, r: int, stage: Stage) -> Checksums:
         """Rollouts: write this stage's bytes of round r (they arrived in an earlier stage)."""
         return () if self.beyond(r) else self._write(r, stage)
 
+    @_a_step
     def on_round(self, update: int, r: int, slots: Mapping[int, int] | None,
                  part: RoundPart) -> None:
         """This worker's whole part of round r (`TransferConfig.round_control` "rounds"):
@@ -397,6 +422,9 @@ class TransferWorker:
         """
         if self.beyond(r):
             return
+        why = self.signals.given_up(update)
+        if why is not None:  # queued behind the round that failed: nothing of it is written
+            raise Abandoned(f"{self.worker}: round {r} was abandoned: {why}")
         if self.side == "trainer":
             self._tell(update, r, Stage.RECEIVE, self.on_send_round(r))
             return
@@ -432,11 +460,29 @@ class TransferWorker:
         """The controller gave up on ``update``: this worker's waits in it end at once."""
         self.signals.abandon(update, why)
 
+    def on_drain(self) -> None:
+        """After an update failed: return once no step of it runs here any more. Served in
+        order behind the sends and rounds issued before it (`PeerCall.ordered`), then waits
+        for the forwards and lands still running, so that the next update's writes never
+        meet a late one of this update in a round buffer.
+
+        Raises:
+            TimeoutError: steps still run after `TransferConfig.drain_timeout_s` (a write
+                to a peer that is gone waits up to the peer timeout).
+        """
+        timeout = self.config.drain_timeout_s
+        with self._stepping:
+            if not self._stepping.wait_for(lambda: not self._steps, timeout):
+                raise TimeoutError(f"{self.worker}: {self._steps} step(s) of the failed update "
+                                   f"still running after {timeout:g}s "
+                                   f"(TransferConfig.drain_timeout_s)")
+
     def beyond(self, r: int) -> bool:
         """Round r comes after this worker's plan: engines joined since it was set up, and
         their rounds are appended (`weightbridge.planning.extend`); it has no part in them."""
         return r >= self.executor.num_rounds
 
+    @_a_step
     def on_land(self, r: int, slots: Mapping[int, int] | None = None,
                 expected: Checksums | None = None) -> None:
         """Rollouts: round r landed (every stage): check what arrived against ``expected``
