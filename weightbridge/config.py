@@ -255,10 +255,11 @@ class TransferConfig:
     @property
     def drain_timeout_s(self) -> float:
         """How long `run_update` waits, after an update failed, for the steps of it still
-        running to end on every worker (`PeerCall.DRAIN`): half of `notice_timeout_s`, so
-        that with the pings that follow a failure a stall still surfaces within
-        ``timeout_s``."""
-        return self.notice_timeout_s / 2
+        running to end on every worker (`PeerCall.DRAIN`): a quarter of
+        `notice_timeout_s`. The steps it waits for end within milliseconds once told; a
+        worker that does not answer (stalled) costs the whole wait, and a stall must still
+        surface, after the pings that follow a failure, within ``timeout_s``."""
+        return self.notice_timeout_s / 4
 
     @property
     def wait_s(self) -> float:
