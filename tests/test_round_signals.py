@@ -168,9 +168,13 @@ class SlowFirstSend(TransferWorker):
             self.ended = time.monotonic()
 
 
-def _local_group(plan, tparams, rparams, config):
-    """Every worker of ``plan`` on one `LocalControl`, set up as connect would (no probe);
-    trainer 0 a `SlowFirstSend`, trainer 1 a `FailsRound`."""
+def _local_group(plan, trainers, rollouts, config):
+    """Every worker of ``plan`` on one `LocalControl`, set up as connect would (no probe):
+    the trainers loaded with checkpoint 5, trainer 0 a `SlowFirstSend`, trainer 1 a
+    `FailsRound`; the rollouts' parameters filled with 7.0. Returns (control, group, the
+    rollouts' parameters)."""
+    tparams = [loaded(m, checkpoint(seed=5)) for m, _ in trainers]
+    rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
     control = LocalControl()
     for w, params in zip(plan.workers, [*tparams, *rparams]):
         cls = {T0: SlowFirstSend, T1: FailsRound}.get(w, TransferWorker)
@@ -186,7 +190,15 @@ def _local_group(plan, tparams, rparams, config):
                            live_rollouts=tuple(w for w in plan.workers if w.side == "rollout"),
                            num_handles=0, depth=config.depth,
                            round_control=config.round_control)
-    return control, group
+    return control, group, rparams
+
+
+def _assert_hold_checkpoint(rollouts, rparams) -> None:
+    """Every rollout parameter holds checkpoint 5 as its own loader puts it, bit for bit."""
+    for (m, _), got in zip(rollouts, rparams):
+        want = loaded(m, checkpoint(seed=5), fill=7.0)
+        for name in want:
+            assert same_bytes(got[name], want[name]), name
 
 
 def test_a_failed_round_fails_the_update_at_once_and_frees_the_waiting_workers():
@@ -196,9 +208,7 @@ def test_a_failed_round_fails_the_update_at_once_and_frees_the_waiting_workers()
     trainers, rollouts, plan = _multi_node_plan(160)
     assert plan.num_rounds >= 3
     config = TransferConfig(round_bytes=160, timeout_s=60, round_control="rounds")
-    tparams = [loaded(m, checkpoint(seed=5)) for m, _ in trainers]
-    rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
-    control, group = _local_group(plan, tparams, rparams, config)
+    control, group, rparams = _local_group(plan, trainers, rollouts, config)
     control.target(T1).fail_at = 1
     start = time.monotonic()
     with pytest.raises(StepFailed, match="round 1, send, forwards and land: .*T1: injected "
@@ -209,10 +219,7 @@ def test_a_failed_round_fails_the_update_at_once_and_frees_the_waiting_workers()
     start = time.monotonic()
     run_update(control, group)
     assert time.monotonic() - start < 10
-    for (m, _), got in zip(rollouts, rparams):
-        want = loaded(m, checkpoint(seed=5), fill=7.0)
-        for name in want:
-            assert same_bytes(got[name], want[name]), name
+    _assert_hold_checkpoint(rollouts, rparams)
 
 
 @pytest.mark.parametrize("round_control", ROUND_CONTROLS)
@@ -223,9 +230,7 @@ def test_a_failed_update_returns_only_once_no_worker_runs_a_step_of_it(round_con
     such steps (`PeerCall.DRAIN`) before it raises."""
     trainers, rollouts, plan = _multi_node_plan(160)
     config = TransferConfig(round_bytes=160, timeout_s=60, round_control=round_control)
-    tparams = [loaded(m, checkpoint(seed=5)) for m, _ in trainers]
-    rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
-    control, group = _local_group(plan, tparams, rparams, config)
+    control, group, rparams = _local_group(plan, trainers, rollouts, config)
     slow = control.target(T0)
     slow.delay = 0.5  # T0's send of round 0 still runs when T1's round 1 fails
     control.target(T1).fail_at = 1
@@ -235,18 +240,13 @@ def test_a_failed_update_returns_only_once_no_worker_runs_a_step_of_it(round_con
     assert slow.ended is not None and slow.ended <= raised
     control.target(T1).fail_at = None
     run_update(control, group)
-    for (m, _), got in zip(rollouts, rparams):
-        want = loaded(m, checkpoint(seed=5), fill=7.0)
-        for name in want:
-            assert same_bytes(got[name], want[name]), name
+    _assert_hold_checkpoint(rollouts, rparams)
 
 
 def test_the_controller_sends_one_message_per_worker_per_round_and_none_per_stage():
     trainers, rollouts, plan = _multi_node_plan(160)
     config = TransferConfig(round_bytes=160, round_control="rounds")
-    tparams = [loaded(m, checkpoint(seed=5)) for m, _ in trainers]
-    rparams = [params_of(m, fill=7.0) for m, _ in rollouts]
-    control, group = _local_group(plan, tparams, rparams, config)
+    control, group, rparams = _local_group(plan, trainers, rollouts, config)
     counts: dict = {}
     issue = control._issue
 
@@ -267,8 +267,7 @@ def test_writers_are_given_their_readers_addresses_only_for_whole_rounds(how):
     plane where each reader takes messages."""
     trainers, rollouts, plan = _multi_node_plan(160)
     config = TransferConfig(round_bytes=160, round_control=how)
-    control, _ = _local_group(plan, [loaded(m, checkpoint(seed=5)) for m, _ in trainers],
-                              [params_of(m) for m, _ in rollouts], config)
+    control, _, _ = _local_group(plan, trainers, rollouts, config)
     asked: list = []
     control.addresses = lambda peers: asked.append(list(peers)) or {}
     plans = plan.worker_plans()
