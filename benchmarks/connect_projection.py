@@ -6,17 +6,19 @@ Measured here, in this run: the probe's and the verification pass's throughput o
 of 1 GiB (the sweep's loader, `probe_sweep.ShardedRank`, one torch thread; a checkpoint over
 about 500 MiB of bf16 needs three index passes, as every deployment here does) and each
 deployment's controller work from its shape-only source maps (`weightbridge.shapes`), which
-runs on the controller one step after another: unpickling every worker's map as it arrives
-(the gather), planning, building every worker's plan, and pickling each for its worker (the
-hand-out, with cloudpickle, Monarch's pickler). Derived, per deployment of Table 2: the
-largest worker's parameter bytes and largest parameter, the source maps gathered (pickled, as
-they travel), and
+runs on the controller one step after another. At a first connect: unpickling every worker's
+map as it arrives (the gather), the plan cache's key (a digest of the maps), planning (the
+plan, every worker's plan, each pickled: `plan_cache.plan_of`), writing the cache entry, and
+the hand-out (Monarch pickling each worker's set-up call, with cloudpickle). At a cached one
+(a restart: `weightbridge.coordination.plan_cache`): the gather, the key, reading the entry
+back, the hand-out. Derived, per deployment of Table 2: the largest worker's parameter bytes
+and largest parameter, the source maps gathered (pickled, as they travel), and
 
-    first connect  = largest rank / probe throughput  + controller
-    cached connect = largest rank / verification throughput + controller
+    first connect  = largest rank / probe throughput  + controller, first
+    cached connect = largest rank / verification throughput + controller, cached
 
 (workers probe at once, so the largest rank sets the pace; the workers' own set-up of buffers
-and handles, at once, is left out). The four controller steps run with the cyclic collector
+and handles, at once, is left out). The controller's steps run with the cyclic collector
 paused, as connect runs them (`weightbridge.gc_pause`). The probe's peak extra host memory is
 projected as the sweep measures it: a fixed part (measured here) plus, for parameters on a
 GPU, one parameter's host copy (the verification pass compares a parameter at a time) and the
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.machine import load  # noqa: E402
 from benchmarks.probe_sweep import PeakRss, ShardedRank  # noqa: E402
-from weightbridge import plan_transfer  # noqa: E402
+from weightbridge.config import DEFAULT_DEPTH  # noqa: E402
+from weightbridge.coordination.plan_cache import PlanCache, plan_key, plan_of  # noqa: E402
 from weightbridge.discovery.probe import probe, reverify  # noqa: E402
 from weightbridge.gc_pause import gc_paused  # noqa: E402
 from weightbridge.shapes import TABLE_2, checkpoint, workers  # noqa: E402
@@ -67,19 +71,32 @@ def deployment(dep) -> dict:
     largest_param = max(_numel(p.shape) * _BYTES[p.dtype] for m in maps for p in m.params)
     largest_tensor = max(t.numel * _BYTES[t.dtype] for t in checkpoint(dep.model).tensors)
     blobs = [pickle.dumps(m) for m in maps]  # (each worker its own, at once)
-    steps = {}
-    with gc_paused(), _timed(steps, "gather"):  # (`session.probe_group`)
-        [pickle.loads(b) for b in blobs]
-    with gc_paused():  # (`session.plan_group`)
-        with _timed(steps, "plan"):
-            plan = plan_transfer(trainers, rollouts, round_bytes=dep.round_bytes)
-        with _timed(steps, "worker plans"):
-            plans = plan.worker_plans()
-        with _timed(steps, "hand-out"):
-            [cloudpickle.dumps(p) for p in plans.values()]
+    sizes = {"round_bytes": dep.round_bytes, "depth": DEFAULT_DEPTH}
+    first: dict = {}
+    cached: dict = {}
+    with tempfile.TemporaryDirectory(prefix="wb-plans-") as directory, gc_paused():
+        cache = PlanCache(directory)
+        for steps in (first, cached):  # (`session.probe_group`, then `session.plan_group`)
+            with _timed(steps, "gather"):
+                [pickle.loads(b) for b in blobs]
+            with _timed(steps, "key"):
+                key = plan_key(trainers, rollouts, **sizes)
+            if steps is first:
+                with _timed(steps, "plan"):
+                    planned = plan_of(trainers, rollouts, **sizes)
+                with _timed(steps, "save"):
+                    cache.save(key, planned)
+            else:
+                with _timed(steps, "read"):
+                    planned = cache.load(key)
+                assert planned is not None
+            with _timed(steps, "hand-out"):  # (Monarch pickles each worker's call)
+                [cloudpickle.dumps((planned.handed[w], list(planned.ranges.get(w, ())), 0))
+                 for w in planned.handed]
+        entry = cache.path(key).stat().st_size
     return {"name": f"({dep.name}) {dep.model.name}", "workers": len(maps), "rank": max(ranks),
             "param": largest_param, "tensor": largest_tensor,
-            "gathered": sum(map(len, blobs)), "steps": steps}
+            "gathered": sum(map(len, blobs)), "first": first, "cached": cached, "entry": entry}
 
 
 @contextlib.contextmanager
@@ -87,6 +104,10 @@ def _timed(steps: dict, name: str):
     t0 = time.perf_counter()
     yield
     steps[name] = time.perf_counter() - t0
+
+
+def _steps(steps: dict) -> str:
+    return f"{' + '.join(f'{s:.1f}' for s in steps.values())} = {sum(steps.values()):.1f} s"
 
 
 def _numel(shape) -> int:
@@ -103,21 +124,21 @@ def main() -> None:
           f"{probe_rate / 2**20:.0f} MiB/s, verification pass {verify_rate / 2**20:.0f} MiB/s, "
           f"probe peak extra host {fixed / 2**20:.1f} MiB")
     print("| deployment | workers | largest rank | probe (first connect) | verification "
-          "(cached) | peak extra host, GPU params | maps gathered | controller, measured: "
-          "gather + plan + worker plans + hand-out | first connect | cached connect | "
-          "cached / first |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "(cached) | peak extra host, GPU params | maps gathered | plan cache entry | "
+          "controller, first: gather + key + plan + save + hand-out | controller, cached: "
+          "gather + key + read + hand-out | first connect | cached connect | cached / first |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for dep in TABLE_2:
         d = deployment(dep)
         probe_s, verify_s = d["rank"] / probe_rate, d["rank"] / verify_rate
         host = fixed + d["param"] + d["tensor"]
-        controller = sum(d["steps"].values())
-        first, cached = probe_s + controller, verify_s + controller
-        parts = " + ".join(f"{s:.1f}" for s in d["steps"].values())
+        first = probe_s + sum(d["first"].values())
+        cached = verify_s + sum(d["cached"].values())
         print(f"| {d['name']} | {d['workers']} | {d['rank'] / 2**30:.1f} GiB | {probe_s:.0f} s "
               f"| {verify_s:.0f} s | {host / 2**30:.2f} GiB ({host / d['rank']:.3f}x) | "
-              f"{d['gathered'] / 2**20:.1f} MiB | {parts} = {controller:.1f} s | {first:.0f} s "
-              f"| {cached:.0f} s | {cached / first:.2f} |", flush=True)
+              f"{d['gathered'] / 2**20:.1f} MiB | {d['entry'] / 2**20:.1f} MiB | "
+              f"{_steps(d['first'])} | {_steps(d['cached'])} | {first:.0f} s | {cached:.0f} s "
+              f"| {cached / first:.2f} |", flush=True)
     print(f"load after: {load()}")
 
 

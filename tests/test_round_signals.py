@@ -271,8 +271,9 @@ def test_writers_are_given_their_readers_addresses_only_for_whole_rounds(how):
     asked: list = []
     control.addresses = lambda peers: asked.append(list(peers)) or {}
     plans = plan.worker_plans()
-    handles = {k: None for w in plan.workers for k in outgoing_ranges(plans[w], config.depth)}
-    set_peers(control, plan.workers, plans, handles, config)
+    outgoing = {w: outgoing_ranges(plans[w], config.depth) for w in plan.workers}
+    handles = {k: None for keys in outgoing.values() for k in keys}
+    set_peers(control, outgoing, handles, config)
     readers = sorted({k[0] for k in handles}, key=lambda w: (w.side, w.index))
     assert asked == ([readers] if how == "rounds" else [])
     assert readers

@@ -45,6 +45,9 @@ DEFAULT_ROUND_CONTROL = "stages"
 DEFAULT_SOURCE_MAP_CACHE = "~/.cache/weightbridge/source-maps"
 """`TransferConfig.source_map_cache` unless told otherwise: the user's cache directory, on each
 host (``~`` is the home of the user each worker runs as)."""
+DEFAULT_PLAN_CACHE = "~/.cache/weightbridge/plans"
+"""`TransferConfig.plan_cache` unless told otherwise: the user's cache directory on the host
+where connect runs (the controller, or the adapters' trainer 0)."""
 PEER_SHARE = 0.8
 """`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
 
@@ -188,6 +191,16 @@ class TransferConfig:
     where the home directory is shared by many nodes or not writable (it is then skipped with
     a `weightbridge.discovery.cache.SourceMapCacheWarning`)."""
 
+    plan_cache: str | None = DEFAULT_PLAN_CACHE
+    """Directory where connect keeps the plan across restarts
+    (`weightbridge.coordination.plan_cache`), on the host where connect runs, or None to plan
+    every time. A later connect whose gathered source maps, placements, ``round_bytes`` and
+    ``depth`` are the same, on the same library code, reads the plan and every worker's plan
+    instead of building them: at the paper's largest deployment about 12 of the controller's
+    15 s of connect here. On by default: a plan is a function of what its key digests. The
+    newest three entries stay (Kimi-K2's is about 200 MiB); an entry is read only from a file
+    of this user's, in a directory no other user can write."""
+
     trainer_restore: str = "host-copy"
     """How a trainer gets its weights back after connect's probe, which overwrites them:
     ``"host-copy"`` (default): copied to host memory before the probe and back after it, at
@@ -226,10 +239,11 @@ class TransferConfig:
         if self.round_control not in ROUND_CONTROLS:
             raise ValueError(f"round_control must be one of {ROUND_CONTROLS} (how the "
                              f"controller drives the rounds), got {self.round_control!r}")
-        if self.source_map_cache is not None and (
-                not isinstance(self.source_map_cache, str) or not self.source_map_cache):
-            raise ValueError(f"source_map_cache must be a directory path (str) or None (no "
-                             f"cache), got {self.source_map_cache!r}")
+        for name in ("source_map_cache", "plan_cache"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a directory path (str) or None (no cache), "
+                                 f"got {value!r}")
         for name in ("sender_staging", "receiver_staging", "checksums"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

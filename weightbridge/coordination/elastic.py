@@ -28,7 +28,7 @@ from weightbridge.coordination.sequencer import active_steps
 from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
                                                check_engines, check_same_checkpoint,
                                                plan_group, set_peers, source_maps)
-from weightbridge.execution.executor import incoming_ranges
+from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.extend import extend_plan, rewired, shrink_plan
 from weightbridge.types import WorkerId
 
@@ -87,7 +87,8 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
     # engine only take their new writes (their buffers and registered ranges stay).
     control.call_each(changed, PeerCall.SETUP, [
         (plans[w],) if w.side == "trainer" else (plans[w], None) for w in changed])
-    set_peers(control, changed + joining, plans, handles, config)
+    set_peers(control, {w: outgoing_ranges(plans[w], config.depth) for w in changed + joining},
+              handles, config)
     appended = plan.num_rounds > group.plan.num_rounds
     return grown, dataclasses.replace(
         group, plan=plan, active=group.active | active_steps(plans.values()),
@@ -110,7 +111,8 @@ def leave_group(control: ControlPlane, group: ConnectedGroup, config: TransferCo
     control.call_each(writers, PeerCall.SETUP, [(plans[w], None) for w in writers])
     gone = set(leaving)
     handles = {k: h for k, h in group.handles.items() if k[0] not in gone}
-    set_peers(control, writers, plans, handles, config)
+    set_peers(control, {w: outgoing_ranges(plans[w], config.depth) for w in writers},
+              handles, config)
     return dataclasses.replace(
         group, plan=plan, live_rollouts=tuple(w for w in group.live_rollouts if w not in gone),
         num_handles=len(handles), handles=handles)

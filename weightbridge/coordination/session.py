@@ -6,7 +6,8 @@ any driver of a `ControlPlane`.
         every worker at once: SOURCE_MAP -> (source map, placement, checkpoint spec): kept
             maps verified if every worker holds one and all hold, else every worker probes
         same checkpoint everywhere? (LayoutError otherwise, before any buffer exists)
-        plan_transfer -> WorkerPlans -> incoming ranges per receiver
+        plan_transfer -> WorkerPlans -> incoming ranges per receiver (or all of it read back
+            from the plan cache: same maps, sizes and planner code as a connect before)
         rollouts: SETUP -> handles;  trainers: SETUP;  everyone: SET_PEERS (its handles)
     run_update(control, group)
         the round sequencer (`weightbridge.coordination.sequencer`) over SEND_ROUND / FORWARD / LAND
@@ -28,16 +29,16 @@ import contextlib
 import dataclasses
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from weightbridge.config import TransferConfig
 from weightbridge.coordination.control import ControlPlane, PeerCall, rollouts, trainers
-from weightbridge.coordination.sequencer import active_steps, run_rounds, run_whole_rounds
+from weightbridge.coordination.plan_cache import PlanCache, kept_or_planned, plan_of
+from weightbridge.coordination.sequencer import run_rounds, run_whole_rounds
 from weightbridge.coordination.signals import round_parts
 from weightbridge.errors import ConfigMismatch, LayoutError, ReplicaMismatch, describe
-from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.gc_pause import with_gc_paused
-from weightbridge.planning.plan import TransferPlan, plan_transfer
+from weightbridge.planning.plan import TransferPlan
 from weightbridge.types import CheckpointSpec, Placement, SourceMap, Stage, WorkerId, scaled_tensor
 
 
@@ -136,15 +137,16 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     ``replan``: every worker was set up before (`PeerCall.RESETUP`, bounded by the peer
     timeout, rather than connect's unbounded `PeerCall.SETUP`).
     """
-    planned = maps if tensors is None else GroupMaps(
+    restricted = maps if tensors is None else GroupMaps(
         *(tuple((_restricted(m, tensors), p) for m, p in side)
           for side in (maps.trainers, maps.rollouts)))
-    plan = plan_transfer(_emptied(planned.trainers, excluded_trainers),
-                         _emptied(planned.rollouts, excluded), round_bytes=config.round_bytes)
-    if reroute is not None:
-        plan = reroute(plan)
-    plans = plan.worker_plans()
-    ranges = incoming_ranges(plans.values(), config.depth)
+    planning = (_emptied(restricted.trainers, excluded_trainers),
+                _emptied(restricted.rollouts, excluded))
+    sizes = {"round_bytes": config.round_bytes, "depth": config.depth}
+    # Kept only at connect: a re-plan, a delta or a rerouted plan is made once.
+    keep = config.plan_cache is not None and not replan and reroute is None and tensors is None
+    planned = (kept_or_planned(PlanCache(config.plan_cache), *planning, **sizes) if keep
+               else plan_of(*planning, **sizes, reroute=reroute))
     # (Engines the control plane has beyond the maps, added but not joined, are not planned.)
     live = [w for w in rollouts(control)[:len(maps.rollouts)] if w.index not in excluded]
     ts = [w for w in trainers(control) if w.index not in excluded_trainers]
@@ -152,11 +154,11 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     # Both sides at once: a trainer registers nothing (its writes need the rollouts'
     # handles, handed out below), so its set-up waits for no rollout's.
     found = control.call_each(everyone, PeerCall.RESETUP if replan else PeerCall.SETUP, [
-        (plans[w], sorted(ranges.get(w, ())), generation) for w in everyone])
+        (planned.handed[w], list(planned.ranges.get(w, ())), generation) for w in everyone])
     handles = {(w, key): h for w, hs in zip(everyone, found) for key, h in hs.items()}
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
-    set_peers(control, everyone, plans, handles, config)
-    return ConnectedGroup(plan=plan, active=active_steps(plans.values()),
+    set_peers(control, {w: planned.outgoing[w] for w in everyone}, handles, config)
+    return ConnectedGroup(plan=planned.plan, active=planned.active,
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
                           round_control=config.round_control,
@@ -274,15 +276,16 @@ def check_replicas(control: ControlPlane, group: ConnectedGroup, version: int, *
           f"replicas (e.g. broadcast from one) and send again")
 
 
-def set_peers(control: ControlPlane, writers: Sequence[WorkerId], plans: Mapping,
+def set_peers(control: ControlPlane, outgoing: Mapping[WorkerId, Collection],
               handles: Mapping, config: TransferConfig) -> None:
-    """Give each of ``writers`` what it writes into and whom it tells (`PeerCall.SET_PEERS`):
-    the handle of every peer range its plan writes into, and, with whole rounds (where
-    writers tell their readers: `TransferConfig.round_control`), the control plane's
-    address of every such peer (`ControlPlane.addresses`): a rollout of an engine that
-    joined later is one its writers' own control plane cannot name by itself."""
-    tables = [{k: handles[k] for k in outgoing_ranges(plans[w], config.depth) if k in handles}
-              for w in writers]
+    """Give each writer of ``outgoing`` (worker -> the (peer, range) of each of its writes:
+    `outgoing_ranges`) what it writes into and whom it tells (`PeerCall.SET_PEERS`): the
+    handle of every such peer range, and, with whole rounds (where writers tell their readers:
+    `TransferConfig.round_control`), the control plane's address of every such peer
+    (`ControlPlane.addresses`): a rollout of an engine that joined later is one its writers'
+    own control plane cannot name by itself."""
+    writers = list(outgoing)
+    tables = [{k: handles[k] for k in outgoing[w] if k in handles} for w in writers]
     peers = {k[0] for table in tables for k in table}
     where = (control.addresses(sorted(peers, key=lambda w: (w.side, w.index)))
              if config.round_control == "rounds" else {})

@@ -22,6 +22,7 @@ import collections
 import functools
 import itertools
 import math
+import pickle
 import threading
 import time
 import warnings
@@ -333,12 +334,16 @@ class TransferWorker:
         self.check_storage()
         return self.digest() if digest else ()
 
-    def on_setup(self, plan: WorkerPlan, ranges: list[Range] | None = (), generation: int = 0
-                 ) -> dict:
+    def on_setup(self, plan: WorkerPlan | bytes, ranges: list[Range] | None = (),
+                 generation: int = 0) -> dict:
         """Build the copy tables and round buffers of ``plan``; register ``ranges`` (the buffer
         ranges peers write into) and return their handles. ``ranges`` None: only this
         worker's writes changed (an engine joined, `weightbridge.planning.extend`): keep the
-        buffers, their registrations and tables, take the new writes; returns no handle."""
+        buffers, their registrations and tables, take the new writes; returns no handle.
+        ``plan`` pickled: as connect hands it out (pickled once on the controller, and kept
+        in its plan cache: `weightbridge.coordination.plan_cache`)."""
+        if isinstance(plan, bytes):
+            plan = pickle.loads(plan)
         if plan.worker != self.worker:
             raise ValueError(f"{self.worker} was handed the plan of {plan.worker}; the control "
                              f"plane must address workers by their rank in the group")
@@ -352,7 +357,7 @@ class TransferWorker:
                 self.slots.add(generation, self.executor)
         return dict(self.transport.register(self.executor.arenas, list(ranges)))
 
-    def on_resetup(self, plan: WorkerPlan, ranges: list[Range] | None = (),
+    def on_resetup(self, plan: WorkerPlan | bytes, ranges: list[Range] | None = (),
                    generation: int = 0) -> dict:
         """`on_setup` asked by a re-plan of the connected group (`PeerCall.RESETUP`)."""
         return self.on_setup(plan, ranges, generation)
