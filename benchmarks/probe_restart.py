@@ -30,8 +30,8 @@ def _entries(directory: Path, pattern: str = "*.json") -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in directory.glob(pattern)}
 
 
-def session(model: str, config: TransferConfig) -> tuple[float, bool]:
-    """(connect seconds, every rollout parameter matched after one update)."""
+def session(model: str, config: TransferConfig) -> tuple[float, bool, str]:
+    """(connect seconds, every rollout parameter matched after one update, connect's steps)."""
     from controller.driver import MeshTransfer  # imports monarch
 
     with MeshTransfer(TrainerSpec.parse(TRAINER), RolloutSpec.parse(ROLLOUT), model,
@@ -39,8 +39,9 @@ def session(model: str, config: TransferConfig) -> tuple[float, bool]:
         t0 = time.perf_counter()
         mt.connect()
         connect_s = time.perf_counter() - t0
+        steps = str(mt.connect_steps)
         report = mt.update(1)
-    return connect_s, not report.mismatched
+    return connect_s, not report.mismatched, steps
 
 
 def run_restart(model: str, trainer_restore: str = "host-copy") -> list[str]:
@@ -50,9 +51,9 @@ def run_restart(model: str, trainer_restore: str = "host-copy") -> list[str]:
         plans = Path(directory) / "plans"
         config = TransferConfig(source_map_cache=directory, plan_cache=str(plans),
                                 trainer_restore=trainer_restore)
-        first_s, first_ok = session(model, config)
+        first_s, first_ok, first_steps = session(model, config)
         kept, kept_plans = _entries(Path(directory)), _entries(plans, "*.plan")
-        again_s, again_ok = session(model, config)
+        again_s, again_ok, again_steps = session(model, config)
         rewritten = sum(_entries(Path(directory)).get(k) != t for k, t in kept.items())
         replanned = _entries(plans, "*.plan") != kept_plans
     ratio = again_s / first_s
@@ -60,7 +61,9 @@ def run_restart(model: str, trainer_restore: str = "host-copy") -> list[str]:
             f"{len(kept)}, plan entries {len(kept_plans)}, trainer_restore={trainer_restore!r}",
             f"first connect (probe every worker, plan, buffers): {first_s:.2f} s; one update "
             f"{'bit-exact' if first_ok else 'MISMATCHED'}",
+            f"  {first_steps}",
             f"restart connect (kept maps verified, kept plan read, buffers): {again_s:.2f} s; "
             f"map entries rewritten {rewritten}, planned again {'yes' if replanned else 'no'}; "
             f"one update {'bit-exact' if again_ok else 'MISMATCHED'}",
+            f"  {again_steps}",
             f"restart / first = {ratio:.2f} (target <= {TARGET})"]

@@ -95,8 +95,9 @@ def mesh_run(args, run: Run) -> int:
             except (LayoutError, ConfigMismatch) as e:
                 print(f"error: {e}", file=sys.stderr)
                 return BAD_INPUT
-            print(f"connect (probe, plan, buffers, handles): {time.perf_counter() - t0:.2f}s; "
-                  f"{mt.num_handles} RDMA buffers registered, backend {mt.backend}")
+            print(f"connect {time.perf_counter() - t0:.2f}s: {mt.connect_steps}, link probe "
+                  f"{mt.link_probe_s:.2f}s; {mt.num_handles} RDMA buffers registered, backend "
+                  f"{mt.backend}")
             print(mt.summary(), flush=True)
             report = None
             for version in range(1, args.updates + 1):

@@ -63,8 +63,8 @@ from controller.versions import VersionBook
 from meshes.actors import RolloutActor, TrainerActor
 from meshes.factories import resolve_workers
 from weightbridge import TransferConfig, TransferFailed, TransferPlan
-from weightbridge.driver import (AUTO, GroupLeader, MeshControl, PeerCall, RolloutSpec,
-                                 StepFailed, Loss, TrainerSpec, TransferGroup, backend,
+from weightbridge.driver import (AUTO, ConnectSteps, GroupLeader, MeshControl, PeerCall,
+                                 RolloutSpec, StepFailed, Loss, TrainerSpec, TransferGroup, backend,
                                  changed_params, describe, eq1, lose, one_line, run_update,
                                  scaled_tensor, surfaced, tensors_loaded_by, unanswered)
 
@@ -120,6 +120,8 @@ class MeshTransfer(ClosingContext):
         self.book: VersionBook | None = None
         """What the trainers sent and the rollouts hold (set at connect)."""
         self.spawn_s = 0.0
+        self.link_probe_s = 0.0
+        """The last connect's link probe (none with a configured ``link_rate``)."""
         self.num_handles = 0
         self.links: dict[str, float] = {}
         """Bytes/s of one RDMA write stream per probed link, measured at connect."""
@@ -150,6 +152,13 @@ class MeshTransfer(ClosingContext):
     def plan(self) -> TransferPlan | None:
         """The plan in force (None before connect); replaced by every re-plan."""
         return None if self.leader is None else self.leader.plan
+
+    @property
+    def connect_steps(self) -> ConnectSteps | None:
+        """How the last connect went (None before it): whether the source maps and the plan
+        came from the caches (a restart), and each step's seconds."""
+        return None if self.leader is None or self.leader.group is None else (
+            self.leader.group.steps)
 
     @property
     def lost_engines(self) -> set[int]:
@@ -247,7 +256,9 @@ class MeshTransfer(ClosingContext):
         self.links = ({"configured": self.link_rate} if self.link_rate else {})
         self._use()
         if not self.link_rate:
+            t0 = time.perf_counter()
             self.links = self.meshes.probe_links()
+            self.link_probe_s = time.perf_counter() - t0
             self._use()  # Eq. (1) from the probed links
         return self.plan
 

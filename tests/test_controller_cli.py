@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,11 @@ def test_a_model_the_controller_has_never_seen_transfers_bit_exact_through_its_f
     assert len(lines) == 2, run.stdout
     assert all("rollout parameters bit-identical to their own load_weights" in ln
                for ln in lines), lines
+    # What connect took, step by step, and what came from the caches (a second run: kept).
+    assert re.search(r"^connect [0-9.]+s: config check [0-9.]+s, source maps [0-9.]+s "
+                     r"\((probed|kept)\), plan [0-9.]+s \((planned|kept)\), set-up [0-9.]+s, "
+                     r"link probe [0-9.]+s; ",
+                     run.stdout, re.M), run.stdout
     assert bootstrap_children() - before == set()
 
 

@@ -41,9 +41,9 @@ def test_a_second_connect_reads_the_plan_and_every_worker_plan_back(tmp_path, ma
                                                                     monkeypatch):
     made = _spy(monkeypatch)
     cache = PlanCache(str(tmp_path))
-    first = kept_or_planned(cache, *maps, **SIZES)
-    again = kept_or_planned(cache, *maps, **SIZES)
-    assert made == [1]
+    first, kept_first = kept_or_planned(cache, *maps, **SIZES)
+    again, kept_again = kept_or_planned(cache, *maps, **SIZES)
+    assert made == [1] and (kept_first, kept_again) == (False, True)
     # (A plan's route tables are numpy arrays, which == compares element by element.)
     assert pickle.dumps(again.plan) == pickle.dumps(first.plan)
     assert again.active == first.active and again.ranges == first.ranges
@@ -123,11 +123,12 @@ def test_an_entry_that_would_run_code_is_refused_unrun(tmp_path, maps):
 
 def test_a_torn_entry_is_planned_afresh_and_replaced(tmp_path, maps, monkeypatch):
     cache = PlanCache(str(tmp_path))
-    first = kept_or_planned(cache, *maps, **SIZES)
+    first, _ = kept_or_planned(cache, *maps, **SIZES)
     path = cache.path(plan_key(*maps, **SIZES))
     path.write_bytes(path.read_bytes()[:1000])
     made = _spy(monkeypatch)
-    assert kept_or_planned(cache, *maps, **SIZES).handed == first.handed
+    again, kept = kept_or_planned(cache, *maps, **SIZES)
+    assert again.handed == first.handed and not kept
     assert made == [1] and cache.load(plan_key(*maps, **SIZES)) is not None
 
 
@@ -148,8 +149,8 @@ def test_a_directory_that_cannot_be_written_is_warned_about_and_connect_plans(tm
     blocked.write_text("not a directory")
     monkeypatch.setattr(plan_cache, "_warned", set())
     with pytest.warns(PlanCacheWarning, match="cannot write it"):
-        planned = kept_or_planned(PlanCache(str(blocked / "plans")), *maps, **SIZES)
-    assert planned.plan.num_rounds > 0
+        planned, kept = kept_or_planned(PlanCache(str(blocked / "plans")), *maps, **SIZES)
+    assert planned.plan.num_rounds > 0 and not kept
 
 
 @pytest.mark.parametrize("bad", ["", 3, b"dir"])
@@ -168,6 +169,8 @@ def test_a_restarted_group_connects_on_the_kept_plan_and_moves_bit_exact_weights
             _, trainers, rollouts = build(config)
             connect(trainers)
         assert made == [1]  # planned at the first connect only
+        steps = trainers[0][1].group.steps  # (trainer 0 leads the group)
+        assert (steps.maps, steps.plan) == ("probed", "kept" if restart else "planned")
         version = 1 + restart
         assert in_threads(*send(trainers, version, ss=False),
                           *[lambda a=a: a.wait_for_version(version) for _, a in rollouts]

@@ -312,11 +312,12 @@ def test_every_worker_of_a_group_takes_the_same_way(tmp_path, kept):
             else:
                 other = json.loads(next(p for p in tmp_path.iterdir() if p != entry).read_text())
                 entry.write_text(json.dumps({**other, "key": entry.stem}))
-        found = source_maps(_Calls({w: x for w, (x, _) in group.items()}), list(group))
+        found, how = source_maps(_Calls({w: x for w, (x, _) in group.items()}), list(group))
     loads = [load.loads[0] for _, load in group.values()]
     reused = [x.map_reused for x, _ in group.values()]
     assert len(set(loads)) == 1 and len(set(reused)) == 1
     assert reused[0] == (kept == "every") and (loads[0] == 1) == (kept == "every")
+    assert how == ("kept" if kept == "every" else "probed")
     assert [m for m, _, _ in found] == [x.source_map for x, _ in first.values()]
 
 

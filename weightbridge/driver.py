@@ -41,9 +41,9 @@ from weightbridge.coordination.leader import GroupLeader
 from weightbridge.coordination.local_control import LocalControl, WorkerGone
 from weightbridge.coordination.loss import Loss, lose, one_line
 from weightbridge.coordination.version import check_version
-from weightbridge.coordination.session import (ConnectedGroup, GroupMaps, check_configs,
-                                               connect_group, plan_group, probe_group,
-                                               run_update, unanswered)
+from weightbridge.coordination.session import (ConnectedGroup, ConnectSteps, GroupMaps,
+                                               check_configs, connect_group, plan_group,
+                                               probe_group, run_update, unanswered)
 from weightbridge.coordination.worker import TransferWorker
 from weightbridge.discovery.replay import param_view, region_view
 from weightbridge.errors import (StepFailed, describe, failure_kind, from_kind, library_error,
@@ -79,8 +79,8 @@ __all__ = [
     "ControlPlane", "LocalControl", "MeshControl", "PeerCall", "Transport", "WorkerGone",
     "engine_workers", "rollouts", "trainers",
     # connect, plan, run an update; the group's owner
-    "AUTO", "ConnectedGroup", "GroupLeader", "GroupMaps", "changed_params", "check_changed",
-    "check_configs", "check_version", "tensors_loaded_by",
+    "AUTO", "ConnectedGroup", "ConnectSteps", "GroupLeader", "GroupMaps", "changed_params",
+    "check_changed", "check_configs", "check_version", "tensors_loaded_by",
     "connect_group", "plan_group", "probe_group", "run_update", "unanswered",
     # membership, and a loss
     "Loss", "check_removable", "join_group", "leave_group", "lose", "one_line",

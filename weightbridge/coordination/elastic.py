@@ -65,7 +65,7 @@ def join_group(control: ControlPlane, maps: GroupMaps, group: ConnectedGroup,
                          "first (TransferGroup.add_engines on meshes, or add the engines' "
                          "workers to the control plane)")
     check_configs(control, config, joining)  # (before the probe, as at connect)
-    found = source_maps(control, joining)
+    found, _ = source_maps(control, joining)
     check_engines(control, [placement for _, placement, _ in found], first=joining[0].index)
     check_same_checkpoint([maps.spec], [spec for _, _, spec in found],
                           first=joining[0].index)

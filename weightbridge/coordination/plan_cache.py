@@ -21,8 +21,8 @@ otherwise run code here. Each entry is written atomically, and only the newest `
 
 Typical usage (`session.plan_group` does this at connect)::
 
-    planned = kept_or_planned(PlanCache(config.plan_cache), trainer_maps, rollout_maps,
-                              round_bytes=config.round_bytes, depth=config.depth)
+    planned, kept = kept_or_planned(PlanCache(config.plan_cache), trainer_maps, rollout_maps,
+                                    round_bytes=config.round_bytes, depth=config.depth)
 """
 
 from __future__ import annotations
@@ -95,15 +95,16 @@ def plan_of(trainers: Maps, rollouts: Maps, *, round_bytes: int, depth: int,
 
 
 def kept_or_planned(cache: PlanCache, trainers: Maps, rollouts: Maps, *, round_bytes: int,
-                    depth: int) -> Planned:
-    """The entry ``cache`` keeps for these maps and settings, else a fresh plan (kept)."""
+                    depth: int) -> tuple[Planned, bool]:
+    """The entry ``cache`` keeps for these maps and settings, else a fresh plan (kept); and
+    whether it was kept."""
     key = plan_key(trainers, rollouts, round_bytes=round_bytes, depth=depth)
     found = cache.load(key)
     if found is not None:
-        return found
+        return found, True
     planned = plan_of(trainers, rollouts, round_bytes=round_bytes, depth=depth)
     cache.save(key, planned)
-    return planned
+    return planned, False
 
 
 def plan_key(trainers: Maps, rollouts: Maps, *, round_bytes: int, depth: int) -> str:

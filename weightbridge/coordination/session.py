@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Mapping, Sequence
 
@@ -51,6 +52,32 @@ class GroupMaps:
     rollouts: tuple[tuple[SourceMap, Placement], ...]
     spec: CheckpointSpec | None = None
     """The checkpoint every worker reads (a joining engine must read it too)."""
+    kept: bool = False
+    """The maps an earlier connect kept, every one verified (`source_maps`), not probed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectSteps:
+    """How the plan in force was set up, step by step: what came from the caches (a restart)
+    and what each step took on the connecting host. Printed by the controller after connect.
+    """
+
+    maps: str = ""
+    """``"probed"``, ``"kept"`` (every worker's kept map verified), or empty (a re-plan from
+    the maps the group holds)."""
+    plan: str = "planned"
+    """``"planned"`` or ``"kept"`` (read back from `TransferConfig.plan_cache`)."""
+    config_s: float = 0.0
+    maps_s: float = 0.0
+    plan_s: float = 0.0
+    setup_s: float = 0.0
+    """Every worker's set-up (buffers, registered ranges) and the writers' handles."""
+
+    def __str__(self) -> str:
+        maps = f"source maps {self.maps_s:.2f}s ({self.maps}), " if self.maps else ""
+        config = f"config check {self.config_s:.2f}s, " if self.maps else ""
+        return (f"{config}{maps}plan {self.plan_s:.2f}s ({self.plan}), set-up "
+                f"{self.setup_s:.2f}s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +110,8 @@ class ConnectedGroup:
     """`TransferConfig.drain_timeout_s` of the group: the longest `run_update` waits, after
     an update failed, for its steps to end on every worker (`drain`); None: as long as the
     control plane bounds each `PeerCall.DRAIN`."""
+    steps: ConnectSteps = ConnectSteps()
+    """How this plan was set up (and, at connect, how the maps were found)."""
 
 
 @with_gc_paused  # (the maps' pieces, unpickled as they arrive: `weightbridge.gc_pause`)
@@ -96,26 +125,26 @@ def probe_group(control: ControlPlane) -> GroupMaps:
         LayoutError: two workers read different checkpoints.
     """
     ts, rs = trainers(control), rollouts(control)
-    found = source_maps(control, ts + rs)
+    found, how = source_maps(control, ts + rs)
     check_engines(control, [placement for _, placement, _ in found[len(ts):]])
     check_same_checkpoint([spec for _, _, spec in found[:len(ts)]],
                           [spec for _, _, spec in found[len(ts):]])
     pairs = tuple((smap, placement) for smap, placement, _ in found)
-    return GroupMaps(pairs[:len(ts)], pairs[len(ts):], found[0][2])
+    return GroupMaps(pairs[:len(ts)], pairs[len(ts):], found[0][2], kept=how == "kept")
 
 
-def source_maps(control: ControlPlane, workers: Sequence[WorkerId]) -> list:
-    """(source map, placement, checkpoint spec) of every worker, all taken the same way:
-    the maps an earlier connect kept (`TransferConfig.source_map_cache`) if every worker holds
-    one and the verification pass confirms each, else a probe of every worker. A collective
-    loader (a DCP load over the trainers, vLLM's over an engine's TP ranks) then sees the
-    same loads on every rank: a probe on one rank beside a verification on another would
-    wait on each other forever."""
+def source_maps(control: ControlPlane, workers: Sequence[WorkerId]) -> tuple[list, str]:
+    """(source map, placement, checkpoint spec) of every worker, all taken the same way, and
+    which way: ``"kept"``, the maps an earlier connect kept (`TransferConfig.source_map_cache`)
+    if every worker holds one and the verification pass confirms each, else ``"probed"``, a
+    probe of every worker. A collective loader (a DCP load over the trainers, vLLM's over an
+    engine's TP ranks) then sees the same loads on every rank: a probe on one rank beside a
+    verification on another would wait on each other forever."""
     if all(control.call(workers, PeerCall.SOURCE_MAP, "kept")):
         found = control.call(workers, PeerCall.SOURCE_MAP, "verify")
         if all(f is not None for f in found):
-            return found
-    return control.call(workers, PeerCall.SOURCE_MAP, "probe")
+            return found, "kept"
+    return control.call(workers, PeerCall.SOURCE_MAP, "probe"), "probed"
 
 
 @with_gc_paused  # (the plan, every worker's, each pickled for it: `weightbridge.gc_pause`)
@@ -145,8 +174,10 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     sizes = {"round_bytes": config.round_bytes, "depth": config.depth}
     # Kept only at connect: a re-plan, a delta or a rerouted plan is made once.
     keep = config.plan_cache is not None and not replan and reroute is None and tensors is None
-    planned = (kept_or_planned(PlanCache(config.plan_cache), *planning, **sizes) if keep
-               else plan_of(*planning, **sizes, reroute=reroute))
+    t0 = time.perf_counter()
+    planned, hit = (kept_or_planned(PlanCache(config.plan_cache), *planning, **sizes) if keep
+                    else (plan_of(*planning, **sizes, reroute=reroute), False))
+    t1 = time.perf_counter()
     # (Engines the control plane has beyond the maps, added but not joined, are not planned.)
     live = [w for w in rollouts(control)[:len(maps.rollouts)] if w.index not in excluded]
     ts = [w for w in trainers(control) if w.index not in excluded_trainers]
@@ -158,7 +189,9 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     handles = {(w, key): h for w, hs in zip(everyone, found) for key, h in hs.items()}
     # (An in-process transport registers nothing: its writes reach the peer's buffers directly.)
     set_peers(control, {w: planned.outgoing[w] for w in everyone}, handles, config)
-    return ConnectedGroup(plan=planned.plan, active=planned.active,
+    steps = ConnectSteps(plan="kept" if hit else "planned", plan_s=t1 - t0,
+                         setup_s=time.perf_counter() - t1)
+    return ConnectedGroup(steps=steps, plan=planned.plan, active=planned.active,
                           live_rollouts=tuple(live), live_trainers=tuple(ts),
                           num_handles=len(handles), depth=config.depth,
                           round_control=config.round_control,
@@ -304,9 +337,14 @@ def connect_group(control: ControlPlane, config: TransferConfig, *,
         ConfigMismatch: a worker's config differs from ``config`` (before anything else).
         LayoutError: the workers' layouts do not fit (before any buffer exists).
     """
+    t0 = time.perf_counter()
     check_configs(control, config)
+    t1 = time.perf_counter()
     maps = probe_group(control)
-    return maps, plan_group(control, maps, config, reroute=reroute)
+    t2 = time.perf_counter()
+    group = plan_group(control, maps, config, reroute=reroute)
+    return maps, dataclasses.replace(group, steps=dataclasses.replace(
+        group.steps, maps="kept" if maps.kept else "probed", config_s=t1 - t0, maps_s=t2 - t1))
 
 
 class ControlSteps:
