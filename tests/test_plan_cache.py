@@ -11,7 +11,7 @@ import warnings
 import pytest
 from tinygroup import build, connect, in_threads, send
 
-from weightbridge import TransferConfig
+from weightbridge import TransferConfig, errors
 from weightbridge.coordination import plan_cache
 from weightbridge.coordination.plan_cache import (KEEP, PlanCache, PlanCacheWarning,
                                                    kept_or_planned, plan_key, plan_of)
@@ -84,14 +84,14 @@ def test_an_entry_other_users_could_write_is_not_read(tmp_path, maps, monkeypatc
     entry = cache.path(plan_key(*maps, **SIZES))
     os.chmod(entry, 0o664)
     made = _spy(monkeypatch)
-    monkeypatch.setattr(plan_cache, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     with pytest.warns(PlanCacheWarning, match="writable by other users"):
         kept_or_planned(cache, *maps, **SIZES)
     assert made == [1]
     os.chmod(entry, 0o600)
     os.chmod(tmp_path, 0o777)
     try:
-        monkeypatch.setattr(plan_cache, "_warned", set())
+        monkeypatch.setattr(errors, "_warned", set())
         with pytest.warns(PlanCacheWarning, match="its directory is writable by other users"):
             assert cache.load(plan_key(*maps, **SIZES)) is None
     finally:
@@ -147,7 +147,7 @@ def test_a_directory_that_cannot_be_written_is_warned_about_and_connect_plans(tm
                                                                              monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
-    monkeypatch.setattr(plan_cache, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     with pytest.warns(PlanCacheWarning, match="cannot write it"):
         planned, kept = kept_or_planned(PlanCache(str(blocked / "plans")), *maps, **SIZES)
     assert planned.plan.num_rounds > 0 and not kept

@@ -13,7 +13,8 @@
         ParameterRebound (a RuntimeError)    a trainer's parameter no longer uses its storage
 
 Bad input is also refused with a plain ``ValueError`` and a slow peer with ``TimeoutError``,
-each before any byte moves where it can be.
+each before any byte moves where it can be. What connect can go on without (a cache
+directory it cannot write) is warned about once per cause and place (`warn_once`).
 
 Errors cross processes as exceptions: on a mesh an endpoint's exception reaches the caller
 wrapped in Monarch's ``ActorError`` (whose ``exception`` attribute holds the original);
@@ -34,6 +35,7 @@ Typical usage::
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 
 class WeightBridgeError(Exception):
@@ -221,3 +223,17 @@ def from_kind(kind: str, message: str, lost: tuple | None = None) -> Exception:
         engines, trainers = lost or ((), ())
         return WorkersLost(message, frozenset(engines), frozenset(trainers))
     return KINDS.get(kind, TransferFailed)(message)
+
+
+_warned: set[tuple] = set()
+"""The causes `warn_once` has warned about in this process."""
+
+
+def warn_once(cause: tuple, message: str, category: type[Warning], stacklevel: int) -> None:
+    """``warnings.warn`` the first time ``cause`` (e.g. the warning's class, a directory and
+    what went wrong there) comes up in this process, not at every connect after it.
+    ``stacklevel`` counts from the caller, as ``warnings.warn``'s does."""
+    if cause in _warned:
+        return
+    _warned.add(cause)
+    warnings.warn(message, category, stacklevel=stacklevel + 1)

@@ -34,12 +34,12 @@ import os
 import pickle
 import stat
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from weightbridge.coordination.sequencer import active_steps
+from weightbridge.errors import warn_once
 from weightbridge.execution.executor import incoming_ranges, outgoing_ranges
 from weightbridge.planning.plan import TransferPlan, plan_transfer
 from weightbridge.types import Placement, Range, SourceMap, WorkerId
@@ -152,7 +152,7 @@ class PlanCache:
             with open(path, "rb") as f:
                 why = _not_ours(os.fstat(f.fileno()), os.stat(self.directory))
                 if why:
-                    _warn_once(str(self.directory), f"{path} not read: {why}")
+                    _warn(self.directory, "not ours", f"{path} not read: {why}")
                     return None
                 entry = _Unpickler(f).load()
         except FileNotFoundError:
@@ -180,7 +180,7 @@ class PlanCache:
                 if os.path.exists(tmp):  # (a full disk: no half-written file left behind)
                     os.unlink(tmp)
         except OSError as e:
-            _warn_once(str(self.directory), f"cannot write it ({e})")
+            _warn(self.directory, "unwritable", f"cannot write it ({e})")
             return
         self._evict()
 
@@ -225,13 +225,8 @@ class _Unpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a plan cache entry")
 
 
-_warned: set[str] = set()
-
-
-def _warn_once(directory: str, what: str) -> None:
-    if directory in _warned:
-        return
-    _warned.add(directory)
-    warnings.warn(f"plan cache at {directory}: {what}; connect goes on, planning afresh. Set "
-                  f"TransferConfig(plan_cache=...) to a directory of your own (mode 700), or "
-                  f"None to turn the cache off", PlanCacheWarning, stacklevel=4)
+def _warn(directory: Path, what: str, why: str) -> None:
+    warn_once((PlanCacheWarning, str(directory), what),
+              f"plan cache at {directory}: {why}; connect goes on, planning afresh. Set "
+              f"TransferConfig(plan_cache=...) to a directory of your own (mode 700), or None "
+              f"to turn the cache off", PlanCacheWarning, stacklevel=4)

@@ -34,13 +34,13 @@ import inspect
 import json
 import os
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Callable, Mapping
 
 import torch
 
 from weightbridge.discovery.probe import LoadWeights, Probed, probe, reverify
+from weightbridge.errors import warn_once
 from weightbridge.types import CheckpointSpec, ParamSpec, Piece, Region, SourceMap
 
 FORMAT = 1
@@ -91,20 +91,11 @@ class SourceMapCache:
                 if os.path.exists(tmp):  # (a full disk: no half-written file left behind)
                     os.unlink(tmp)
         except OSError as e:
-            _warn_once(str(self.directory), e)
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(directory: str, error: OSError) -> None:
-    if directory in _warned:
-        return
-    _warned.add(directory)
-    warnings.warn(f"cannot write the source map cache at {directory} ({error}); connect goes "
-                  f"on without it and probes every time. Set TransferConfig(source_map_cache="
-                  f"...) to a writable directory, or None to turn the cache off",
-                  SourceMapCacheWarning, stacklevel=4)
+            warn_once((SourceMapCacheWarning, str(self.directory)),
+                      f"cannot write the source map cache at {self.directory} ({e}); connect "
+                      f"goes on without it and probes every time. Set TransferConfig("
+                      f"source_map_cache=...) to a writable directory, or None to turn the "
+                      f"cache off", SourceMapCacheWarning, stacklevel=3)
 
 
 def verified_map(cache: SourceMapCache, key: str, params: Mapping[str, torch.Tensor],
