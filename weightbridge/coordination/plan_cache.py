@@ -13,11 +13,11 @@ that decides it:
 - the library's own code (every source file of `weightbridge`): a changed planner finds no
   entry, never a stale plan.
 
-A later connect with the same key reads the entry instead of planning (`planned`). Entries are
-pickled, and read back only from a file this user owns in a directory no one else can write,
-with only WeightBridge's classes and numpy's arrays allowed in them: another user's file could
-otherwise run code here. Each entry is written atomically, and only the newest `KEEP` stay
-(Kimi-K2's is about 200 MiB).
+A later connect with the same key reads the entry instead of planning (`kept_or_planned`).
+Entries are pickled, and read back only from a file this user owns in a directory no one else
+can write, with only the plan's own classes and numpy's arrays allowed in them: another user's
+file could otherwise run code here. Each entry is written atomically, and only the newest
+`KEEP` stay (Kimi-K2's is about 200 MiB).
 
 Typical usage (`session.plan_group` does this at connect)::
 

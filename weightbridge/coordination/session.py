@@ -7,7 +7,7 @@ any driver of a `ControlPlane`.
             maps verified if every worker holds one and all hold, else every worker probes
         same checkpoint everywhere? (LayoutError otherwise, before any buffer exists)
         plan_transfer -> WorkerPlans -> incoming ranges per receiver (or all of it read back
-            from the plan cache: same maps, sizes and planner code as a connect before)
+            from the plan cache: same maps, sizes and library code as a connect before)
         rollouts: SETUP -> handles;  trainers: SETUP;  everyone: SET_PEERS (its handles)
     run_update(control, group)
         the round sequencer (`weightbridge.coordination.sequencer`) over SEND_ROUND / FORWARD / LAND
@@ -164,7 +164,9 @@ def plan_group(control: ControlPlane, maps: GroupMaps, config: TransferConfig, *
     the plan before it is handed out (the same-data-plane P2P ablation). ``tensors`` restricts
     the plan to those checkpoint tensors (a delta update: the others stay as they are).
     ``replan``: every worker was set up before (`PeerCall.RESETUP`, bounded by the peer
-    timeout, rather than connect's unbounded `PeerCall.SETUP`).
+    timeout, rather than connect's unbounded `PeerCall.SETUP`). At connect (no ``replan``,
+    ``reroute`` or ``tensors``) the plan is read back from `TransferConfig.plan_cache` when a
+    connect of the same maps kept it (`plan_cache.kept_or_planned`).
     """
     restricted = maps if tensors is None else GroupMaps(
         *(tuple((_restricted(m, tensors), p) for m, p in side)
