@@ -132,15 +132,18 @@ def test_a_torn_entry_is_planned_afresh_and_replaced(tmp_path, maps, monkeypatch
     assert made == [1] and cache.load(plan_key(*maps, **SIZES)) is not None
 
 
-def test_only_the_newest_entries_stay(tmp_path, maps):
+def test_only_the_most_recently_used_entries_stay(tmp_path, maps):
     cache = PlanCache(str(tmp_path))
     planned = plan_of(*maps, **SIZES)
-    for i in range(KEEP + 2):
-        cache.save(f"key{i}", planned)
-        os.utime(cache.path(f"key{i}"), ns=(i * 10**9, i * 10**9))
-    cache.save("newest", planned)
+    key = plan_key(*maps, **SIZES)
+    cache.save(key, planned)
+    for i in range(KEEP + 1):
+        cache.save(f"other{i}", planned)
+        os.utime(cache.path(f"other{i}"), ns=((i + 1) * 10**9,) * 2)
+        os.utime(cache.path(key), ns=(0, 0))  # the oldest of all, but ...
+        assert cache.load(key) is not None  # ... read by every connect: kept
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"key{i}.plan" for i in range(KEEP + 2 - (KEEP - 1), KEEP + 2)] + ["newest.plan"])
+        [f"{key}.plan"] + [f"other{i}.plan" for i in range(KEEP + 1)][-(KEEP - 1):])
 
 
 def test_a_directory_that_cannot_be_written_is_warned_about_and_connect_plans(tmp_path, maps,

@@ -198,8 +198,8 @@ class TransferConfig:
     ``depth`` are the same, on the same library code, reads the plan and every worker's plan
     instead of building them: at the paper's largest deployment about 12 of the controller's
     15 s of connect here. On by default: a plan is a function of what its key digests. The
-    newest three entries stay (Kimi-K2's is about 200 MiB); an entry is read only from a file
-    of this user's, in a directory no other user can write."""
+    three most recently used entries stay (Kimi-K2's is about 200 MiB); an entry is read only
+    from a file of this user's, in a directory no other user can write."""
 
     trainer_restore: str = "host-copy"
     """How a trainer gets its weights back after connect's probe, which overwrites them:

@@ -16,8 +16,8 @@ that decides it:
 A later connect with the same key reads the entry instead of planning (`kept_or_planned`).
 Entries are pickled, and read back only from a file this user owns in a directory no one else
 can write, with only the plan's own classes and numpy's arrays allowed in them: another user's
-file could otherwise run code here. Each entry is written atomically, and only the newest
-`KEEP` stay (Kimi-K2's is about 200 MiB).
+file could otherwise run code here. Each entry is written atomically, and only the `KEEP` most
+recently used stay (Kimi-K2's is about 200 MiB).
 
 Typical usage (`session.plan_group` does this at connect)::
 
@@ -47,7 +47,7 @@ from weightbridge.types import Placement, Range, SourceMap, WorkerId
 FORMAT = 1
 """Bumped whenever `Planned` changes shape: older entries are misses."""
 KEEP = 3
-"""Entries kept in the directory; saving a fourth removes the oldest."""
+"""Entries kept in the directory; saving a fourth removes the least recently used."""
 _SUFFIX = ".plan"
 _NUMPY = {("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
           ("numpy._core.numeric", "_frombuffer"), ("numpy.core.multiarray", "_reconstruct"),
@@ -163,12 +163,16 @@ class PlanCache:
         if not (isinstance(entry, tuple) and len(entry) == 3 and entry[:2] == (FORMAT, key)
                 and isinstance(entry[2], Planned)):
             return None
+        try:
+            os.utime(path)  # (used now: the eviction keeps the most recently used)
+        except OSError:
+            pass
         return entry[2]
 
     def save(self, key: str, planned: Planned) -> None:
         """Write the entry atomically (a reader sees no file or the whole one), then drop all
-        but the newest `KEEP`; a directory that cannot be written is warned about once and
-        skipped."""
+        but the `KEEP` most recently written or read; a directory that cannot be written is
+        warned about once and skipped."""
         try:
             self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
