@@ -63,6 +63,24 @@ def _two_bit_identical_updates(trainer: str, rollout: str, config, procs) -> lis
     return reports
 
 
+def test_a_restarted_session_takes_the_kept_maps_and_plan_and_stays_bit_exact(procs, tmp_path):
+    """A second session of the same job (fresh actors): every worker's kept map is verified,
+    the kept plan read back instead of planned, and the updates are bit-identical."""
+    config = dataclasses.replace(CONFIG, source_map_cache=str(tmp_path / "maps"),
+                                 plan_cache=str(tmp_path / "plans"))
+    steps = []
+    for _ in range(2):
+        with MeshTransfer(TrainerSpec.parse("nodes=1,gpus=4,tp=2,ep=2"),
+                          RolloutSpec.parse("engines=2,nodes=1,gpus=2,tp=2"), "tiny",
+                          config=config, procs=procs) as mt:
+            mt.connect()
+            steps.append((mt.connect_steps.maps, mt.connect_steps.plan))
+            for version in (1, 2):
+                report = mt.update(version)
+                assert not report.mismatched, report.line()
+    assert steps == [("probed", "planned"), ("kept", "kept")]
+
+
 @pytest.mark.parametrize("rollout", ["engines=2,nodes=1,gpus=2,tp=2", "engines=4,nodes=1,gpus=1"],
                          ids=["2xtp2", "4xtp1"])
 def test_one_rdma_action_per_step_is_bit_identical_too(procs, rollout):
