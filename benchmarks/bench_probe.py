@@ -51,9 +51,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=MoEConfig.layers)
     parser.add_argument("--repeats", type=int, default=3, help="plain-load timing repeats")
     parser.add_argument("--device", choices=("cpu", "emulated-cuda"), default="cpu")
-    parser.add_argument("--trainer-restore", choices=TRAINER_RESTORES, default="host-copy",
+    parser.add_argument("--trainer-restore", choices=TRAINER_RESTORES,
+                        default=TransferConfig().trainer_restore,
                         help="emulated-cuda, --restart: how a probed trainer gets its weights "
-                        "back")
+                        "back (default: TransferConfig's)")
     parser.add_argument("--sweep", action="store_true",
                         help="the scaling table: rank sizes x TP x devices (probe_sweep)")
     parser.add_argument("--restart", action="store_true",

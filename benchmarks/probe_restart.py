@@ -27,7 +27,9 @@ TARGET = 0.3
 
 
 def _entries(directory: Path, pattern: str = "*.json") -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in directory.glob(pattern)}
+    """Entry name -> inode: an entry written again is a new file renamed over the old one (a
+    read of a plan entry touches its mtime, so the mtime would not tell)."""
+    return {p.name: p.stat().st_ino for p in directory.glob(pattern)}
 
 
 def session(model: str, config: TransferConfig) -> tuple[float, bool, str]:
@@ -44,7 +46,8 @@ def session(model: str, config: TransferConfig) -> tuple[float, bool, str]:
     return connect_s, not report.mismatched, steps
 
 
-def run_restart(model: str, trainer_restore: str = "host-copy") -> list[str]:
+def run_restart(model: str, trainer_restore: str = TransferConfig().trainer_restore
+                ) -> list[str]:
     """Two sessions on one new cache directory; the lines to print."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with tempfile.TemporaryDirectory(prefix="wb-maps-") as directory:

@@ -78,13 +78,15 @@ def test_sync_mode_raises_a_clear_timeout_when_rollouts_never_poll():
     connect(trainers)
     errors = []
 
-    def send(adapter):
+    def send(shard, adapter):
         try:
+            with torch.no_grad():
+                shard.load_weights(CHECKPOINTS[1].items())
             adapter.send_weights(1)
         except TimeoutError as e:
             errors.append(str(e))
 
-    threads = [threading.Thread(target=send, args=(a,)) for _, a in trainers]
+    threads = [threading.Thread(target=send, args=t) for t in trainers]
     for t in threads:
         t.start()
     for t in threads:

@@ -208,6 +208,9 @@ def test_with_sender_staging_changed_is_checked_and_every_tensor_moves(mode):
 def test_a_bad_changed_is_refused_on_every_trainer_before_anything_moves(mode, changed, match):
     control, trainers, _ = group(_config(mode))
     _connect(trainers)
+    for shard, _ in trainers:
+        with torch.no_grad():
+            shard.load_weights(CHECKPOINTS[1].items())
     out = _calls(*[lambda a=a: a.send_weights(1, changed=changed) for _, a in trainers])
     assert all(isinstance(e, ValueError) and re.search(match, str(e))
                for e in out), out

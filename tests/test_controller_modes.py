@@ -163,6 +163,35 @@ def test_receiver_staging_re_sends_a_version_whose_rounds_lost_a_rollout():
     assert count > 0 and not bad, bad[:4]
 
 
+class ForgetfulTrainer(TrainerActor):
+    """Its train step of version 1 writes nothing: the parameters keep what connect's probe
+    left (the default ``trainer_restore="none"`` keeps no copy)."""
+
+    def _train_step(self, version):
+        if version >= 2:
+            super()._train_step(version)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ss"])
+def test_an_update_of_weights_not_loaded_after_connect_is_refused_before_any_byte_moves(
+        procs, mode):
+    """The trainers' first send after a probe that kept no copy checks the weights were
+    loaded since (the probe leaves NaN in each parameter's first elements): the controller's
+    update raises the ``ValueError`` naming them, nothing moves, and the next update, of
+    loaded weights, goes bit-exact."""
+    with MeshTransfer(TRAINER, ROLLOUT, "tiny", config=_config(mode), procs=procs,
+                      trainer_actor=ForgetfulTrainer) as mt:
+        mt.connect()
+        with pytest.raises(ValueError, match="were not loaded after connect"):
+            mt.update(1)
+        assert mt.wait() is None  # (SS: nothing streams)
+        assert mt.poll_requests() is None
+        mt.update(2)
+        mt.poll_requests()
+        count, bad = _holds(mt, 2)
+        assert count > 0 and not bad, bad[:4]
+
+
 class RebindingTrainer(TrainerActor):
     """Its train step of version 2 and later rebinds every parameter's storage
     (``p.data = new``, as ``load_state_dict(assign=True)`` does), then loads the version."""

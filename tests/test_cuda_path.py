@@ -70,10 +70,10 @@ def _checkpoint(version: int, spec=checkpoint_spec(CONFIG)) -> dict[str, torch.T
             for t in spec.tensors}
 
 
-def _worker(side: str, shard) -> TransferWorker:
+def _worker(side: str, shard, config: TransferConfig | None = None) -> TransferWorker:
     return TransferWorker(side, shard.params, shard.load_weights, checkpoint_spec(CONFIG),
                           rank=0, placement=Placement(side), transport=LocalControl().transport,
-                          config=TransferConfig())
+                          config=config or TransferConfig())
 
 
 def _probe_peak(worker: TransferWorker) -> int:
@@ -88,13 +88,15 @@ def _probe_peak(worker: TransferWorker) -> int:
 @pytest.mark.parametrize("side", ["trainer", "rollout"])
 def test_the_probe_keeps_no_second_copy_on_the_device(side):
     """At most 0.25x the parameter bytes of extra device memory (it was 1.0x: a device clone
-    of every parameter); a trainer gets its weights back bit for bit."""
+    of every parameter); a trainer that asks for the host copy gets its weights back bit for
+    bit."""
     shard = (TrainerShard(CONFIG, 2, 0, 2, 1, device="cuda") if side == "trainer" else
              RolloutShard(CONFIG, 2, 0, 1, 0, device="cuda"))
     shard.load_weights(_checkpoint(0).items())
     before = _host(shard.params)
     param_bytes = sum(p.numel() * p.element_size() for p in shard.params.values())
-    assert _probe_peak(_worker(side, shard)) <= 0.25 * param_bytes
+    config = TransferConfig(trainer_restore="host-copy")
+    assert _probe_peak(_worker(side, shard, config)) <= 0.25 * param_bytes
     if side == "trainer":
         assert all(torch.equal(shard.params[n].cpu().view(torch.uint8), t.view(torch.uint8))
                    for n, t in before.items())

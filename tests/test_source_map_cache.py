@@ -232,7 +232,7 @@ def _worker(side, shard, config):
 
 
 def test_a_trainer_reusing_its_map_gets_its_weights_back_bit_exactly(tmp_path):
-    config = TransferConfig(source_map_cache=str(tmp_path))
+    config = TransferConfig(source_map_cache=str(tmp_path), trainer_restore="host-copy")
     first = TrainerShard(CONFIG, 2, 0, 2, 1)
     _worker("trainer", first, config).on_source_map()
     shard = TrainerShard(CONFIG, 2, 0, 2, 1)

@@ -201,14 +201,15 @@ class TransferConfig:
     three most recently used entries stay (Kimi-K2's is about 200 MiB); an entry is read only
     from a file of this user's, in a directory no other user can write."""
 
-    trainer_restore: str = "host-copy"
-    """How a trainer gets its weights back after connect's probe, which overwrites them:
-    ``"host-copy"`` (default): copied to host memory before the probe and back after it, at
-    1.0x the trainer's parameter bytes of host memory (pinned next to a real GPU) for the
-    probe's duration, one device-to-host and one host-to-device copy; ``"none"``: left as the
-    probe leaves them (the verification pass's values), no memory: for trainers that connect
-    before they load their real weights, or load them again through their own loader after
-    connect (one load of the checkpoint). Rollouts keep no copy either way."""
+    trainer_restore: str = "none"
+    """How a trainer gets its weights back after connect's probe, which overwrites them.
+    ``"none"`` (default): no copy and no memory; the trainer connects before it loads its
+    real weights, or loads them again through its own loader after connect (one load of its
+    checkpoint). Its first send refuses, before any byte moves, parameters that still hold
+    the probe's values (a ``ValueError`` naming them). ``"host-copy"``: copied to host memory
+    before the probe and back after it, at 1.0x the trainer's parameter bytes of host memory
+    (pinned next to a real GPU) for the probe's duration, one device-to-host and one
+    host-to-device copy. Rollouts keep no copy either way."""
 
     mode: Mode = field(init=False, repr=False, compare=False)
     """SYNC, SS, RS or ASYNC, from the two staging switches (derived; not an argument)."""

@@ -10,8 +10,9 @@ in ``send_weights``, T the whole step), checks at the first and the last step th
 is bit-identical to a fresh vLLM engine that loaded the trainers' weights from disk (parameter
 bytes on every rank, greedy tokens and top-5 logprobs), writes the reward and the sync share
 per step as a PNG, and ends with ``reward A -> B`` (mean of the first and the last 5 steps).
-Version 1 is the starting weights (sent right after connect: the probe leaves test values in
-the engine's parameters); step N sends version N+1. Sync: step N samples with version N.
+Version 1 is the starting weights, which the trainers load right after connect (the probe
+leaves test values in every parameter, and the trainers keep no copy by default) and send at
+once, so the engine has them too; step N sends version N+1. Sync: step N samples with version N.
 Async: the trainers stage their version and go on; the engine polls before each generation
 and switches once a version has landed, so it may sample with an older one (the line says
 which).

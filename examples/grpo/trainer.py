@@ -45,8 +45,8 @@ class GrpoTrainer(Actor):
 
     @endpoint
     def setup(self, group) -> None:
-        """Build the policy from checkpoint v0 (what the engine starts from), shard it, and
-        make this rank's sender (collective over the trainer mesh)."""
+        """Build the policy, shard it, and make this rank's sender (collective over the
+        trainer mesh); `connect` loads checkpoint v0 (what the engine starts from)."""
         import transformers
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -60,10 +60,6 @@ class GrpoTrainer(Actor):
         if names != {t.name for t in fp32_spec().tensors}:
             raise ValueError(f"transformers' Qwen3 names differ from the checkpoint's: "
                              f"{sorted(names ^ {t.name for t in fp32_spec().tensors})[:4]}")
-        start = models.checkpoint(MODEL, 0)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(start[name])
         mesh = init_device_mesh("cpu", (self.world,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -85,7 +81,11 @@ class GrpoTrainer(Actor):
 
     @endpoint
     def connect(self) -> None:
+        """Connect, then load checkpoint v0 through this rank's own loader: connect's probe
+        overwrites the parameters, and by default keeps no copy of them
+        (`TransferConfig.trainer_restore`)."""
         self.adapter.connect()
+        self._load(models.checkpoint(MODEL, 0).items())
 
     @endpoint
     def train_and_send(self, tokens: list[list[int]], adv: list[float], prompt_len: int,

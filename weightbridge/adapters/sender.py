@@ -93,7 +93,9 @@ class SenderAdapter(AdapterWorker):
         """Collective over the trainers: probe every worker, plan on rank 0, build executors.
 
         Rank 0 gathers every source map through the control plane, plans, and hands each worker
-        its plan; the others wait for their plan. Moves no weights.
+        its plan; the others wait for their plan. Moves no weights. The probe overwrites
+        every worker's parameters: by default a trainer loads its weights after this returns
+        (`TransferConfig.trainer_restore`; its first `send_weights` checks).
         """
         if self.worker.index == 0:
             self._planning = True
@@ -139,6 +141,9 @@ class SenderAdapter(AdapterWorker):
             ValueError: a version not newer than the last one sent; a ``changed`` that is not
                 supported in this mode, names unknown tensors, comes before any full update, or
                 differs between trainers (before any byte moves).
+            ValueError: (the first send after connect) parameters that still hold the NaN
+                the probe left: the weights were not loaded after connect
+                (`TransferConfig.trainer_restore`; before any byte moves).
             ParameterRebound: a parameter of this trainer no longer uses the storage it was
                 registered with (``p.data = new``; before any byte moves).
             TimeoutError: (sync) rollouts that do not poll within ``timeout_s``.
@@ -149,7 +154,7 @@ class SenderAdapter(AdapterWorker):
         version = check_version(version)
         if self.executor is None:
             raise RuntimeError("call connect() before send_weights()")
-        self.check_storage()  # (the copy tables read the storage registered)
+        self.check_sendable()  # (the copy tables read the storage registered)
         with self.cond:
             if self._calling is not None:
                 raise RuntimeError(

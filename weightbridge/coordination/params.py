@@ -3,7 +3,9 @@ per-parameter digests with padding left out.
 
 A worker's parameters are registered once (`TransferWorker`): the copy tables built at connect
 read their storage, so a trainer checks before every send that each still uses it
-(`storage_of`; a rebound one raises `ParameterRebound`, `rebound_error`). Replicas and delta
+(`storage_of`; a rebound one raises `ParameterRebound`, `rebound_error`) and, the first
+time after a probe that kept no copy of its weights, that they were loaded since
+(`poison`, `poisoned`). Replicas and delta
 updates compare one checksum per parameter (`param_digest`); a parameter with padding
 (elements no checkpoint element lands in) is summed over the elements its pieces land in only.
 
@@ -79,6 +81,59 @@ def named_params(params, side: str, rank: int) -> dict[str, torch.Tensor]:
                              f"with its default remove_duplicate=True)")
         out[name] = tensor
     return out
+
+
+POISONED = 16
+"""How many of a parameter's first elements `poison` sets to NaN."""
+
+
+def poison(params: Mapping[str, torch.Tensor]) -> None:
+    """Set the first elements (along the last dimension, at most `POISONED`) of each float
+    parameter to NaN, where the probe left a non-zero value (zero: padding, which the
+    trainer's own loader does not write). A trainer that kept no copy of its weights and
+    sends before loading them is refused (`poisoned`); one that trains on them first sees
+    NaN in its loss, and its parameters keep NaN to the send, even where a step is skipped.
+    """
+    for p in params.values():
+        first = _first_elements(p)
+        if first is not None:
+            first.masked_fill_(first != 0, float("nan"))
+
+
+def poisoned(params: Mapping[str, torch.Tensor]) -> list[str]:
+    """The parameters with NaN among their first elements (what `poison` set): the weights
+    were not loaded into them since."""
+    out = []
+    for name, p in params.items():
+        first = _first_elements(p)
+        if first is not None and bool(first.isnan().any()):
+            out.append(name)
+    return out
+
+
+def _first_elements(p: torch.Tensor) -> torch.Tensor | None:
+    """A view of ``p``'s first `POISONED` elements along its last dimension (no copy), for
+    a float parameter of 16 bits or more (None for other dtypes and empty parameters)."""
+    p = p.detach()
+    if not p.numel() or not p.is_floating_point() or p.element_size() < 2:
+        return None
+    row = p[(0,) * (p.dim() - 1)] if p.dim() else p.reshape(1)
+    return row[:POISONED]
+
+
+def not_loaded_error(worker: WorkerId, names: list[str], total: int) -> ValueError:
+    """The error for a trainer whose parameters still hold what the probe left at its first
+    send (`poisoned`)."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return ValueError(
+        f"{worker}: {len(names)} of its {total} parameters ({shown}) hold the NaN connect's "
+        f"probe left in their first elements, so this trainer's weights were not loaded "
+        f"after connect (or a step trained on the probe's values). With "
+        f"TransferConfig.trainer_restore=\"none\" (the default) connect keeps no copy of a "
+        f"trainer's weights. Nothing was sent: load the weights after connect (the trainer's "
+        f"own loader or checkpoint load, or connect before loading them at all), or set "
+        f"trainer_restore=\"host-copy\" to have connect copy them to host memory and back "
+        f"(1.0x their bytes of host memory)")
 
 
 def storage_of(p: torch.Tensor) -> tuple:

@@ -39,8 +39,9 @@ from weightbridge.discovery.cache import (SourceMapCache, cache_key, probe_and_k
 from weightbridge.errors import ChecksumMismatch, ReplicaMismatch  # noqa: F401
 from weightbridge.execution.boxcopy import CopyKernels
 from weightbridge.execution.checksum import checksum, matches
-from weightbridge.coordination.params import (Padded, named_params, padded_pieces,
-                                              param_digest, rebound_error, storage_of)
+from weightbridge.coordination.params import (Padded, named_params, not_loaded_error,
+                                              padded_pieces, param_digest, poison, poisoned,
+                                              rebound_error, storage_of)
 from weightbridge.coordination.signals import STAGES, Abandoned, RoundPart, RoundSignals
 from weightbridge.coordination.staging import SlotBuffers, StagedCopy, host_buffer
 from weightbridge.execution.executor import WorkerExecutor, on_real_cuda
@@ -216,23 +217,34 @@ class TransferWorker:
         digest reads only those elements (`param_digest`)."""
         self.storage = {n: storage_of(p) for n, p in self.params.items()}
         """Parameter -> the storage registered here (`storage_of`), what the copy tables
-        read; `check_storage` compares it before every send."""
+        read; `check_sendable` compares it before every send."""
         self._registered = {n: p.detach() for n, p in self.params.items()}
         """The registered storage itself: a trainer's copy tables are built on it at every
         set-up, so a re-plan while a parameter is rebound (refused at its send) does not
         read the new storage, which nothing checks once the registered one is put back."""
+        self._poisoned = False
+        """Trainers with ``trainer_restore="none"``, from connect's probe to their first send:
+        the probe left NaN in each parameter's first elements (`poison`)."""
 
-    def check_storage(self) -> None:
-        """Trainers, before every send: each parameter still uses its registered storage.
+    def check_sendable(self) -> None:
+        """Trainers, before every send: each parameter still uses its registered storage,
+        and at the first send after a probe that kept no copy (``trainer_restore="none"``),
+        the weights were loaded since (`poisoned`).
 
         Raises:
             ParameterRebound: one was rebound (names the first, and how to fix it).
+            ValueError: parameters still hold the probe's values (names them).
         """
         for name, p in self.params.items():
             was = self.storage[name]
             if p.data_ptr() != was[0] or p.stride() != was[2] or p.shape != was[1] or (
                     p.dtype != was[3]):
                 raise rebound_error(self.worker, name, was, storage_of(p))
+        if self._poisoned:
+            stale = poisoned(self.params)
+            if stale:
+                raise not_loaded_error(self.worker, stale, len(self.params))
+            self._poisoned = False
 
     def _log(self, event: tuple[str, int]) -> None:
         self.events.append((next(_SEQ), *event))
@@ -268,13 +280,15 @@ class TransferWorker:
 
         ``"verify"`` and ``"probe"`` return (source map, placement, checkpoint spec) and
         overwrite the parameters. No second copy of them is made on their device (a GPU is
-        usually full). A trainer gets its weights back from a host copy (pinned where CUDA is
-        real), since it sends them, unless its config says ``trainer_restore="none"`` (it
-        loads them after connect). A rollout keeps no copy: its first update writes every
-        element that a checkpoint element lands in; the others (padding) hold zero after the
-        probe or the check of a kept map, which zero them and refuse a loader that writes a
-        non-zero value there. A rollout parameter no checkpoint element lands in at
-        all is warned about by name (`UnsourcedParameter`): its value is lost to the probe.
+        usually full). A trainer whose config says ``trainer_restore="host-copy"`` gets its
+        weights back from a host copy (pinned where CUDA is real); by default (``"none"``) it
+        loads them after connect: the probe leaves NaN in each parameter's first elements, and
+        its first send refuses parameters that still hold NaN there (`check_sendable`). A
+        rollout keeps no copy: its first update writes every element that a checkpoint
+        element lands in; the others (padding) hold zero after the probe or the check of a
+        kept map, which zero them and refuse a loader that writes a non-zero value there. A
+        rollout parameter no checkpoint element lands in at all is warned about by name
+        (`UnsourcedParameter`): its value is lost to the probe.
         """
         if how not in SOURCE_MAP_WAYS:
             raise ValueError(f"how must be one of {SOURCE_MAP_WAYS}, got {how!r}")
@@ -306,6 +320,10 @@ class TransferWorker:
                         p.copy_(saved[n])
         if self.side == "rollout":
             _warn_unsourced(self.worker, smap)
+        elif saved is None:  # no copy: the first send checks the weights were loaded since
+            with torch.no_grad():
+                poison(self.params)
+            self._poisoned = True
         self.padded = padded_pieces(smap)
         return smap, self.placement, self.spec
 
@@ -322,7 +340,7 @@ class TransferWorker:
                   ) -> tuple[int, ...]:
         """Trainers, before the rounds of ``version``: if ``digest``, per-parameter checksums
         of what this trainer sends, compared with its data-parallel replicas': the
-        parameters now (after the storage check, `check_storage`), or with sender staging
+        parameters now (after `check_sendable`), or with sender staging
         the staged copy's, taken with it (the parameters may be a train step further).
         ``live``: the parameters' checksums now in every mode (the controller's
         ``changed="auto"``, before anything is staged)."""
@@ -331,7 +349,7 @@ class TransferWorker:
         if self.config.mode.sends_staged_copy:  # the staged copy is sent: its digest, taken with it
             assert self.staged.version == version, (self.staged.version, version)
             return self.staged.digest if digest else ()
-        self.check_storage()
+        self.check_sendable()
         return self.digest() if digest else ()
 
     def on_setup(self, plan: WorkerPlan | bytes, ranges: list[Range] | None = (),
@@ -382,9 +400,10 @@ class TransferWorker:
         that the rounds send from; the parameters may change once this returned.
 
         Raises:
-            ParameterRebound: a parameter's storage was rebound (`check_storage`).
+            ParameterRebound: a parameter's storage was rebound (`check_sendable`).
+            ValueError: the weights were not loaded after connect's probe (`check_sendable`).
         """
-        self.check_storage()
+        self.check_sendable()
         with self.cond:
             self.take_staged(version)
             self._log(("staged", version))
