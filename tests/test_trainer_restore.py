@@ -7,13 +7,15 @@ config asks. The in-process adapters (`moegroup`) and one `TransferWorker`; no M
 controller's path: test_controller_modes.py).
 """
 
+import warnings
+
 import pytest
 import torch
 from moegroup import CHECKPOINTS, CONFIG, SPEC, group
 from tinygroup import connect, in_threads
 
 from meshes.qwen3_moe import TrainerShard
-from weightbridge import Placement, TransferConfig
+from weightbridge import Placement, TransferConfig, UnsourcedParameter
 from weightbridge.coordination.local_control import LocalControl
 from weightbridge.coordination.params import POISONED, poison, poisoned
 from weightbridge.coordination.worker import TransferWorker
@@ -42,9 +44,11 @@ def test_by_default_a_send_of_weights_not_loaded_after_connect_is_refused_before
     assert control.transport.bytes_written > 0
 
 
-def _worker(restore: str | None = None) -> tuple[TrainerShard, TransferWorker]:
+def _worker(restore: str | None = None, extra: dict | None = None
+            ) -> tuple[TrainerShard, TransferWorker]:
     shard = TrainerShard(CONFIG, 2, 0, 2, 1)
     shard.load_weights(CHECKPOINTS[0].items())
+    shard.params.update(extra or {})
     config = TransferConfig(source_map_cache=None) if restore is None else TransferConfig(
         source_map_cache=None, trainer_restore=restore)
     worker = TransferWorker("trainer", shard.params, shard.load_weights, SPEC, rank=0,
@@ -106,3 +110,18 @@ def test_poison_sets_nan_where_the_probe_left_values_and_keeps_padding_zero():
     assert torch.equal(params["mixed"].isnan(), torch.tensor([False, True, False, True]))
     assert torch.equal(params["ints"], torch.arange(5))
     assert sorted(poisoned(params)) == ["mixed", "w"]
+
+
+@pytest.mark.parametrize("restore", ["none", "host-copy"])
+def test_a_trainer_parameter_no_checkpoint_element_lands_in_is_named_when_no_copy_is_kept(
+        restore):
+    """A buffer the model computes (not in the checkpoint) is zeroed by the probe and not
+    written by a load of the checkpoint either: said by name unless the host copy keeps it."""
+    extra = {"rotary.inv_freq": torch.full((16,), 7.0)}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        shard, _ = _worker(restore, extra)
+    named = [w for w in seen if issubclass(w.category, UnsourcedParameter)
+             and "rotary.inv_freq" in str(w.message)]
+    kept = torch.equal(shard.params["rotary.inv_freq"], torch.full((16,), 7.0))
+    assert (bool(named), kept) == ((True, False) if restore == "none" else (False, True))

@@ -87,8 +87,9 @@ def _a_step(handler):
 
 
 class UnsourcedParameter(UserWarning):
-    """A rollout parameter that no checkpoint element lands in: the probe zeroed it and no
-    update writes it."""
+    """A parameter that no checkpoint element lands in, of a rollout or of a trainer that kept
+    no copy (``trainer_restore="none"``): the probe zeroed it, and neither an update nor a load
+    of the checkpoint writes it."""
 
 
 def _host_copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -110,8 +111,9 @@ def _warn_unsourced(worker: WorkerId, smap: SourceMap) -> None:
     if lost:
         warnings.warn(f"{worker}: no checkpoint element lands in parameter(s) "
                       f"{', '.join(lost[:4])}{' and more' if len(lost) > 4 else ''}; the probe "
-                      f"left them zero and no update writes them. Restore their values after "
-                      f"connect if the engine needs them", UnsourcedParameter, stacklevel=3)
+                      f"left them zero, and neither an update nor a load of the checkpoint "
+                      f"writes them. Restore their values after connect if the model needs "
+                      f"them", UnsourcedParameter, stacklevel=3)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -287,8 +289,9 @@ class TransferWorker:
         rollout keeps no copy: its first update writes every element that a checkpoint
         element lands in; the others (padding) hold zero after the probe or the check of a
         kept map, which zero them and refuse a loader that writes a non-zero value there. A
-        rollout parameter no checkpoint element lands in at all is warned about by name
-        (`UnsourcedParameter`): its value is lost to the probe.
+        parameter no checkpoint element lands in at all, of a rollout or of a trainer that
+        kept no copy, is warned about by name (`UnsourcedParameter`): its value is lost to the
+        probe.
         """
         if how not in SOURCE_MAP_WAYS:
             raise ValueError(f"how must be one of {SOURCE_MAP_WAYS}, got {how!r}")
@@ -318,9 +321,9 @@ class TransferWorker:
                 with torch.no_grad():
                     for n, p in self.params.items():
                         p.copy_(saved[n])
-        if self.side == "rollout":
+        if saved is None:  # no copy: what the probe zeroed stays zero
             _warn_unsourced(self.worker, smap)
-        elif saved is None:  # no copy: the first send checks the weights were loaded since
+        if self.side == "trainer" and saved is None:  # the first send checks for a load since
             with torch.no_grad():
                 poison(self.params)
             self._poisoned = True
