@@ -46,8 +46,9 @@ from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, chec
                                            with_threads)
 from weightbridge.discovery.merge import PassRuns, Runs, merge_passes, one_run
 from weightbridge.discovery.runs import CHUNK, Rings, scan_pass
-from weightbridge.discovery.verify import (Bad, Before, coords, dtype_name, fill_zero, flat_view,
-                                           on_host)
+from weightbridge.discovery import one_pass
+from weightbridge.discovery.verify import (Bad, Before, check_loaded, coords, dtype_name,
+                                           fill_zero, flat_view, on_host, random_checkpoint)
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -173,8 +174,17 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         live, scans = _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes,
                                    max(num_passes.values()), skip)
     else:
-        live, scans = _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
-                                    alpha_of, verify)
+        passes = _IndexPasses(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
+                              alpha_of, verify)
+        passes.run(0)
+        if verify and not casting and passes.count > 1 and one_pass.eligible(passes.live,
+                                                                             passes.scans):
+            probed = _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes)
+            if probed is not None:
+                return probed
+        for k in range(1, passes.count):
+            passes.run(k)
+        live, scans = passes.live, passes.scans
     param_specs, pieces, unsourced, holes = [], [], [], {}
     bases = torch.tensor(tindex.bases)
     refuse = (functools.partial(_refuse, get, load_weights, spec, casting) if scales is None
@@ -184,8 +194,7 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         if not p.numel() or name in skip:
             continue
         alpha = alpha_of(p.dtype)
-        dims = [d for d in p.shape if d > 1]  # unit dims carry no row structure
-        row = dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
+        row = _row(p)
         moduli = alpha.moduli[:num_passes[p.dtype]]
         one = one_run(scans[name], moduli, bases)
         if one is not None:  # one slice-copy: its box directly, no per-row runs to group
@@ -220,35 +229,55 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
                               for name, (start, length) in holes.items()))
 
 
+def _row(p: torch.Tensor) -> int:
+    """A parameter's row length for its boxes (unit dims carry no row structure)."""
+    dims = [d for d in p.shape if d > 1]
+    return dims[-1] if len(dims) >= 2 else max(p.numel(), 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Probe passes
 # --------------------------------------------------------------------------------------------
 
 
-def _index_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of, verify):
-    """The index passes: (live parameters, per parameter its passes' runs)."""
-    scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(), None)}
-    shapes, rings, holes = None, Rings(), True
-    buffers: dict[torch.dtype, torch.Tensor] = {}  # each dtype's ring, rewritten every pass
-    for k in range(max(num_passes.values())):
-        if holes or not verify:
+class _IndexPasses:
+    """The index passes, one `run` at a time: the live parameters and, per parameter, its
+    passes' runs."""
+
+    def __init__(self, get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of,
+                 verify):
+        self.get, self.load_weights, self.spec, self.tindex = get, load_weights, spec, tindex
+        self.ckpt_dtypes, self.num_passes, self.alpha_of = ckpt_dtypes, num_passes, alpha_of
+        self.verify = verify
+        self.scans: dict[str, list[PassRuns]] = {name: [] for name in checked_params(get(),
+                                                                                      None)}
+        self.shapes, self.rings, self.holes = None, Rings(), True
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}  # each dtype's ring, every pass
+        self.live: Params = {}
+
+    @property
+    def count(self) -> int:
+        return max(self.num_passes.values())
+
+    def run(self, k: int) -> None:
+        if self.holes or not self.verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
             # every element, later index passes skip the fill: an element a later load leaves
             # alone would decode wrongly, and the verification pass refuses the map then;
             # without that pass, every load is zeroed first.
-            fill_zero(get())
-        load_weights(_index_checkpoint(spec, tindex, ckpt_dtypes, num_passes, k, alpha_of,
-                                       buffers))
-        live = checked_params(get(), shapes)
-        shapes = {n: (tuple(p.shape), p.dtype) for n, p in live.items()}
-        for name, p in live.items():
-            alpha = alpha_of(p.dtype)
-            if k < num_passes[p.dtype] and p.numel():
+            fill_zero(self.get())
+        self.load_weights(_index_checkpoint(self.spec, self.tindex, self.ckpt_dtypes,
+                                            self.num_passes, k, self.alpha_of, self.buffers))
+        self.live = checked_params(self.get(), self.shapes)
+        self.shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.live.items()}
+        for name, p in self.live.items():
+            alpha = self.alpha_of(p.dtype)
+            if k < self.num_passes[p.dtype] and p.numel():
                 # Read back chunk by chunk (device-to-host per chunk), decoded on the host.
-                scans[name].append(scan_pass(_scanned(p), alpha, alpha.moduli[k], rings))
-        holes = any(bool((runs.digit == NO_SOURCE).any()) for passes in scans.values()
-                    for runs in passes[-1:])
-    return live, scans
+                self.scans[name].append(scan_pass(_scanned(p), alpha, alpha.moduli[k],
+                                                  self.rings))
+        self.holes = any(bool((runs.digit == NO_SOURCE).any())
+                         for passes in self.scans.values() for runs in passes[-1:])
 
 
 def _scanned(p: torch.Tensor) -> torch.Tensor:
@@ -257,6 +286,36 @@ def _scanned(p: torch.Tensor) -> torch.Tensor:
     the probe never allocates device memory."""
     p = p.detach()
     return p.reshape(-1) if p.is_contiguous() else flat_view(on_host(p))
+
+
+def _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes: _IndexPasses
+              ) -> Probed | None:
+    """After a first index pass that found every parameter one run (`one_pass`): load the
+    verification pass's checkpoint, pick each run's first index by the values it left, and
+    check the map against every element. None (the probe goes on with its index passes) when
+    a run matches no candidate or several, a piece joins two dtypes, or the check fails."""
+    if tindex.numel // min(alpha_of(p.dtype).moduli[0] for p in passes.live.values()) > (
+            one_pass.MAX_CANDIDATES):
+        return None
+    checkpoint = random_checkpoint(spec, ckpt_dtypes, negative=True)
+    load_weights(iter(checkpoint.items()))
+    live = checked_params(get(), passes.shapes)
+    runs = one_pass.decode(live, passes.scans, alpha_of, tindex, checkpoint)
+    if runs is None:
+        return None
+    pieces = []
+    for name, p in live.items():
+        if name in runs:
+            pieces += _pieces(name, run_box(*runs[name], p.numel(), _row(p)), tindex)
+    if _check_dtypes(pieces, live, spec) is not None:
+        return None
+    used = {p.region.tensor for p in pieces}
+    smap = SourceMap(tuple(ParamSpec(n, tuple(p.shape), dtype_name(p.dtype))
+                           for n, p in live.items()), tuple(pieces), (),
+                     tuple(t.name for t in spec.tensors if t.name not in used))
+    if check_loaded(smap, live, checkpoint, {}, negative=True) is not None:
+        return None
+    return Probed(smap)
 
 
 def _sign_passes(get, load_weights, spec, tindex, ckpt_dtypes, num_passes, skip):

@@ -191,7 +191,15 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
     elif before is Before.ANYTHING:
         _zero_unsourced(get(), holes)
     load_weights(iter(checkpoint.items()))
-    live = _HostCopies(get())  # compared on the host
+    return check_loaded(smap, get(), checkpoint, holes, negative)
+
+
+def check_loaded(smap: SourceMap, params: Params, checkpoint: Mapping[str, torch.Tensor],
+                 holes: dict[str, tuple[torch.Tensor, torch.Tensor]], negative: bool
+                 ) -> Bad | None:
+    """The check of `verify`, once ``checkpoint`` (a `random_checkpoint`) is loaded: every
+    piece of the map reproduces it, and the ``holes`` hold zero."""
+    live = _HostCopies(params)  # compared on the host
     images: dict = {}
     for piece in smap.pieces:
         plain, source = expected_source(piece, checkpoint, images)
