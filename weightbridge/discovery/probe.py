@@ -297,6 +297,7 @@ def _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes: _I
     if tindex.numel // min(alpha_of(p.dtype).moduli[0] for p in passes.live.values()) > (
             one_pass.MAX_CANDIDATES):
         return None
+    passes.buffers.clear()  # (the index ring, freed before the random one is drawn)
     checkpoint = random_checkpoint(spec, ckpt_dtypes, negative=True)
     load_weights(iter(checkpoint.items()))
     live = checked_params(get(), passes.shapes)
