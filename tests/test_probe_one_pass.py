@@ -62,15 +62,18 @@ def test_a_rank_of_one_slice_copies_is_mapped_with_one_index_load_and_the_same_m
 def test_a_run_whose_step_is_the_residue_step_plus_the_modulus_falls_back_and_is_mapped(
         monkeypatch):
     """A column of a tensor P0 + 1 wide steps by P0 + 1, which the first pass reads as a
-    step of 1: no candidate's values match, and the index passes map it."""
-    spec = CheckpointSpec((TensorSpec("w", (64, P0 + 1), "bfloat16"),))
-    col = torch.zeros(64, dtype=torch.bfloat16)
+    step of 1: no candidate's values match, and the index passes map it. (A whole tensor
+    beside it makes the rank large enough for its candidates: `ELEMENTS_PER_CANDIDATE`.)"""
+    spec = CheckpointSpec((TensorSpec("w", (64, P0 + 1), "bfloat16"),
+                           TensorSpec("big", (4096, 1024), "bfloat16")))
+    params = {"col": torch.zeros(64, dtype=torch.bfloat16),
+              "big": torch.zeros(4096, 1024, dtype=torch.bfloat16)}
 
     def load(weights):
-        for _, t in weights:
-            col.copy_(t[:, 3])
-    smap, loads = _probed({"col": col}, load, spec, one_pass=True, monkeypatch=monkeypatch)
-    (piece,) = smap.pieces
+        for name, t in weights:
+            params["col" if name == "w" else "big"].copy_(t[:, 3] if name == "w" else t)
+    smap, loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
+    (piece,) = [p for p in smap.pieces if p.param == "col"]
     assert (piece.region.start, piece.region.count) == ((0, 3), (64, 1))
     assert loads == 4  # the index load, the verification load that decoded nothing, then
     # the second index pass and the verification pass
@@ -101,3 +104,15 @@ def test_a_loader_that_leaves_an_element_alone_in_the_verification_load_is_refus
             params["w5"][7, 100] = kept
     with pytest.raises(LayoutError, match=r"'w5'.*element 7268 "):
         extract_source_map(params, skipping, spec)
+
+
+def test_a_rank_of_too_many_candidates_for_its_size_takes_its_index_passes(monkeypatch):
+    """Each parameter's candidates are the checkpoint's elements over the first modulus: a
+    rank holding a small part of a large checkpoint would spend more on them than a pass
+    (`one_pass.ELEMENTS_PER_CANDIDATE`), so it is not decoded this way."""
+    params, load, spec = _row_sharded(1, 0)
+    small = {"t": params["t"]}  # 1536 elements of a checkpoint of 2.4M: 73 candidates
+    tried = []
+    monkeypatch.setattr(probe_module, "_one_pass", lambda *a: tried.append(1))
+    extract_source_map(small, lambda w: load((n, t) for n, t in w if n in small), spec)
+    assert not tried

@@ -3,8 +3,9 @@
 A probe makes as many index passes as the checkpoint's indices have digits: two for a bf16
 checkpoint of up to about 2^28 elements, three beyond. When the first pass finds every
 parameter one run (a row-sharded or whole weight, `merge.one_run`'s case), each run's first
-index is known modulo that pass's modulus only: a few thousand candidates, one per residue
-class. The verification pass's pseudo-random checkpoint, loaded next, tells them apart: the
+index is known modulo that pass's modulus only: the candidates are the checkpoint's
+indices of that residue, a few thousand (`eligible` asks for few enough for the rank's
+size). The verification pass's pseudo-random checkpoint, loaded next, tells them apart: the
 candidate whose values at the run's first `PROBE_ELEMENTS` elements are the ones the
 parameter holds. `decode` picks it; the probe then builds the map and checks it against every
 element, as it checks any map (`verify.check_loaded`). A parameter that matches no candidate
@@ -31,18 +32,24 @@ from weightbridge.discovery.verify import bits_dtype, flat_view, on_host
 PROBE_ELEMENTS = 4
 """Elements of a run compared with each candidate: 64 bits of pseudo-random values for a
 16-bit dtype, against at most a few hundred thousand candidates."""
-MAX_CANDIDATES = 1 << 20
-"""Candidates per run at most (the checkpoint's elements over the first modulus): each is a
-few int64 temporaries; a checkpoint of more elements (beyond some 3 * 10^10 for a 16-bit
-dtype) takes its index passes."""
+ELEMENTS_PER_CANDIDATE = 64
+"""The decode reads about 50 ns per candidate here (parameters x checkpoint elements / the
+first modulus), a probe pass about 1 ns per element of the rank: at most one candidate per
+this many elements of the rank keeps the decode under one pass. (A rank of many parameters
+of a large checkpoint, an FSDP2 shard of a 30B model, takes its index passes.)"""
+BLOCK = 1 << 20
+"""Candidates read at once (a few int64 temporaries of this many: 8 MiB each)."""
 MIN_NUMEL = 4 * PROBE_ELEMENTS
 """A smaller parameter is not decoded this way: the check after it would repeat the elements
 its candidate was chosen by, and so check nothing more."""
 
 
-def eligible(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]]) -> bool:
-    """Every parameter one sourced run of a non-zero step in the first pass, and none too
-    small (`MIN_NUMEL`); empty parameters aside."""
+def eligible(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]],
+             numel: int, alpha_of: Callable[[torch.dtype], Alphabet]) -> bool:
+    """Every parameter one sourced run of a non-zero step in the first pass, none too small
+    (`MIN_NUMEL`), empty parameters aside; and few enough candidates for the rank
+    (`ELEMENTS_PER_CANDIDATE`) in a checkpoint of ``numel`` elements."""
+    candidates, elements = 0, 0
     for name, p in live.items():
         if not p.numel():
             continue
@@ -50,7 +57,9 @@ def eligible(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns
         if (p.numel() < MIN_NUMEL or first.start.numel() != 1
                 or int(first.digit[0]) == NO_SOURCE or not int(first.stride[0])):
             return False
-    return True
+        candidates += -(-numel // alpha_of(p.dtype).moduli[0])
+        elements += p.numel()
+    return candidates * ELEMENTS_PER_CANDIDATE <= elements
 
 
 def decode(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]],
@@ -60,35 +69,75 @@ def decode(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]]
     (``scans``, `eligible`) and the values ``checkpoint`` (loaded: the verification pass's
     `random_checkpoint`, views into one ring per dtype) left in it; None when a parameter
     matches no candidate or more than one. The step is the pass's residue step, signed:
-    a run whose true step differs from it by a multiple of the modulus matches nothing."""
+    a run whose true step differs from it by a multiple of the modulus matches nothing.
+    The candidates of all parameters of a dtype are matched at once (a few torch operations
+    per dtype, not per parameter)."""
     bases = torch.tensor(tindex.bases)
-    sizes = bases[1:] - bases[:-1]
     names = [t.name for t in tindex.tensors]
     rings = _rings(names, checkpoint)
-    out = {}
+    out: dict[str, tuple[int, int]] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
     for name, p in live.items():
-        if not p.numel():
-            continue
-        first = scans[name][0]
-        modulus = alpha_of(p.dtype).moduli[0]
-        step = int(first.stride[0])
-        step = step - modulus if step > modulus // 2 else step
-        if p.dtype not in rings:
+        if p.numel():
+            by_dtype.setdefault(p.dtype, []).append(name)
+    for dtype, group in by_dtype.items():
+        if dtype not in rings:
             return None
-        ring, offsets, same_dtype = rings[p.dtype]
-        cand = torch.arange(int(first.digit[0]), tindex.numel, modulus)
-        t = torch.searchsorted(bases, cand, right=True) - 1
-        off = cand - bases[t]
-        last = off + step * (p.numel() - 1)
-        ok = same_dtype[t] & (last >= 0) & (last < sizes[t])
-        cand, at = cand[ok], offsets[t[ok]] + off[ok]
-        span = step * torch.arange(PROBE_ELEMENTS)
-        predicted = ring[at[:, None] + span[None, :]]
-        match = (predicted == _first_bits(p)[None, :]).all(dim=1)
-        if int(match.sum()) != 1:
+        found = _decode_group([live[n] for n in group], [scans[n][0] for n in group],
+                              alpha_of(dtype).moduli[0], bases, tindex.numel, rings[dtype])
+        if found is None:
             return None
-        out[name] = (int(cand[match][0]), step)
+        out.update(zip(group, found))
     return out
+
+
+def _decode_group(params: list[torch.Tensor], firsts: list[PassRuns], modulus: int,
+                  bases: torch.Tensor, numel: int,
+                  ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                  ) -> list[tuple[int, int]] | None:
+    """`decode` of parameters of one dtype. Per checkpoint tensor, its part of the ring seen
+    as rows of ``modulus`` values: a parameter's candidates in it are one column (their
+    residue), so the first element's value is read for every parameter and a block of
+    tensors at once (a few operations per `BLOCK` candidates). That leaves about one
+    candidate in the alphabet's size; only those are checked further (in range, the first
+    `PROBE_ELEMENTS` elements)."""
+    bits, offsets, same_dtype = ring
+    steps = [int(f.stride[0]) for f in firsts]
+    steps = [s - modulus if s > modulus // 2 else s for s in steps]
+    digits = torch.tensor([int(f.digit[0]) for f in firsts])
+    seen = torch.stack([_first_bits(p) for p in params])
+    found, owners = [], []
+    tensors = torch.nonzero(same_dtype).squeeze(1)
+    sizes = bases[1:] - bases[:-1]
+    rows = int(-(-sizes[tensors].max() // modulus))
+    block = max(1, BLOCK // (rows * len(params)))
+    down = modulus * torch.arange(rows)
+    for ts in torch.split(tensors, block):  # [block, rows, parameters] at a time
+        column = (digits[None, :] - bases[ts][:, None]) % modulus  # residue in each tensor
+        off = column[:, None, :] + down[None, :, None]
+        at = (offsets[ts][:, None, None] + off).clamp(max=bits.numel() - 1)
+        hit = (bits[at] == seen[None, None, :, 0]) & (off < sizes[ts][:, None, None])
+        b, _, owner = torch.nonzero(hit, as_tuple=True)
+        found.append(bases[ts][b] + off[hit])
+        owners.append(owner)
+    if not found:
+        return None
+    cand, owner = torch.cat(found), torch.cat(owners)
+    order = torch.argsort(owner, stable=True)
+    cand, owner = cand[order], owner[order]
+    step = torch.tensor(steps)[owner]
+    t = torch.searchsorted(bases, cand, right=True) - 1
+    off = cand - bases[t]
+    last = off + step * (torch.tensor([p.numel() for p in params])[owner] - 1)
+    ok = (off < bases[t + 1] - bases[t]) & (last >= 0) & (last < bases[t + 1] - bases[t])
+    cand, owner, step = cand[ok], owner[ok], step[ok]
+    at = offsets[t[ok]] + off[ok]
+    predicted = bits[at[:, None] + step[:, None] * torch.arange(PROBE_ELEMENTS)[None, :]]
+    match = (predicted == seen[owner]).all(dim=1)
+    if not torch.equal(torch.bincount(owner[match], minlength=len(params)),
+                       torch.ones(len(params), dtype=torch.int64)):
+        return None
+    return list(zip(cand[match].tolist(), steps))  # (sorted by owner: one match each)
 
 
 def _rings(names: list[str], checkpoint: Mapping[str, torch.Tensor]

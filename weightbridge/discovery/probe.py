@@ -177,8 +177,8 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
         passes = _IndexPasses(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
                               alpha_of, verify)
         passes.run(0)
-        if verify and not casting and passes.count > 1 and one_pass.eligible(passes.live,
-                                                                             passes.scans):
+        if verify and not casting and passes.count > 1 and one_pass.eligible(
+                passes.live, passes.scans, tindex.numel, alpha_of):
             probed = _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes)
             if probed is not None:
                 return probed
@@ -294,9 +294,6 @@ def _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes: _I
     verification pass's checkpoint, pick each run's first index by the values it left, and
     check the map against every element. None (the probe goes on with its index passes) when
     a run matches no candidate or several, a piece joins two dtypes, or the check fails."""
-    if tindex.numel // min(alpha_of(p.dtype).moduli[0] for p in passes.live.values()) > (
-            one_pass.MAX_CANDIDATES):
-        return None
     passes.buffers.clear()  # (the index ring, freed before the random one is drawn)
     checkpoint = random_checkpoint(spec, ckpt_dtypes, negative=True)
     load_weights(iter(checkpoint.items()))
