@@ -33,12 +33,13 @@ PROBE_ELEMENTS = 4
 """Elements of a run compared with each candidate: 64 bits of pseudo-random values for a
 16-bit dtype, against at most a few hundred thousand candidates."""
 ELEMENTS_PER_CANDIDATE = 64
-"""The decode reads about 50 ns per candidate here (parameters x checkpoint elements / the
+"""The decode takes about 60 ns per candidate here (parameters x checkpoint elements / the
 first modulus), a probe pass about 1 ns per element of the rank: at most one candidate per
 this many elements of the rank keeps the decode under one pass. (A rank of many parameters
 of a large checkpoint, an FSDP2 shard of a 30B model, takes its index passes.)"""
-BLOCK = 1 << 20
-"""Candidates read at once (a few int64 temporaries of this many: 8 MiB each)."""
+BLOCK = 1 << 16
+"""Candidates read at once (a few int64 temporaries of this many: 512 KiB each; a bigger
+block measured no faster, each candidate's read of the ring being a cache miss)."""
 MIN_NUMEL = 4 * PROBE_ELEMENTS
 """A smaller parameter is not decoded this way: the check after it would repeat the elements
 its candidate was chosen by, and so check nothing more."""
