@@ -31,7 +31,7 @@ from weightbridge.discovery.verify import bits_dtype, flat_view, on_host
 
 PROBE_ELEMENTS = 4
 """Elements of a run compared with each candidate: 64 bits of pseudo-random values for a
-16-bit dtype, against at most a few hundred thousand candidates."""
+16-bit dtype, against a few million candidates at most (`ELEMENTS_PER_CANDIDATE`)."""
 ELEMENTS_PER_CANDIDATE = 64
 """The decode takes about 60 ns per candidate here (parameters x checkpoint elements / the
 first modulus), a probe pass about 1 ns per element of the rank: at most one candidate per
@@ -71,8 +71,7 @@ def decode(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]]
     `random_checkpoint`, views into one ring per dtype) left in it; None when a parameter
     matches no candidate or more than one. The step is the pass's residue step, signed:
     a run whose true step differs from it by a multiple of the modulus matches nothing.
-    The candidates of all parameters of a dtype are matched at once (a few torch operations
-    per dtype, not per parameter)."""
+    The candidates of all parameters of a dtype are matched together (`_decode_group`)."""
     bases = torch.tensor(tindex.bases)
     names = [t.name for t in tindex.tensors]
     rings = _rings(names, checkpoint)
@@ -85,7 +84,7 @@ def decode(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]]
         if dtype not in rings:
             return None
         found = _decode_group([live[n] for n in group], [scans[n][0] for n in group],
-                              alpha_of(dtype).moduli[0], bases, tindex.numel, rings[dtype])
+                              alpha_of(dtype).moduli[0], bases, rings[dtype])
         if found is None:
             return None
         out.update(zip(group, found))
@@ -93,8 +92,7 @@ def decode(live: Mapping[str, torch.Tensor], scans: Mapping[str, list[PassRuns]]
 
 
 def _decode_group(params: list[torch.Tensor], firsts: list[PassRuns], modulus: int,
-                  bases: torch.Tensor, numel: int,
-                  ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+                  bases: torch.Tensor, ring: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
                   ) -> list[tuple[int, int]] | None:
     """`decode` of parameters of one dtype. Per checkpoint tensor, its part of the ring seen
     as rows of ``modulus`` values: a parameter's candidates in it are one column (their
