@@ -48,8 +48,14 @@ host (``~`` is the home of the user each worker runs as)."""
 DEFAULT_PLAN_CACHE = "~/.cache/weightbridge/plans"
 """`TransferConfig.plan_cache` unless told otherwise: the user's cache directory on the host
 where connect runs (the controller, or the adapters' trainer 0)."""
-PEER_SHARE = 0.8
+PEER_SHARE = 0.7
 """`TransferConfig.peer_timeout_s` as a share of ``timeout_s``."""
+NOTICE_SHARE = 0.1
+"""`TransferConfig.notice_timeout_s` as a share of ``timeout_s``. With `PEER_SHARE` and the
+drain (a quarter of this), 0.825 of ``timeout_s`` is waiting; the rest (1.75 s of 10) is
+finding the lost worker, re-planning and, in sync mode, re-sending, which on a host loaded by
+other jobs took up to 1.2 s (a share of 0.8 left 0.75 s, and the error came up to 0.5 s
+late)."""
 
 
 class Mode(enum.Enum):
@@ -262,10 +268,11 @@ class TransferConfig:
     @property
     def notice_timeout_s(self) -> float:
         """How long a liveness check (`PeerCall.PING`) or a failure notice (``FAIL``,
-        ``FAILED``) may take: half of what `peer_timeout_s` leaves of ``timeout_s``. A step
-        that timed out is followed by one round of these, so a stall still surfaces, with the
-        lost worker named, within ``timeout_s``; the other half is left for re-planning."""
-        return (1 - PEER_SHARE) / 2 * self.timeout_s
+        ``FAILED``) may take: `NOTICE_SHARE` of ``timeout_s``. A step that timed out is
+        followed by one round of these, so a stall still surfaces, with the lost worker named,
+        within ``timeout_s``; what `peer_timeout_s`, this and the drain leave is for
+        re-planning."""
+        return NOTICE_SHARE * self.timeout_s
 
     @property
     def drain_timeout_s(self) -> float:
