@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from weightbridge import CheckpointSpec, LayoutError, extract_source_map
+from weightbridge.discovery import one_pass
 from weightbridge.discovery import probe as probe_module
 from weightbridge.discovery.codec import alphabet
 from weightbridge.types import TensorSpec
@@ -75,8 +76,8 @@ def test_a_run_whose_step_is_the_residue_step_plus_the_modulus_falls_back_and_is
     smap, loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
     (piece,) = [p for p in smap.pieces if p.param == "col"]
     assert (piece.region.start, piece.region.count) == ((0, 3), (64, 1))
-    assert loads == 4  # the index load, the verification load that decoded nothing, then
-    # the second index pass and the verification pass
+    assert loads == 5  # the index load, the verification load that decoded nothing, then
+    # both index passes (the first one's digits were overwritten) and the verification pass
 
 
 @pytest.mark.parametrize("change", [lambda t: t * 2, lambda t: -t, torch.abs])
@@ -113,6 +114,96 @@ def test_a_rank_of_too_many_candidates_for_its_size_takes_its_index_passes(monke
     params, load, spec = _row_sharded(1, 0)
     small = {"t": params["t"]}  # 1536 elements of a checkpoint of 2.4M: 73 candidates
     tried = []
-    monkeypatch.setattr(probe_module, "_one_pass", lambda *a: tried.append(1))
-    extract_source_map(small, lambda w: load((n, t) for n, t in w if n in small), spec)
-    assert not tried
+    monkeypatch.setattr(one_pass, "guess", lambda *a: tried.append(1))
+    load_weights, calls = _counting(lambda w: load((n, t) for n, t in w if n in small))
+    extract_source_map(small, load_weights, spec)
+    assert not tried and len(calls) == 3  # both index passes and the verification pass
+
+
+def _spec(extra=()):
+    return CheckpointSpec(tuple(TensorSpec(f"w{i}", (96, 1024), "bfloat16") for i in range(24))
+                          + tuple(extra))
+
+
+def _copying(params, place):
+    """A loader that copies checkpoint tensor ``name`` into ``params`` as ``place(name, t)``
+    says (a dict of parameter name -> value), zero for a parameter it does not name."""
+    def load(weights):
+        for name, t in weights:
+            for param, value in place(name, t).items():
+                params[param].copy_(value)
+    return load
+
+
+@pytest.mark.parametrize("layout", ["column shard", "transposed", "3-d view", "strided"])
+def test_a_rank_of_boxes_is_mapped_with_one_index_load_and_the_same_map(layout, monkeypatch):
+    """A row-parallel shard (a run a row), a transposed copy, a 3-d view of a tensor and a
+    parameter that is itself a strided view (of a wider buffer) are each one box: the first
+    pass's digits at a few elements give its residue and steps, the verification load its
+    first index."""
+    spec = _spec()
+    shape = {"column shard": (96, 256), "transposed": (1024, 96), "3-d view": (8, 12, 512),
+             "strided": (96, 2048)}
+    params = {f"w{i}": torch.zeros(shape[layout], dtype=torch.bfloat16) for i in range(24)}
+    if layout == "strided":
+        params = {n: p[:, :1024] for n, p in params.items()}
+    value = {"column shard": lambda t: t[:, 256:512], "transposed": lambda t: t.T,
+             "3-d view": lambda t: t[:, 512:].reshape(8, 12, 512), "strided": lambda t: t}[layout]
+    load = _copying(params, lambda name, t: {name: value(t)})
+    fast, fast_loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
+    slow, slow_loads = _probed(params, load, spec, one_pass=False, monkeypatch=monkeypatch)
+    assert fast == slow
+    assert (fast_loads, slow_loads) == (2, 3)
+
+
+def test_a_float32_parameter_in_a_bf16_rank_is_decoded_from_its_residue(monkeypatch):
+    """A float32 digit's modulus exceeds the checkpoint: its residue is its index."""
+    spec = _spec((TensorSpec("f", (64, 128), "float32"),))
+    params = {f"w{i}": torch.zeros(48, 1024, dtype=torch.bfloat16) for i in range(24)}
+    params["f"] = torch.zeros(32, 128, dtype=torch.float32)
+    load = _copying(params, lambda name, t: {name: t[:t.shape[0] // 2]})
+    fast, fast_loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
+    slow, _ = _probed(params, load, spec, one_pass=False, monkeypatch=monkeypatch)
+    assert fast == slow and fast_loads == 2
+
+
+@pytest.mark.parametrize("layout", ["fused", "padded"])
+def test_a_parameter_that_is_not_one_box_is_seen_before_the_verification_load(
+        layout, monkeypatch):
+    """A fused weight (rows of three tensors) or a padded one (zero rows at its end) is no
+    box at its sampled elements: the probe scans the first pass it has loaded and takes
+    its second, with no load spent on the one-pass decode."""
+    spec = _spec()
+    params = {f"w{i}": torch.zeros(96, 1024, dtype=torch.bfloat16) for i in range(3, 24)}
+    params["qkv" if layout == "fused" else "padded"] = torch.zeros(
+        (96, 1024) if layout == "fused" else (100, 1024), dtype=torch.bfloat16)
+
+    def place(name, t):
+        i = int(name[1:])
+        if i >= 3:
+            return {name: t}
+        if layout == "fused":
+            return {"qkv": torch.cat([params["qkv"][:32 * i], t[32 * i:32 * (i + 1)],
+                                      params["qkv"][32 * (i + 1):]])}
+        return {"padded": torch.cat([t, params["padded"][96:]])} if i == 0 else {}
+    load = _copying(params, place)
+    fast, fast_loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
+    slow, _ = _probed(params, load, spec, one_pass=False, monkeypatch=monkeypatch)
+    assert fast == slow and fast_loads == 3
+    if layout == "padded":
+        assert dict(fast.unsourced) == {"padded": 4 * 1024}
+
+
+def test_a_hole_the_samples_miss_fails_the_check_and_is_mapped_by_the_index_passes(
+        monkeypatch):
+    """One element the loader never writes, between the sampled ones: the guess holds, the
+    map of one box fails its check there (the element keeps the zero the first pass's fill
+    left), and the index passes map the hole."""
+    params, load, spec = _row_sharded(1, 0)
+
+    def holey(weights):
+        load(weights)
+        params["w5"][7, 101] = 0
+    fast, loads = _probed(params, holey, spec, one_pass=True, monkeypatch=monkeypatch)
+    assert dict(fast.unsourced) == {"w5": 1}
+    assert loads == 5  # the first index load, the decoding load, both index passes, the check

@@ -3,7 +3,8 @@
 `runs.Rings` proves a chunk is one slice-copy by comparing it with a ring of digits; here the
 chunks and the fast path's threshold are shrunk so that every zoo loader's parameters cross it,
 and the maps must equal those of the exact path alone. The scan reads parameters on a device
-chunk by chunk (the emulated device: no device memory of the probe's own); the probe runs its
+chunk by chunk (the emulated device: no device memory of the probe's own but a few dozen
+elements' reads); the probe runs its
 own steps on one torch thread and gives the loader, and the caller, their own.
 """
 
@@ -92,7 +93,9 @@ def test_device_parameters_are_read_back_in_chunks_with_no_device_memory(monkeyp
         base = emulated_cuda.memory.current
         emulated_cuda.memory.reset_peak()
         got = extract_source_map(params, load_weights, spec)
-        assert emulated_cuda.memory.peak == base
+        # (the one-pass guess reads a few dozen elements of a parameter at a time: their
+        # indices and values, freed at once)
+        assert emulated_cuda.memory.peak - base <= 1024
     assert got == want
 
 

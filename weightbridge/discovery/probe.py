@@ -3,7 +3,9 @@
 The loader is a black box. Each probe pass offers it the full checkpoint with every element set
 to a digit of its own index (`codec`), reads the parameters back, and keeps only where runs of
 indices begin (`runs`, `boxes`); parameters on a GPU are read back with one device-to-host copy
-per pass and decoded on the host, so the probe adds no device memory. A last pass loads a
+per pass and decoded on the host, so the probe adds no device memory (but for reads of a few
+dozen elements, `one_pass`). Where every parameter is one slice of one tensor, the first pass
+and the last tell the map (`one_pass`). A last pass loads a
 pseudo-random checkpoint of negative values (the index passes' are positive) and checks that
 the map reproduces every parameter bit-exactly, so a loader that changes values is refused
 here, before any transfer, instead of corrupting weights later.
@@ -47,8 +49,9 @@ from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, chec
 from weightbridge.discovery.merge import PassRuns, Runs, merge_passes, one_run
 from weightbridge.discovery.runs import CHUNK, Rings, scan_pass
 from weightbridge.discovery import one_pass
-from weightbridge.discovery.verify import (Bad, Before, check_loaded, coords, dtype_name,
-                                           fill_zero, flat_view, on_host, random_checkpoint)
+from weightbridge.discovery.verify import (RING_SPAN, Bad, Before, check_loaded, coords,
+                                           dtype_name, fill_zero, flat_view, on_host,
+                                           random_checkpoint, tile_into)
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -176,13 +179,11 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
     else:
         passes = _IndexPasses(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
                               alpha_of, verify)
-        passes.run(0)
-        if verify and not casting and passes.count > 1 and one_pass.eligible(
-                passes.live, passes.scans, tindex.numel, alpha_of):
+        if verify and not casting and passes.count > 1:
             probed = _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes)
             if probed is not None:
                 return probed
-        for k in range(1, passes.count):
+        for k in range(passes.scanned, passes.count):
             passes.run(k)
         live, scans = passes.live, passes.scans
     param_specs, pieces, unsourced, holes = [], [], [], {}
@@ -222,7 +223,8 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
                      tuple(t.name for t in spec.tensors if t.name not in used))
     if verify:
         bad = verify_map(smap, get, load_weights, spec, ckpt_dtypes, holes,
-                         Before.INDEX_DIGITS if scales is None else Before.SIGN_PASSES)
+                         Before.INDEX_DIGITS if scales is None else Before.SIGN_PASSES,
+                         buffers=None if scales is not None else passes.buffers)
         if bad:
             refuse(bad)
     return Probed(smap, tuple((name, tuple(zip(start.tolist(), length.tolist())))
@@ -241,8 +243,8 @@ def _row(p: torch.Tensor) -> int:
 
 
 class _IndexPasses:
-    """The index passes, one `run` at a time: the live parameters and, per parameter, its
-    passes' runs."""
+    """The index passes, one `run` (a `load` and its `scan`) at a time: the live parameters
+    and, per parameter, its scanned passes' runs."""
 
     def __init__(self, get, load_weights, spec, tindex, ckpt_dtypes, num_passes, alpha_of,
                  verify):
@@ -254,12 +256,17 @@ class _IndexPasses:
         self.shapes, self.rings, self.holes = None, Rings(), True
         self.buffers: dict[torch.dtype, torch.Tensor] = {}  # each dtype's ring, every pass
         self.live: Params = {}
+        self.scanned = 0
 
     @property
     def count(self) -> int:
         return max(self.num_passes.values())
 
     def run(self, k: int) -> None:
+        self.load(k)
+        self.scan(k)
+
+    def load(self, k: int) -> None:
         if self.holes or not self.verify:
             # Zero shows where the loader writes nothing. Once the first pass found it writes
             # every element, later index passes skip the fill: an element a later load leaves
@@ -270,6 +277,10 @@ class _IndexPasses:
                                             self.num_passes, k, self.alpha_of, self.buffers))
         self.live = checked_params(self.get(), self.shapes)
         self.shapes = {n: (tuple(p.shape), p.dtype) for n, p in self.live.items()}
+
+    def scan(self, k: int) -> None:
+        """Scan pass ``k``, loaded last (`load`)."""
+        assert k == self.scanned, (k, self.scanned)
         for name, p in self.live.items():
             alpha = self.alpha_of(p.dtype)
             if k < self.num_passes[p.dtype] and p.numel():
@@ -278,6 +289,7 @@ class _IndexPasses:
                                                   self.rings))
         self.holes = any(bool((runs.digit == NO_SOURCE).any())
                          for passes in self.scans.values() for runs in passes[-1:])
+        self.scanned += 1
 
 
 def _scanned(p: torch.Tensor) -> torch.Tensor:
@@ -290,21 +302,29 @@ def _scanned(p: torch.Tensor) -> torch.Tensor:
 
 def _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes: _IndexPasses
               ) -> Probed | None:
-    """After a first index pass that found every parameter one run (`one_pass`): load the
-    verification pass's checkpoint, pick each run's first index by the values it left, and
-    check the map against every element. None (the probe goes on with its index passes) when
-    a run matches no candidate or several, a piece joins two dtypes, or the check fails."""
-    passes.buffers.clear()  # (the index ring, freed before the random one is drawn)
-    checkpoint = random_checkpoint(spec, ckpt_dtypes, negative=True)
+    """The first index load, and where every parameter is one box there (`one_pass.guess`,
+    read at a few elements, no scan): load the verification pass's checkpoint, pick each box's
+    first index by the values it left, and check the map against every element. None when the
+    probe must take its index passes: with pass 0 scanned when a parameter is no box, else
+    with nothing scanned (a box matches no candidate or several, a piece joins two dtypes, or
+    the check fails: the verification load has overwritten the first pass's digits)."""
+    if not one_pass.few_candidates(checked_params(get(), None), tindex.numel, alpha_of):
+        return None
+    passes.load(0)
+    boxes = one_pass.guess(passes.live, alpha_of)
+    if boxes is None:
+        passes.scan(0)
+        return None
+    checkpoint = random_checkpoint(spec, ckpt_dtypes, negative=True, buffers=passes.buffers)
     load_weights(iter(checkpoint.items()))
     live = checked_params(get(), passes.shapes)
-    runs = one_pass.decode(live, passes.scans, alpha_of, tindex, checkpoint)
-    if runs is None:
+    found = one_pass.decode(live, boxes, alpha_of, tindex, checkpoint)
+    if found is None:
         return None
     pieces = []
-    for name, p in live.items():
-        if name in runs:
-            pieces += _pieces(name, run_box(*runs[name], p.numel(), _row(p)), tindex)
+    for name in live:
+        if name in found:
+            pieces += _pieces(name, boxes[name].boxes(found[name]), tindex)
     if _check_dtypes(pieces, live, spec) is not None:
         return None
     used = {p.region.tensor for p in pieces}
@@ -385,20 +405,12 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
             buf = buffers.get(dtype)
             if buf is None or buf.numel() < p + largest:
-                buf = buffers[dtype] = torch.empty(p + largest, dtype=dtype)
-            rings[dtype] = (_tile_into(buf[:p + largest], _encoded(0, p, alpha, p)), p)
+                # (big enough for the verification pass's ring too, which reuses it)
+                buf = buffers[dtype] = torch.empty(max(p, RING_SPAN) + largest, dtype=dtype)
+            rings[dtype] = (tile_into(buf[:p + largest], _encoded(0, p, alpha, p)), p)
         ring, _ = rings[dtype]
         start = base % p
         yield t.name, ring[start:start + t.numel].view(t.shape)
-
-
-def _tile_into(out: torch.Tensor, period: torch.Tensor) -> torch.Tensor:
-    """``out`` filled with ``period`` repeated (converted to its dtype): one memcpy-speed pass."""
-    p, n = period.numel(), out.numel()
-    reps = n // p
-    out[:reps * p].view(reps, p).copy_(period.expand(reps, p))
-    out[reps * p:].copy_(period[:n - reps * p])
-    return out
 
 
 def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:

@@ -43,7 +43,7 @@ Params = Mapping[str, torch.Tensor]
 LoadWeights = Callable[[Iterable[tuple[str, torch.Tensor]]], object]
 
 _VERIFY_SEED = 0x5EED
-_RING_SPAN = 65_521
+RING_SPAN = 65_521
 """Random verification tensors are views into one random ring at offsets below this."""
 _RANDOM_PERIOD = (1 << 20) + 7
 """Period of the random ring: odd, so rows of power-of-two tensors never line up with it."""
@@ -81,13 +81,18 @@ class Bad(NamedTuple):
 
 def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
                       casts: dict[torch.dtype, set[torch.dtype]] | None = None, *,
-                      negative: bool = False, seed: int = _VERIFY_SEED
+                      negative: bool = False, seed: int = _VERIFY_SEED,
+                      buffers: dict[torch.dtype, torch.Tensor] | None = None
                       ) -> dict[str, torch.Tensor]:
     """Pseudo-random safe values of both signs (``negative``: negative ones only): views into
     one random ring per dtype at scattered offsets. ``casts`` maps a checkpoint dtype to the
     parameter dtypes a loader casts it to; their ties and subnormals are mixed into that
-    dtype's ring (with the sign of the values they replace)."""
+    dtype's ring (with the sign of the values they replace). ``buffers`` (the index passes'
+    rings, by dtype): each ring is written into its dtype's buffer where that is big enough,
+    else into a new one kept there (fresh memory cost the probe of a small rank as much in
+    page faults as a load)."""
     gen = torch.Generator().manual_seed(seed)
+    buffers = {} if buffers is None else buffers
     rings: dict[torch.dtype, torch.Tensor] = {}
     out = {}
     for i, t in enumerate(spec.tensors):
@@ -95,16 +100,33 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
         if dtype not in rings:
             alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            # A small checkpoint needs no 1M-value period: one longer than twice the span
-            # (tensor offsets, below the span, never coincide) and than its largest tensor
-            # (values never repeat inside one) will do, odd as the long one.
-            size = min(_RANDOM_PERIOD, max(2 * _RING_SPAN + 1, largest | 1))
-            period = _draw(size, alpha, negative, gen)
+            period = _draw(random_period(largest), alpha, negative, gen)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
-            rings[dtype] = period.repeat(-(-(largest + _RING_SPAN) // size))
-        start = (i * 40_503 + 17) % _RING_SPAN
+            buf = buffers.get(dtype)
+            if buf is None or buf.numel() < largest + RING_SPAN:
+                buf = buffers[dtype] = torch.empty(largest + RING_SPAN, dtype=dtype)
+            rings[dtype] = tile_into(buf[:largest + RING_SPAN], period)
+        start = (i * 40_503 + 17) % RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
+    return out
+
+
+def random_period(largest: int) -> int:
+    """The period of the random ring of a dtype whose largest tensor has ``largest``
+    elements: `random_checkpoint`'s ring repeats every this many values from its start."""
+    # A small checkpoint needs no 1M-value period: one longer than twice the span (tensor
+    # offsets, below the span, never coincide) and than its largest tensor (values never
+    # repeat inside one) will do, odd as the long one.
+    return min(_RANDOM_PERIOD, max(2 * RING_SPAN + 1, largest | 1))
+
+
+def tile_into(out: torch.Tensor, period: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with ``period`` repeated (converted to its dtype): one memcpy-speed pass."""
+    p, n = period.numel(), out.numel()
+    reps = n // p
+    out[:reps * p].view(reps, p).copy_(period.expand(reps, p))
+    out[reps * p:].copy_(period[:n - reps * p])
     return out
 
 
@@ -159,7 +181,8 @@ def _mantissa(dtype: torch.dtype) -> int:
 
 def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights,
            spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
-           holes: dict[str, tuple[torch.Tensor, torch.Tensor]], before: Before) -> Bad | None:
+           holes: dict[str, tuple[torch.Tensor, torch.Tensor]], before: Before, *,
+           buffers: dict[torch.dtype, torch.Tensor] | None = None) -> Bad | None:
     """Load a pseudo-random checkpoint through load_weights; the map must reproduce it, and
     the unsourced elements (``holes``: per parameter, its (first element, count) ranges)
     must hold zero.
@@ -168,7 +191,7 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
     zeroed first (module docstring). After the index passes (`Before.INDEX_DIGITS`) they
     hold a positive digit in every element the map sources and zero in every other (or the
     loader's own non-value, which the holes check refuses), so nothing is zeroed: one write
-    of the rank fewer."""
+    of the rank fewer. ``buffers``: the index passes' rings (`random_checkpoint`)."""
     negative = before is Before.INDEX_DIGITS
     casts: dict[torch.dtype, set[torch.dtype]] = {}
     for piece in smap.pieces:
@@ -178,7 +201,8 @@ def verify(smap: SourceMap, get: Callable[[], Params], load_weights: LoadWeights
     # A kept map's check draws afresh: the parameters may still hold this seed's values from
     # an earlier check or probe in this process, which a skipped element would then match.
     seed = secrets.randbits(63) if before is Before.ANYTHING else _VERIFY_SEED
-    checkpoint = random_checkpoint(spec, dtypes, casts, negative=negative, seed=seed)
+    checkpoint = random_checkpoint(spec, dtypes, casts, negative=negative, seed=seed,
+                                   buffers=buffers)
     blocks = {p.region.tensor: p.block for p in smap.pieces
               if p.block and scaled_tensor(p.region.tensor) is None}
     for i, (name, block) in enumerate(sorted(blocks.items())):  # quantized: telling values
