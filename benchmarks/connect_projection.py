@@ -54,8 +54,8 @@ _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8
 def throughput(checkpoint_mib: int = 1024) -> tuple[float, float, int]:
     """(probe bytes/s, verification bytes/s, peak extra host bytes of the probe). The probe
     makes its index passes: the deployments' ranks hold fused and stacked parameters, which
-    the one-pass decode of a rank of one slice-copies (`weightbridge.discovery.one_pass`)
-    does not apply to, so it is kept out of this measurement."""
+    the one-pass decode of a rank of boxes (`weightbridge.discovery.one_pass`) does not apply
+    to, so it is kept out of this measurement."""
     torch.set_num_threads(1)
     rank = ShardedRank(checkpoint_mib, 1, 0, "cpu")
     base = PeakRss.now()

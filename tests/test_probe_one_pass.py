@@ -1,6 +1,7 @@
-"""One index pass where every parameter is one slice-copy (`weightbridge.discovery.one_pass`):
-the verification load picks each run's first index among the first pass's candidates, and the
-map is checked against every element as any probe's is; anything else falls back to the index
+"""One index pass where every parameter is one box (`weightbridge.discovery.one_pass`): the
+first pass's digits at a few elements guess each box, the verification load picks its first
+index, and the map is checked against every element as any probe's is; a parameter that is
+no box is seen before the verification load, and anything else falls back to the index
 passes. Pure torch, no Monarch."""
 
 import pytest

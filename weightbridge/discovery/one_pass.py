@@ -9,8 +9,10 @@ mod p_0, which `guess` reads off a few elements and checks at `SAMPLES` more, wi
 the parameter: g is known modulo p_0, each step c_j as its residue (taken signed). The
 candidates for g are the checkpoint's indices of that residue, a few thousand
 (`few_candidates` asks for few enough for the rank's size). The verification pass's
-pseudo-random checkpoint, loaded next, tells them apart: `decode` picks the candidate whose
-values at the parameter's first `PROBE_ELEMENTS` elements are the ones it holds. The probe
+pseudo-random checkpoint, loaded next, tells them apart: its values repeat with the ring's
+period, so the positions of the ring holding the parameter's first value and g's residue fix
+g within each tensor (`_candidates`), and `decode` picks the candidate whose values at the
+parameter's first `PROBE_ELEMENTS` elements are the ones it holds. The probe
 then checks the map against every element, as it checks any map (`verify.check_loaded`), so a
 guess the samples missed being wrong (a hole, a second tensor) is refused there: a parameter
 that matches no candidate or more than one, or a check that fails, gives None, and the probe
@@ -39,12 +41,14 @@ from weightbridge.discovery.verify import bits_dtype, flat_view, on_host, random
 
 PROBE_ELEMENTS = 4
 """Elements of a parameter compared with each candidate: 64 bits of pseudo-random values for a
-16-bit dtype, against a few million candidates at most (`ELEMENTS_PER_CANDIDATE`)."""
+16-bit dtype, against a few candidates a parameter (`_candidates`)."""
 ELEMENTS_PER_CANDIDATE = 64
-"""The decode takes about 60 ns per candidate here (parameters x checkpoint elements / the
-first modulus), a probe pass about 1 ns per element of the rank: at most one candidate per
-this many elements of the rank keeps the decode under one pass. (A rank of many parameters
-of a large checkpoint, an FSDP2 shard of a 30B model, takes its index passes.)"""
+"""A parameter's residue candidates are the checkpoint's elements over the first modulus; the
+odds that its true one shares its ring position with another (and so cannot be told apart:
+the probe then takes its index passes, the two loads of the attempt lost) are about those
+candidates over the ring's period. A rank with more than one candidate per this many of its
+elements holds a small part of a large checkpoint in many parameters (an FSDP2 shard of a
+30B model), where those odds add up: it takes its index passes at once."""
 MIN_NUMEL = 4 * PROBE_ELEMENTS
 """A smaller parameter is not decoded this way: the check after it would repeat the elements
 its candidate was chosen by, and so check nothing more."""
@@ -89,9 +93,11 @@ class Box:
             dims = [(1, 1, 1)]
         merged = [dims[0]]
         for n, c, p in dims[1:-1]:
-            on, oc, op = merged[-1]
-            merged[-1:] = [(on * n, c, p)] if (oc, op) == (n * c, n * p) else [merged[-1],
-                                                                                (n, c, p)]
+            outer, oc, op = merged[-1]
+            if (oc, op) == (n * c, n * p):  # the outer dim continues this one
+                merged[-1] = (outer * n, c, p)
+            else:
+                merged.append((n, c, p))
         if len(dims) > 1:
             merged.append(dims[-1])
         return Boxes(torch.tensor([0]), torch.tensor([index]),
