@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterator, NoReturn
 
 import torch
+import torch.distributed
 
 from weightbridge.discovery.boxes import (Boxes, TensorIndex, box_to_pieces, group_boxes,
                                           run_box)
@@ -179,7 +180,7 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
     else:
         passes = _IndexPasses(get, load_weights, spec, tindex, ckpt_dtypes, num_passes,
                               alpha_of, verify)
-        if verify and not casting and passes.count > 1:
+        if verify and not casting and passes.count > 1 and not _in_lockstep():
             probed = _one_pass(get, load_weights, spec, tindex, ckpt_dtypes, alpha_of, passes)
             if probed is not None:
                 return probed
@@ -229,6 +230,15 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
             refuse(bad)
     return Probed(smap, tuple((name, tuple(zip(start.tolist(), length.tolist())))
                               for name, (start, length) in holes.items()))
+
+
+def _in_lockstep() -> bool:
+    """Whether this process is in a torch.distributed group. Its loader may then be
+    collective (torchtitan's loads redistribute DTensors), and every rank must make the same
+    loads in the same order; whether the one-pass decode applies (`one_pass.guess`, a
+    decode) is each rank's own finding, so such a probe takes its index passes, whose number
+    follows the checkpoint alone."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _row(p: torch.Tensor) -> int:
