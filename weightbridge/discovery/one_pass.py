@@ -89,8 +89,6 @@ class Box:
         parameter's rows, as `boxes.run_box` gives for one run)."""
         dims = [(n, s, math.prod(self.shape[j + 1:]))
                 for j, (n, s) in enumerate(zip(self.shape, self.steps)) if n > 1]
-        if not dims:
-            dims = [(1, 1, 1)]
         merged = [dims[0]]
         for n, c, p in dims[1:-1]:
             outer, oc, op = merged[-1]
