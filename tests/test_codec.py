@@ -85,19 +85,40 @@ def test_signed_values_are_finite_normal_numbers_negated_where_asked(dtype):
 
 @pytest.mark.parametrize("negative", [False, True], ids=["both signs", "negative"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_the_verification_draw_gives_signed_values_of_its_draws(dtype, negative):
-    """`verify._draw` looks 8- and 16-bit values up in a table: the same values, bit for bit,
-    as `signed_values` of the same generator's draws (one draw: magnitude and sign)."""
+def test_the_verification_draw_gives_signed_values_of_its_words(dtype, negative):
+    """`verify._draw`: value ``j`` is `signed_values` of the draw its word
+    ``a[j mod 1021] ^ b[j mod q]`` scales to (8- and 16-bit values looked up in a table, bit
+    for bit the same), one draw giving magnitude and sign."""
     alpha = codec.alphabet(dtype)
-    size = 3 * verify._DRAW_CHUNK + 5  # several chunks and a partial one
-    got = verify._draw(size, alpha, negative, torch.Generator().manual_seed(7))
-    gen, want = torch.Generator().manual_seed(7), []
-    for lo in range(0, size, verify._DRAW_CHUNK):
-        draws = torch.randint(0, 2 * alpha.size, (min(size, lo + verify._DRAW_CHUNK) - lo,),
-                              generator=gen)
-        below = draws >= alpha.size
-        want.append(codec.signed_values(draws - below * alpha.size,
-                                        torch.ones_like(below) if negative else below, alpha))
+    size = verify.random_period(1)
+    got = verify._draw(torch.empty(size, dtype=dtype), alpha, negative,
+                       torch.Generator().manual_seed(7))
+    gen, wide = torch.Generator().manual_seed(7), alpha.size > verify._TABLE_MAX
+    q = size // 1021
+    a, b = (torch.randint(0, 1 << (32 if wide else 16), (n,), generator=gen) for n in (1021, q))
+    j = torch.arange(size)
+    words = a[j % 1021] ^ b[j % q]
+    span = 2 * alpha.size
+    draws = (words >> 2) * span >> 30 if wide else words * span >> 16
+    below = draws >= alpha.size
+    want = codec.signed_values(draws - below * alpha.size,
+                               torch.ones_like(below) if negative else below, alpha)
     bits = alpha.bits_dtype
-    assert torch.equal(got.view(bits), torch.cat(want).view(bits))
+    assert torch.equal(got.view(bits), want.view(bits))
     assert bool((got.float() < 0).all()) if negative else bool((got.float() > 0).any())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_verification_ring_shows_a_wrong_offset_at_almost_every_element(dtype):
+    """A map off by any offset but a multiple of the period predicts another value at all but
+    about one element in 2^16 (the short rings' own periods and a power of two included), and
+    the ring takes every value of both signs."""
+    alpha = codec.alphabet(dtype)
+    size = verify.random_period(1 << 22)
+    ring = verify._draw(torch.empty(size, dtype=dtype), alpha, False,
+                        torch.Generator().manual_seed(3)).view(alpha.bits_dtype)
+    assert ring.unique().numel() == 2 * alpha.size
+    q = size // 1021
+    for shift in (1, 2, 1021, q, 4096, 2 * 1021, 1021 * 7 + 3):
+        same = (ring == ring.roll(shift)).float().mean().item()
+        assert same < 1e-3, (shift, same)

@@ -50,9 +50,9 @@ from weightbridge.discovery.inputs import (LoadWeights, Params, check_spec, chec
 from weightbridge.discovery.merge import PassRuns, Runs, merge_passes, one_run
 from weightbridge.discovery.runs import CHUNK, Rings, scan_pass
 from weightbridge.discovery import one_pass
-from weightbridge.discovery.verify import (RING_SPAN, Bad, Before, check_loaded, coords,
+from weightbridge.discovery.verify import (Bad, Before, check_loaded, coords,
                                            dtype_name, fill_zero, flat_view, on_host,
-                                           random_checkpoint, tile_into)
+                                           random_checkpoint, repeat_period, ring_numel)
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -416,8 +416,10 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
             buf = buffers.get(dtype)
             if buf is None or buf.numel() < p + largest:
                 # (big enough for the verification pass's ring too, which reuses it)
-                buf = buffers[dtype] = torch.empty(max(p, RING_SPAN) + largest, dtype=dtype)
-            rings[dtype] = (tile_into(buf[:p + largest], _encoded(0, p, alpha, p)), p)
+                buf = buffers[dtype] = torch.empty(max(p + largest, ring_numel(largest)),
+                                                   dtype=dtype)
+            buf[:p] = _encoded(0, p, alpha, p)
+            rings[dtype] = (repeat_period(buf[:p + largest], p), p)
         ring, _ = rings[dtype]
         start = base % p
         yield t.name, ring[start:start + t.numel].view(t.shape)

@@ -29,9 +29,11 @@ block maxima are known, salted with values that tell the engine's formula from i
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 from typing import Callable, Iterable, Mapping, NamedTuple
 
+import numpy as np
 import torch
 
 from weightbridge.discovery.codec import BITS_DTYPE, Alphabet, alphabet, signed_values
@@ -46,9 +48,12 @@ _VERIFY_SEED = 0x5EED
 RING_SPAN = 65_521
 """Random verification tensors are views into one random ring at offsets below this."""
 _RANDOM_PERIOD = (1 << 20) + 7
-"""Period of the random ring: odd, so rows of power-of-two tensors never line up with it."""
+"""The random ring's period, at most about this (`random_period`)."""
+_SHORT_PERIOD = 1021
+"""The random ring is the sum of two short random rings of prime periods, this one and one
+near P / 1021 (`_draw`)."""
 _DRAW_CHUNK = 1 << 16
-"""Random values drawn at once (their int64 temporaries: 512 KiB each)."""
+"""A 32-bit alphabet's draws converted at once (their int64 temporaries: 512 KiB each)."""
 _TIE_EVERY, _SUBNORMAL_EVERY = 5, 35
 """In the ring of a cast source dtype: every 5th value is a rounding tie of each target dtype,
 every 35th (never a tie) lies in its subnormal range."""
@@ -98,67 +103,102 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
     for i, t in enumerate(spec.tensors):
         dtype = dtypes[t.name]
         if dtype not in rings:
-            alpha = alphabet(dtype)
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            period = _draw(random_period(largest), alpha, negative, gen)
+            n = ring_numel(largest)
+            buf = buffers.get(dtype)
+            if buf is None or buf.numel() < n:
+                buf = buffers[dtype] = torch.empty(n, dtype=dtype)
+            # One period drawn into the ring's start, then repeated: no memory of its own.
+            period = _draw(buf[:random_period(largest)], alphabet(dtype), negative, gen)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
-            buf = buffers.get(dtype)
-            if buf is None or buf.numel() < largest + RING_SPAN:
-                buf = buffers[dtype] = torch.empty(largest + RING_SPAN, dtype=dtype)
-            rings[dtype] = tile_into(buf[:largest + RING_SPAN], period)
+            rings[dtype] = repeat_period(buf[:n], period.numel())
         start = (i * 40_503 + 17) % RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
     return out
 
 
+def ring_numel(largest: int) -> int:
+    """Elements of the random ring of a dtype whose largest tensor has ``largest`` elements:
+    a view of every tensor at its offset below `RING_SPAN`, and one whole period (the index
+    passes' rings, shorter, are written into the same buffer)."""
+    return max(random_period(largest), largest + RING_SPAN)
+
+
 def random_period(largest: int) -> int:
     """The period of the random ring of a dtype whose largest tensor has ``largest``
-    elements: `random_checkpoint`'s ring repeats every this many values from its start."""
+    elements: `random_checkpoint`'s ring repeats every this many values from its start. The
+    product of two odd primes (`_draw`), coprime to every modulus of an index pass."""
     # A small checkpoint needs no 1M-value period: one longer than twice the span (tensor
     # offsets, below the span, never coincide) and than its largest tensor (values never
-    # repeat inside one) will do, odd as the long one.
-    return min(_RANDOM_PERIOD, max(2 * RING_SPAN + 1, largest | 1))
+    # repeat inside one) will do; odd, so rows of power-of-two tensors never line up with it.
+    wanted = min(_RANDOM_PERIOD, max(2 * RING_SPAN + 1, largest | 1))
+    return _SHORT_PERIOD * _prime_from(-(-wanted // _SHORT_PERIOD))
 
 
-def tile_into(out: torch.Tensor, period: torch.Tensor) -> torch.Tensor:
-    """``out`` filled with ``period`` repeated (converted to its dtype): one memcpy-speed pass."""
-    p, n = period.numel(), out.numel()
-    reps = n // p
-    out[:reps * p].view(reps, p).copy_(period.expand(reps, p))
-    out[reps * p:].copy_(period[:n - reps * p])
-    return out
+def _prime_from(n: int) -> int:
+    """The least prime >= n other than `_SHORT_PERIOD`."""
+    while n == _SHORT_PERIOD or any(n % d == 0 for d in range(2, math.isqrt(n) + 1)):
+        n += 1
+    return n
+
+
+def repeat_period(ring: torch.Tensor, period: int) -> torch.Tensor:
+    """``ring`` past its first ``period`` elements filled with them repeated, in place: memcpy
+    of the part filled so far onto the next, doubling it each time."""
+    done = period
+    while done < ring.numel():
+        n = min(done, ring.numel() - done)
+        ring[done:done + n].copy_(ring[:n])
+        done += n
+    return ring
 
 
 _TABLE_MAX = 1 << 16
 """Alphabets of at most this many values (the 8- and 16-bit dtypes') draw through a table."""
 
 
-def _draw(size: int, alpha: Alphabet, negative: bool, gen: torch.Generator) -> torch.Tensor:
-    """``size`` pseudo-random safe values of the alphabet (of both signs, or ``negative``
-    ones only). One draw gives magnitude and sign: draws of the alphabet's size and above are
-    negative. For 8- and 16-bit alphabets every value a draw can give is tabled once and each
-    draw looked up (one gather instead of some eight int64 operations: 4 ms instead of 9 ms
-    for the 1M-value ring here), the same values as `signed_values` of the draws."""
-    out = torch.empty(size, dtype=alpha.dtype)
-    table = None
-    if alpha.size <= _TABLE_MAX:
-        # (in 32 bits: the table of a 16-bit alphabet is built in 0.5 MiB, not 2.5 MiB of
-        # int64 temporaries, most of a tiny rank's probe memory)
-        positive = torch.arange(alpha.first_normal, alpha.first_normal + alpha.size,
-                                dtype=torch.int32)
+def _draw(out: torch.Tensor, alpha: Alphabet, negative: bool, gen: torch.Generator
+          ) -> torch.Tensor:
+    """``out``, one period (`random_period`) of the alphabet's dtype, filled with
+    pseudo-random safe values of the alphabet (of both signs, or ``negative`` ones only).
+
+    Value ``j`` comes from the word ``a[j mod 1021] ^ b[j mod q]`` of two short rings of
+    uniform random words (16 bits for 8- and 16-bit alphabets, else 32), the period being
+    ``1021 * q``:
+    each word is uniform, and a wrong offset that is no multiple of the period shows another
+    word at an element but one time in 2^16. The word scales to a draw below twice the
+    alphabet's size (``word * D >> bits``; at most one draw in D/2^16 twice as likely), and
+    draws of the alphabet's size and above are negative: the same values as `signed_values`
+    of the draws. (Some 2,000 words from torch's generator and two broadcasts, where a
+    million int64 draws took 12-18 ms, most of a small rank's probe.)"""
+    size = out.numel()
+    q = size // _SHORT_PERIOD
+    assert q * _SHORT_PERIOD == size and q != _SHORT_PERIOD, size
+    wide = alpha.size > _TABLE_MAX
+    word = np.uint32 if wide else np.uint16
+    a, b = (torch.randint(0, 1 << (32 if wide else 16), (n,), generator=gen).numpy().astype(word)
+            for n in (_SHORT_PERIOD, q))
+    words = np.empty(size, dtype=word)
+    words.reshape(q, _SHORT_PERIOD)[:] = a  # words[j] = a[j mod 1021]
+    np.bitwise_xor(words.reshape(_SHORT_PERIOD, q), b, out=words.reshape(_SHORT_PERIOD, q))
+    span = 2 * alpha.size
+    if not wide:
+        # Every word's value, tabled (in 32 bits: 0.5 MiB of temporaries for a 16-bit alphabet).
+        positive = np.arange(alpha.first_normal, alpha.first_normal + alpha.size,
+                             dtype=np.int32)
         signed = positive - (1 << (8 * alpha.dtype.itemsize - 1))  # the sign bit set
-        table = torch.cat([signed if negative else positive, signed]).to(alpha.bits_dtype)
-        bits = out.view(alpha.bits_dtype)
+        bits = out.view(alpha.bits_dtype).numpy()
+        values = np.concatenate([signed if negative else positive, signed]).astype(bits.dtype)
+        table = values[(np.arange(1 << 16, dtype=np.uint32) * span) >> 16]
+        np.take(table, words, out=bits, mode="clip")  # (in range: "clip" skips a buffer)
+        return out
     for lo in range(0, size, _DRAW_CHUNK):  # int64 temporaries stay small
-        hi = min(size, lo + _DRAW_CHUNK)
-        draws = torch.randint(0, 2 * alpha.size, (hi - lo,), generator=gen)
-        if table is not None:
-            torch.index_select(table, 0, draws, out=bits[lo:hi])
-            continue
+        draws = (torch.from_numpy(words[lo:lo + _DRAW_CHUNK].astype(np.int64)) >> 2) * span >> 30
         upper = draws >= alpha.size
-        out[lo:hi] = signed_values(draws - upper * alpha.size,
-                                   upper.fill_(True) if negative else upper, alpha)
+        out[lo:lo + draws.numel()] = signed_values(draws - upper * alpha.size,
+                                                   upper.fill_(True) if negative else upper,
+                                                   alpha)
     return out
 
 
