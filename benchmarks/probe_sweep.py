@@ -6,9 +6,10 @@ column-parallel vLLM layer does) and, in the same process, times one plain ``loa
 pre-built checkpoint tensors (best of five) and samples the process's resident memory (every
 2 ms) during the probe, all on one torch thread (`THREADS`). The parameters hold real values
 before the probe (their pages are touched), so the extra memory is the probe's own. A fresh
-process per row: memory one row freed cannot hide the next row's.
+process per run of a row: memory one run freed cannot hide the next one's.
 
-Each row prints one line, ``ROW {...}``; the parent collects them into the table. On the
+Each run prints one line, ``ROW {...}``; the parent runs each row three times and shows the run
+of the median ratio, the range of the ratios, and the highest memory of the three. On the
 emulated CUDA device (`weightbridge.testing.emulated_cuda`) the parameters' values live in host
 memory; its times include the emulation's overhead and say nothing about a GPU.
 """
@@ -140,19 +141,29 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def run_sweep(script: str, rows=SWEEP) -> list[dict]:
-    """Every row in a fresh process (``script --row device,mib,tp,split``); prints each as
-    it ends."""
+def run_sweep(script: str, rows=SWEEP, runs: int = 3) -> list[dict]:
+    """Every row ``runs`` times, each in a fresh process (``script --row
+    device,mib,tp,split``); prints each row as it ends: the run of the median ratio, the
+    ratios' range, and the highest memory of the runs. (One run a row read 4.2 and then 7.2
+    for the same rank on this shared host.)"""
     out = []
     for device, mib, tp, split in rows:
-        proc = subprocess.run([sys.executable, script, "--row", f"{device},{mib},{tp},{split}"],
-                              capture_output=True, text=True, env=dict(os.environ))
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
-        if proc.returncode or line is None:
-            raise RuntimeError(f"sweep row {device},{mib},{tp},{split} failed:\n"
-                               f"{proc.stderr[-3000:]}")
-        out.append(json.loads(line[4:]))
-        print(format_row(out[-1]), flush=True)
+        got = []
+        for _ in range(runs):
+            proc = subprocess.run([sys.executable, script, "--row",
+                                   f"{device},{mib},{tp},{split}"],
+                                  capture_output=True, text=True, env=dict(os.environ))
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("ROW ")), None)
+            if proc.returncode or line is None:
+                raise RuntimeError(f"sweep row {device},{mib},{tp},{split} failed:\n"
+                                   f"{proc.stderr[-3000:]}")
+            got.append(json.loads(line[4:]))
+        got.sort(key=lambda r: r["probe_s"] / r["load_s"])
+        row = dict(got[len(got) // 2], ratios=[r["probe_s"] / r["load_s"] for r in got],
+                   host_bytes=max(r["host_bytes"] for r in got),
+                   device_bytes=max(r["device_bytes"] for r in got))
+        out.append(row)
+        print(format_row(row), flush=True)
     return out
 
 
@@ -168,12 +179,13 @@ def format_row(r: dict) -> str:
         verdict = "(under 8 MiB: --tiny)"
     else:
         verdict = "yes" if ratio <= TARGET_RATIO else "NO"
+    spread = r.get("ratios", [ratio])
     return (f"| {r['device']} | {r['tp']} {r['split']} | {mib:.1f} MiB | {r['probe_s']:.3f} s | "
-            f"{r['load_s']:.4f} s | {ratio:.1f} {verdict} | "
+            f"{r['load_s']:.4f} s | {ratio:.1f} {verdict} | {min(spread):.1f}-{max(spread):.1f} | "
             f"{r['host_bytes'] / 2**20:.1f} MiB ({host:.2f}x) | "
             f"{r['device_bytes'] / r['rank_bytes']:.2f}x | {'yes' if memory_ok else 'NO'} |")
 
 
 HEADER = ("| device | tp, split | rank | probe | plain load (best of 5) | ratio (target <= 6) | "
-          "peak extra host | peak extra device | memory within targets (host <= 0.25x + "
-          "64 MiB, device <= 0.25x) |\n|---|---|---|---|---|---|---|---|---|")
+          "ratios of the runs | peak extra host | peak extra device | memory within targets "
+          "(host <= 0.25x + 64 MiB, device <= 0.25x) |\n|---|---|---|---|---|---|---|---|---|---|")

@@ -210,18 +210,25 @@ def test_a_hole_the_samples_miss_fails_the_check_and_is_mapped_by_the_index_pass
     assert loads == 5  # the first index load, the decoding load, both index passes, the check
 
 
-def test_a_probe_in_a_torch_distributed_group_takes_its_index_passes(tmp_path, monkeypatch):
+def test_a_probe_in_a_torch_distributed_group_of_ranks_takes_its_index_passes(tmp_path,
+                                                                              monkeypatch):
     """A loader in a process group may be collective (torchtitan's redistributes DTensors):
     every rank must make the same loads, and whether the one-pass decode applies is each
     rank's own finding (torchtitan's FSDP2 x TP ranks hung in their loads when it differed).
-    So a probe in a group makes its index passes, as many on every rank."""
+    So a probe in a group of two or more ranks makes its index passes, as many on every rank;
+    in a group of one (vLLM's worker at TP 1 has one) nothing can differ, and the one pass
+    applies."""
     import torch.distributed as dist
     params, load, spec = _row_sharded(4, 3)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
+        single, single_loads = _probed(params, load, spec, one_pass=True,
+                                       monkeypatch=monkeypatch)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         grouped, loads = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
     finally:
         dist.destroy_process_group()
     alone, _ = _probed(params, load, spec, one_pass=True, monkeypatch=monkeypatch)
-    assert grouped == alone and loads == 3
+    assert grouped == single == alone
+    assert (single_loads, loads) == (2, 3)

@@ -37,7 +37,8 @@ import torch
 
 from weightbridge.discovery.boxes import Boxes, TensorIndex
 from weightbridge.discovery.codec import Alphabet
-from weightbridge.discovery.verify import bits_dtype, flat_view, on_host, random_period
+from weightbridge.discovery.verify import (bits_dtype, flat_view, look_up, on_host,
+                                           random_period)
 
 PROBE_ELEMENTS = 4
 """Elements of a parameter compared with each candidate: 64 bits of pseudo-random values for a
@@ -261,7 +262,7 @@ def _positions_of(bits: torch.Tensor, first: torch.Tensor) -> tuple[np.ndarray, 
     table = np.zeros(1 << (8 * unsigned.itemsize), dtype=bool)
     table[keys] = True
     ring = bits.numpy().view(unsigned)
-    positions = np.flatnonzero(np.take(table, ring, mode="clip"))  # (in range: no checks)
+    positions = np.flatnonzero(look_up(table, ring, np.empty(ring.size, dtype=bool)))
     order = np.argsort(keys, kind="stable")
     at = ring[positions]
     lo = np.searchsorted(keys[order], at, "left")

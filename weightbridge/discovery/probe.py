@@ -233,12 +233,14 @@ def _probe(get: Callable[[], Params], load_weights: LoadWeights, spec: Checkpoin
 
 
 def _in_lockstep() -> bool:
-    """Whether this process is in a torch.distributed group. Its loader may then be
-    collective (torchtitan's loads redistribute DTensors), and every rank must make the same
-    loads in the same order; whether the one-pass decode applies (`one_pass.guess`, a
-    decode) is each rank's own finding, so such a probe takes its index passes, whose number
-    follows the checkpoint alone."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+    """Whether this process is in a torch.distributed group of two or more ranks. Its loader
+    may then be collective (torchtitan's loads redistribute DTensors), and every rank must
+    make the same loads in the same order; whether the one-pass decode applies
+    (`one_pass.guess`, a decode) is each rank's own finding, so such a probe takes its index
+    passes, whose number follows the checkpoint alone. (A group of one, vLLM's worker at TP
+    1, has no other rank to differ from.)"""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
 
 
 def _row(p: torch.Tensor) -> int:
