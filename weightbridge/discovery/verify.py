@@ -50,8 +50,8 @@ RING_SPAN = 65_521
 _RANDOM_PERIOD = (1 << 20) + 7
 """The random ring's period, at most about this (`random_period`)."""
 _SHORT_PERIOD = 1021
-"""The random ring is the sum of two short random rings of prime periods, this one and one
-near P / 1021 (`_draw`)."""
+"""The random ring combines two short random rings of prime periods, this one and one near
+P / 1021 (`_draw`)."""
 _DRAW_CHUNK = 1 << 16
 """Elements a lookup (`look_up`) or a 32-bit alphabet's draw converts at once (their int64
 temporaries: 512 KiB)."""
@@ -174,15 +174,15 @@ def _draw(out: torch.Tensor, alpha: Alphabet, negative: bool, gen: torch.Generat
     """``out``, one period (`random_period`) of the alphabet's dtype, filled with
     pseudo-random safe values of the alphabet (of both signs, or ``negative`` ones only).
 
-    Value ``j`` comes from the word ``a[j mod 1021] ^ b[j mod q]`` of two short rings of
-    uniform random words (16 bits for 8- and 16-bit alphabets, else 32), the period being
-    ``1021 * q``:
-    each word is uniform, and a wrong offset that is no multiple of the period shows another
-    word at an element but one time in 2^16. The word scales to a draw below twice the
-    alphabet's size (``word * D >> bits``; at most one draw in D/2^16 twice as likely), and
-    draws of the alphabet's size and above are negative: the same values as `signed_values`
-    of the draws. (Some 2,000 words from torch's generator and two broadcasts, where a
-    million int64 draws took 12-18 ms, most of a small rank's probe.)"""
+    Value ``j`` of the period ``1021 * q`` comes from the word ``a[j mod 1021] ^ b[j mod
+    q]`` of two short rings of uniform random words (16 bits for 8- and 16-bit alphabets, else
+    32): each word is uniform, and a wrong offset that is no multiple of the period shows
+    another word at an element but one time in 2^16. The word scales to a draw below ``D``,
+    twice the alphabet's size (``word * D >> 16``: each draw from the floor or the ceiling of
+    2^16 / D words; 30 of a 32-bit word's bits), and draws of the alphabet's size and above
+    are negative: the same values as `signed_values` of the draws. (Some 2,000 words from
+    torch's generator and two broadcasts, where a million int64 draws took 12-18 ms, most of
+    a small rank's probe.)"""
     size = out.numel()
     q = size // _SHORT_PERIOD
     assert q * _SHORT_PERIOD == size and q != _SHORT_PERIOD, size
