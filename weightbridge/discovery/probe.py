@@ -52,7 +52,7 @@ from weightbridge.discovery.runs import CHUNK, Rings, scan_pass
 from weightbridge.discovery import one_pass
 from weightbridge.discovery.verify import (Bad, Before, check_loaded, coords,
                                            dtype_name, fill_zero, flat_view, on_host,
-                                           random_checkpoint, repeat_period, ring_numel)
+                                           random_checkpoint, repeat_period, ring_buffer)
 from weightbridge.discovery.verify import verify as verify_map
 from weightbridge.errors import LayoutError
 from weightbridge.quant import QUANT_DTYPE
@@ -398,14 +398,15 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
     For 8- and 16-bit alphabets the digits repeat with period p_k, so every tensor is a view
     into one ring of p_k + (largest tensor) values: the pass costs one ring, not one checkpoint.
     A tensor of another dtype than its alphabet's holds the same values in its own dtype. The
-    ring is written into ``buffers[dtype]``, kept from pass to pass (moduli only shrink): a
-    fresh one each pass cost about one more plain load of a small rank in page faults. A
+    ring is written into ``buffers[dtype]`` (`verify.ring_buffer`), kept from pass to pass
+    (moduli only shrink): a fresh one each pass cost about one more plain load of a small
+    rank in page faults. A
     loader that made the last pass's views its parameters sees them rewritten when it asks
     for this pass's first tensor; it replaces them in this pass, or the parameters it leaves
     alone decode wrongly and the verification pass refuses the map (as for any element a pass
     leaves alone).
     """
-    rings: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+    rings: dict[torch.dtype, torch.Tensor] = {}
     for t, base in zip(spec.tensors, tindex.bases):
         dtype = dtypes[t.name]
         alpha = alpha_of(dtype)
@@ -415,16 +416,11 @@ def _index_checkpoint(spec: CheckpointSpec, tindex: TensorIndex,
             continue
         if dtype not in rings:
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            buf = buffers.get(dtype)
-            if buf is None or buf.numel() < p + largest:
-                # (big enough for the verification pass's ring too, which reuses it)
-                buf = buffers[dtype] = torch.empty(max(p + largest, ring_numel(largest)),
-                                                   dtype=dtype)
-            buf[:p] = _encoded(0, p, alpha, p)
-            rings[dtype] = (repeat_period(buf[:p + largest], p), p)
-        ring, _ = rings[dtype]
+            ring = ring_buffer(buffers, dtype, largest, p + largest)
+            ring[:p] = _encoded(0, p, alpha, p)
+            rings[dtype] = repeat_period(ring, p)
         start = base % p
-        yield t.name, ring[start:start + t.numel].view(t.shape)
+        yield t.name, rings[dtype][start:start + t.numel].view(t.shape)
 
 
 def _encoded(start: int, num: int, alpha: Alphabet, modulus: int) -> torch.Tensor:

@@ -94,9 +94,7 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
     one random ring per dtype at scattered offsets. ``casts`` maps a checkpoint dtype to the
     parameter dtypes a loader casts it to; their ties and subnormals are mixed into that
     dtype's ring (with the sign of the values they replace). ``buffers`` (the index passes'
-    rings, by dtype): each ring is written into its dtype's buffer where that is big enough,
-    else into a new one kept there (fresh memory cost the probe of a small rank as much in
-    page faults as a load)."""
+    rings, by dtype): each ring is written into its dtype's buffer (`ring_buffer`)."""
     gen = torch.Generator().manual_seed(seed)
     buffers = {} if buffers is None else buffers
     rings: dict[torch.dtype, torch.Tensor] = {}
@@ -105,24 +103,33 @@ def random_checkpoint(spec: CheckpointSpec, dtypes: dict[str, torch.dtype],
         dtype = dtypes[t.name]
         if dtype not in rings:
             largest = max(s.numel for s in spec.tensors if dtypes[s.name] == dtype)
-            n = ring_numel(largest)
-            buf = buffers.get(dtype)
-            if buf is None or buf.numel() < n:
-                buf = buffers[dtype] = torch.empty(n, dtype=dtype)
+            ring = ring_buffer(buffers, dtype, largest, _ring_numel(largest))
             # One period drawn into the ring's start, then repeated: no memory of its own.
-            period = _draw(buf[:random_period(largest)], alphabet(dtype), negative, gen)
+            period = _draw(ring[:random_period(largest)], alphabet(dtype), negative, gen)
             for k, target in enumerate(sorted((casts or {}).get(dtype, ()), key=str)):
                 _salt(period, target, k, gen)
-            rings[dtype] = repeat_period(buf[:n], period.numel())
+            rings[dtype] = repeat_period(ring, period.numel())
         start = (i * 40_503 + 17) % RING_SPAN
         out[t.name] = rings[dtype][start:start + t.numel].view(t.shape)
     return out
 
 
-def ring_numel(largest: int) -> int:
+def ring_buffer(buffers: dict[torch.dtype, torch.Tensor], dtype: torch.dtype, largest: int,
+                numel: int) -> torch.Tensor:
+    """The first ``numel`` elements of ``buffers[dtype]``, the one buffer every ring of the
+    probe's passes of that dtype is written into (fresh memory cost the probe of a small rank
+    as much in page faults as a load). A new one, kept there, where it is too small: big
+    enough for the verification pass's ring too, of a dtype whose largest tensor has
+    ``largest`` elements."""
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = buffers[dtype] = torch.empty(max(numel, _ring_numel(largest)), dtype=dtype)
+    return buf[:numel]
+
+
+def _ring_numel(largest: int) -> int:
     """Elements of the random ring of a dtype whose largest tensor has ``largest`` elements:
-    a view of every tensor at its offset below `RING_SPAN`, and one whole period (the index
-    passes' rings, shorter, are written into the same buffer)."""
+    a view of every tensor at its offset below `RING_SPAN`, and one whole period."""
     return max(random_period(largest), largest + RING_SPAN)
 
 
